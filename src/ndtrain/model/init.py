@@ -1,0 +1,106 @@
+"""Deterministic, layout-independent initialisation.
+
+Every parameter value is a pure function of (seed, parameter name, global index). Values are
+drawn in fixed blocks of rows, each block from a generator seeded by hash(seed, name, block), so
+a rank that owns rows [a, b) of a parameter - an FSDP shard, a TP shard, a pipeline stage -
+draws exactly the values a single process would hold there, without materialising the rest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from torch import nn
+
+# Wrappers that prefix parameter names; the canonical name drops them.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+_BLOCK_ELEMENTS = 1 << 16
+
+
+def canonical_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def init_std(name: str, n_layers: int, base_std: float) -> float | None:
+    """Standard deviation for a parameter; None means 'ones' (norm weights), 0.0 means zeros."""
+    leaf = name.rsplit(".", 1)[-1]
+    parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+    if parent.endswith("norm") and leaf == "weight":
+        return None
+    if name.endswith("expert_bias"):
+        return 0.0
+    if parent in ("wo", "w2") or name.endswith(".w2"):
+        # GPT-2/Megatron scaling: residual-branch outputs shrink with depth.
+        return base_std / math.sqrt(2 * n_layers)
+    return base_std
+
+
+def _block_seed(seed: int, name: str, block: int) -> int:
+    digest = hashlib.sha256(f"{seed}|{name}|{block}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_values(name: str, global_shape: tuple[int, ...], std: float | None, seed: int,
+                offset: tuple[int, ...] | None = None, local_shape: tuple[int, ...] | None = None,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values of `name` in the window [offset, offset + local_shape) of its global tensor."""
+    global_shape = tuple(global_shape)
+    offset = tuple(offset) if offset is not None else (0,) * len(global_shape)
+    local_shape = tuple(local_shape) if local_shape is not None else global_shape
+    if std is None:
+        return torch.ones(local_shape, dtype=dtype)
+    if std == 0.0 or 0 in local_shape:
+        return torch.zeros(local_shape, dtype=dtype)
+    rows_total = global_shape[0]
+    row_numel = math.prod(global_shape[1:])
+    block_rows = max(1, _BLOCK_ELEMENTS // max(row_numel, 1))
+    r0, r1 = offset[0], offset[0] + local_shape[0]
+    parts = []
+    for block in range(r0 // block_rows, (r1 - 1) // block_rows + 1):
+        b0 = block * block_rows
+        b1 = min(b0 + block_rows, rows_total)
+        gen = torch.Generator().manual_seed(_block_seed(seed, name, block))
+        vals = torch.empty((b1 - b0, *global_shape[1:]), dtype=torch.float32).normal_(0.0, std, generator=gen)
+        parts.append(vals[max(r0, b0) - b0: min(r1, b1) - b0])
+    out = torch.cat(parts, dim=0)
+    for dim in range(1, len(global_shape)):
+        out = out.narrow(dim, offset[dim], local_shape[dim])
+    return out.to(dtype).contiguous()
+
+
+def _local_window(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(global_shape, offset, local_shape); DTensor-aware without the model depending on it."""
+    if hasattr(param, "device_mesh") and hasattr(param, "placements"):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        return tuple(param.shape), tuple(offset), tuple(local_shape)
+    return tuple(param.shape), (0,) * param.dim(), tuple(param.shape)
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, seed: int, device: str | torch.device = "cpu") -> nn.Module:
+    """Allocate a meta-device (possibly sharded) model on `device` and fill every parameter from
+    (seed, name). Tied parameters are filled once under their first name."""
+    model.to_empty(device=device)
+    n_layers = getattr(getattr(model, "cfg", None), "n_layers", 1)
+    base_std = getattr(getattr(model, "cfg", None), "init_std", 0.02)
+    seen: set[int] = set()
+    for raw_name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        name = canonical_name(raw_name)
+        global_shape, offset, local_shape = _local_window(param)
+        local = param.to_local() if hasattr(param, "to_local") else param
+        vals = init_values(name, global_shape, init_std(name, n_layers, base_std), seed, offset, local_shape)
+        local.copy_(vals.to(local.dtype))
+    for module in model.modules():
+        reset = getattr(module, "reset_buffers", None)
+        if callable(reset):
+            reset()
+    return model
