@@ -1,0 +1,33 @@
+# Two commands on a fresh machine: `make train` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+NDTRAIN := $(VENV)/bin/ndtrain
+STAMP := $(VENV)/.installed
+DATA := data/stdlib-byte
+
+.PHONY: install data train test test-slow clean
+
+install: $(STAMP)
+
+# Reinstalls only when the project metadata changes; the CPU torch 2.13.0 wheel is pinned in
+# pyproject.toml (an unpinned torch would pull a multi-GB CUDA build).
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+data: install
+	$(NDTRAIN) prepare --out $(DATA) --max-mb 16 --if-absent
+
+train: data
+	$(NDTRAIN) train --config configs/default.toml --nproc 2
+
+test: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+test-slow: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -1,0 +1,337 @@
+"""Typed job configuration: dataclasses per section, loaded from TOML with `--section.key=value`
+overrides, validated up front so a bad value fails with one message naming its key."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ndtrain.errors import ConfigError, NdtrainError
+from ndtrain.model.config import PRESETS, ModelConfig
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/stdlib-byte"  # prepared directory (tokens.bin + manifest.json)
+    sources: list[str] = field(default_factory=list)  # empty = the Python standard library
+    tokenizer: str = "byte"  # byte | bpe
+    vocab_size: int = 8192  # for bpe
+    max_mb: float = 16.0  # cap on the default corpus, in MB of text
+    seq_len: int = 256
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # cosine | constant
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0 disables clipping
+    implementation: str = "foreach"  # foreach | fused | for-loop
+
+
+@dataclass
+class ParallelConfig:
+    # Mesh degrees, outermost first in the mesh: [pp, dp_replicate, dp_shard, cp, tp]. One may be
+    # -1 ("the rest of the world").
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = True
+    # Data-parallel sharding: 3 = ZeRO-3 (reshard after forward), 2 = ZeRO-2-like (keep gathered
+    # parameters until backward). dp_shard=1 makes either plain replication (DDP).
+    zero: int = 3
+    mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 params/compute, fp32 gradient reduction)
+    cpu_offload: bool = False
+    activation_checkpoint: str = "none"  # none | full | every_n | selective
+    ac_every: int = 2  # for every_n: checkpoint every N-th layer
+    compile: bool = False
+    cp_attention: str = "ring"  # ring | allgather
+    pp_schedule: str = "1F1B"
+    pp_virtual_stages: int = 1
+    pp_microbatches: int = 0  # 0 = one per micro-batch of the accumulation
+    layers_per_stage: list[int] = field(default_factory=list)
+    auto: bool = False  # let the planner choose the degrees for this world size
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    global_batch: int = 32  # sequences per optimizer step, across all data-parallel ranks
+    micro_batch: int = 8  # sequences per rank per forward/backward
+    batch_ramp: list[list[int]] = field(default_factory=list)  # [[tokens_seen, global_batch], ...]
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    backend: str = "auto"  # auto | gloo | nccl
+    autocast_bf16: bool = False
+    output_dir: str = ""  # default runs/<config-name>-<timestamp>
+    val_interval: int = 50
+    val_batches: int = 4
+    log_interval: int = 1
+    timeout_s: float = 300.0  # collective timeout
+    step_deadline_s: float = 0.0  # watchdog: abort a rank whose step exceeds this (0 = off)
+    nonfinite_skip: int = 3  # consecutive non-finite steps tolerated before rolling back
+    sample_prompt: str = "def "
+    sample_tokens: int = 200
+
+
+@dataclass
+class CheckpointConfig:
+    interval_steps: int = 0  # 0 = only at the end
+    async_: bool = False  # TOML key "async"
+    keep_last: int = 2
+    keep_every: int = 0
+    resume: str = ""  # "" (never), "auto", or a path
+    dir: str = ""  # default <output_dir>/checkpoints
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    progress: str = "auto"  # auto (only on a TTY) | on | off
+
+
+@dataclass
+class JobConfig:
+    name: str = "debug"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+SECTIONS = [f.name for f in dataclasses.fields(JobConfig) if f.name != "name"]
+_RENAMED = {"async": "async_"}  # TOML keys that are Python keywords
+
+
+def _field_key(key: str) -> str:
+    return _RENAMED.get(key, key)
+
+
+def _toml_key(key: str) -> str:
+    return {v: k for k, v in _RENAMED.items()}.get(key, key)
+
+
+def _coerce(key: str, value, typ):
+    origin = typing.get_origin(typ)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"expected true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"expected an integer, got {value!r}")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(key, f"expected a number, got {value!r}")
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(key, f"expected a string, got {value!r}")
+    if origin is list:
+        (inner,) = typing.get_args(typ)
+        if not isinstance(value, list):
+            raise ConfigError(key, f"expected a list, got {value!r}")
+        return [_coerce(key, v, inner) for v in value]
+    raise ConfigError(key, f"unsupported type {typ}")
+
+
+def _apply(obj, section: str, values: dict):
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for key, value in values.items():
+        fkey = _field_key(key)
+        full = f"{section}.{key}"
+        if fkey not in names:
+            known = ", ".join(sorted(_toml_key(n) for n in names))
+            raise ConfigError(full, f"unknown key (known keys in [{section}]: {known})")
+        setattr(obj, fkey, _coerce(full, value, hints[fkey]))
+
+
+def parse_value(text: str):
+    """A command-line value is parsed as TOML when it is valid TOML, else taken as a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_overrides(args: list[str]) -> dict[str, dict]:
+    """`--section.key=value` or `--section.key value` -> {section: {key: value}}."""
+    out: dict[str, dict] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise NdtrainError(f"unexpected argument {arg!r}; overrides look like --section.key=value")
+        if "=" in arg:
+            dotted, text = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(arg[2:], "override has no value")
+            dotted, text = arg[2:], args[i + 1]
+            i += 2
+        section, key = dotted.split(".", 1)
+        if section not in SECTIONS:
+            raise ConfigError(dotted, f"unknown section [{section}] (sections: {', '.join(SECTIONS)})")
+        out.setdefault(section, {})[key] = parse_value(text)
+    return out
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for section, values in extra.items():
+        if isinstance(values, dict):
+            merged.setdefault(section, {}).update(values)
+        else:
+            merged[section] = values
+    return merged
+
+
+def load_config(path: str | None = None, overrides: list[str] | dict | None = None) -> JobConfig:
+    raw: dict = {}
+    name = "debug"
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise NdtrainError(f"config file not found: {path}")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise NdtrainError(f"{path}: not valid TOML: {exc}") from None
+        name = p.stem
+    if isinstance(overrides, list):
+        overrides = parse_overrides(overrides)
+    raw = _merge(raw, overrides or {})
+    cfg = JobConfig(name=raw.pop("name", name) if isinstance(raw.get("name"), str) else name)
+    raw.pop("name", None)
+    for section, values in raw.items():
+        if section not in SECTIONS:
+            raise ConfigError(section, f"unknown section (sections: {', '.join(SECTIONS)})")
+        if not isinstance(values, dict):
+            raise ConfigError(section, "must be a table")
+        if section == "model":
+            values = dict(values)
+            preset_name = values.pop("preset", "debug")
+            if preset_name not in PRESETS:
+                raise ConfigError("model.preset", f"unknown preset {preset_name!r} (presets: {', '.join(PRESETS)})")
+            cfg.model = ModelConfig(preset=preset_name, **PRESETS[preset_name])
+        _apply(getattr(cfg, section), section, values)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: JobConfig) -> None:
+    """Checks that need no process group. Layout checks against the world size live in
+    parallel/mesh.py; they run before any process group exists too."""
+    for key, msg in cfg.model.validate():
+        raise ConfigError(key, msg)
+    d, o, t, p, c = cfg.data, cfg.optimizer, cfg.train, cfg.parallel, cfg.checkpoint
+    checks = [
+        ("data.tokenizer", d.tokenizer in ("byte", "bpe"), f"must be 'byte' or 'bpe', got {d.tokenizer!r}"),
+        ("data.seq_len", d.seq_len > 0, f"must be positive, got {d.seq_len}"),
+        ("data.seq_len", d.seq_len <= cfg.model.max_seq_len, f"{d.seq_len} exceeds model.max_seq_len {cfg.model.max_seq_len}"),
+        ("data.max_mb", d.max_mb > 0, f"must be positive, got {d.max_mb}"),
+        ("optimizer.lr", o.lr > 0, f"must be positive, got {o.lr}"),
+        ("optimizer.min_lr_ratio", 0 <= o.min_lr_ratio <= 1, f"must be in [0, 1], got {o.min_lr_ratio}"),
+        ("optimizer.warmup_steps", o.warmup_steps >= 0, f"must be >= 0, got {o.warmup_steps}"),
+        ("optimizer.schedule", o.schedule in ("cosine", "constant"), f"must be cosine or constant, got {o.schedule!r}"),
+        ("optimizer.betas", len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"must be two numbers in [0, 1), got {o.betas}"),
+        ("optimizer.eps", o.eps > 0, f"must be positive, got {o.eps}"),
+        ("optimizer.weight_decay", o.weight_decay >= 0, f"must be >= 0, got {o.weight_decay}"),
+        ("optimizer.grad_clip", o.grad_clip >= 0, f"must be >= 0 (0 disables), got {o.grad_clip}"),
+        ("optimizer.implementation", o.implementation in ("foreach", "fused", "for-loop"), f"must be foreach, fused or for-loop, got {o.implementation!r}"),
+        ("train.steps", t.steps > 0, f"must be positive, got {t.steps}"),
+        ("train.global_batch", t.global_batch > 0, f"must be positive, got {t.global_batch}"),
+        ("train.micro_batch", t.micro_batch > 0, f"must be positive, got {t.micro_batch}"),
+        ("train.device", t.device in ("auto", "cpu", "cuda"), f"must be auto, cpu or cuda, got {t.device!r}"),
+        ("train.backend", t.backend in ("auto", "gloo", "nccl"), f"must be auto, gloo or nccl, got {t.backend!r}"),
+        ("train.val_interval", t.val_interval >= 0, f"must be >= 0, got {t.val_interval}"),
+        ("train.val_batches", t.val_batches >= 0, f"must be >= 0, got {t.val_batches}"),
+        ("train.log_interval", t.log_interval > 0, f"must be positive, got {t.log_interval}"),
+        ("train.timeout_s", t.timeout_s > 0, f"must be positive, got {t.timeout_s}"),
+        ("train.batch_ramp", all(len(r) == 2 and r[0] >= 0 and r[1] > 0 for r in t.batch_ramp), "must be a list of [tokens_seen, global_batch] pairs"),
+        ("parallel.zero", p.zero in (2, 3), f"must be 2 or 3, got {p.zero}"),
+        ("parallel.mixed_precision", p.mixed_precision in ("fp32", "bf16"), f"must be fp32 or bf16, got {p.mixed_precision!r}"),
+        ("parallel.activation_checkpoint", p.activation_checkpoint in ("none", "full", "every_n", "selective"), f"must be none, full, every_n or selective, got {p.activation_checkpoint!r}"),
+        ("parallel.ac_every", p.ac_every > 0, f"must be positive, got {p.ac_every}"),
+        ("parallel.cp_attention", p.cp_attention in ("ring", "allgather"), f"must be ring or allgather, got {p.cp_attention!r}"),
+        ("parallel.pp_virtual_stages", p.pp_virtual_stages > 0, f"must be positive, got {p.pp_virtual_stages}"),
+        ("parallel.pp_microbatches", p.pp_microbatches >= 0, f"must be >= 0, got {p.pp_microbatches}"),
+        ("checkpoint.interval_steps", c.interval_steps >= 0, f"must be >= 0, got {c.interval_steps}"),
+        ("checkpoint.keep_last", c.keep_last >= 1, f"must be >= 1 (the newest checkpoint is always kept), got {c.keep_last}"),
+        ("checkpoint.keep_every", c.keep_every >= 0, f"must be >= 0, got {c.keep_every}"),
+        ("logging.progress", cfg.logging.progress in ("auto", "on", "off"), f"must be auto, on or off, got {cfg.logging.progress!r}"),
+    ]
+    for key in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep"):
+        val = getattr(p, key)
+        checks.append((f"parallel.{key}", val == -1 or val >= 1, f"must be >= 1 or -1 (the rest of the world), got {val}"))
+    checks.append(("parallel", sum(getattr(p, k) == -1 for k in ("dp_replicate", "dp_shard", "tp", "cp", "pp")) <= 1,
+                   "at most one degree may be -1"))
+    for key, ok, msg in checks:
+        if not ok:
+            raise ConfigError(key, msg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing the resolved config back as TOML (flat tables of scalars and lists are all we need).
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(type(v))
+
+
+def to_dict(cfg: JobConfig) -> dict:
+    out = {"name": cfg.name}
+    for section in SECTIONS:
+        out[section] = {_toml_key(k): v for k, v in dataclasses.asdict(getattr(cfg, section)).items()}
+    return out
+
+
+def to_toml(cfg: JobConfig) -> str:
+    d = to_dict(cfg)
+    lines = [f"name = {_toml_value(d.pop('name'))}"]
+    for section, values in d.items():
+        lines += ["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def from_dict(d: dict) -> JobConfig:
+    """Rebuild a JobConfig from `to_dict` output (e.g. the config stored in a checkpoint)."""
+    d = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
+    return load_config(None, d)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="ndtrain config", description="Print the resolved configuration.")
+    parser.add_argument("action", choices=["show"])
+    parser.add_argument("--config", help="TOML file (default: built-in defaults)")
+    args, rest = parser.parse_known_args(argv)
+    cfg = load_config(args.config, rest)
+    sys.stdout.write(to_toml(cfg))
+    return 0

@@ -1,0 +1,46 @@
+"""The composer: one function that turns a pure torch.nn model into its parallel form.
+
+Order matters, and is fixed:
+1. tensor/sequence parallel - swaps Linear weights for DTensors sharded over `tp`; everything
+   after must see the TP-sharded parameters, or FSDP would shard full weights.
+2. context parallel - replaces the attention kernel; needs to know TP's local heads.
+3. expert parallel - partitions expert weights over `ep` before FSDP takes ownership of them.
+4. activation checkpointing - wraps whole (already TP-ed) blocks so recompute replays the TP
+   collectives too.
+5. torch.compile per block - compiles the wrapped block, AC included, and keeps FSDP's hooks
+   outside the graph so parameter all-gathers stay eager and overlappable.
+6. FSDP/HSDP/DDP - last, over the outer data-parallel mesh: it shards whatever the steps above
+   produced (DTensors become 2-D sharded) and owns gradient reduction.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ndtrain.parallel.activation import apply_activation_checkpointing
+from ndtrain.parallel.dims import ParallelDims
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, par, mesh=None) -> nn.Module:
+    if dims.tp > 1:
+        from ndtrain.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh["tp"], par.sequence_parallel)
+    if dims.cp > 1:
+        from ndtrain.parallel.context import apply_context_parallel
+
+        apply_context_parallel(model, mesh, par)
+    if dims.ep > 1 or (getattr(model, "cfg", None) is not None and model.cfg.is_moe and mesh is not None):
+        from ndtrain.parallel.expert import apply_expert_parallel
+
+        apply_expert_parallel(model, mesh, dims)
+    apply_activation_checkpointing(model, par.activation_checkpoint, par.ac_every)
+    if par.compile:
+        for block in model.layers.values():
+            block.compile()
+    if mesh is not None and dims.world_size // (dims.tp * dims.pp) > 1:
+        from ndtrain.parallel.data_parallel import apply_fsdp
+
+        dp_mesh = mesh["dp_replicate", "dp_shard_cp"]
+        apply_fsdp(model, dp_mesh, par.zero, par.mixed_precision, par.cpu_offload)
+    return model

@@ -1,0 +1,54 @@
+"""Gradient-norm clipping that is correct for every layout, mixed meshes included.
+
+`clip_grad_norm_` stacks per-parameter norms, which fails when parameters live on different
+meshes (FSDP+TP without SP: norm weights are 1-D FSDP DTensors, matrices 2-D DTensors). Instead
+each rank sums the squares of its local shards, weighted so that every distinct element is
+counted exactly once across the world, and one scalar all-reduce finishes the job:
+a parameter of a pipeline stage is spread over the world/pp ranks of that stage as S distinct
+shards (S = product of its Shard mesh dims), each held by (world/pp)/S ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def local_grad_sq(params, ranks_per_stage: int) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        shards = getattr(p, "_ndtrain_shard_factor", 1)
+        if hasattr(g, "to_local"):
+            mesh = g.device_mesh
+            for dim, placement in enumerate(g.placements):
+                if placement.is_shard():
+                    shards *= mesh.size(dim)
+            g = g.to_local()
+        total += g.detach().double().pow(2).sum().cpu() * (shards / ranks_per_stage)
+    return total
+
+
+def scale_grads(params, coef: float) -> None:
+    for p in params:
+        if p.grad is not None:
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            g.mul_(coef)
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    if max_norm <= 0 or not math.isfinite(total_norm):
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """One collective for several scalars (loss sum, grad square-norm, ...)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()

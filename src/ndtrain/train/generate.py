@@ -1,0 +1,85 @@
+"""Sampling text from a checkpoint, in one process, whatever layout saved it."""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ndtrain.config import from_dict
+from ndtrain.data.tokenizer import load_tokenizer
+from ndtrain.errors import NdtrainError
+from ndtrain.model.llama import Transformer, build_model
+from ndtrain.train.checkpoint import list_checkpoints, read_train_state, verify
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """Accept a checkpoint directory, a `checkpoints/` directory or a run directory."""
+    path = Path(path)
+    if (path / "train_state.json").exists():
+        return path
+    for root in (path, path / "checkpoints"):
+        found = list_checkpoints(root)
+        if found:
+            return found[-1]
+    raise NdtrainError(f"no checkpoint found at {path}")
+
+
+def load_model(path: str | Path) -> tuple[Transformer, object]:
+    ckpt = resolve_checkpoint(path)
+    problem = verify(ckpt)
+    if problem:
+        raise NdtrainError(f"checkpoint {ckpt} is not usable: {problem}")
+    cfg = from_dict(read_train_state(ckpt)["config"])
+    model = build_model(cfg.model, "cpu")
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns when loading without a process group
+        dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    model.load_state_dict(state["model"])
+    model.eval()
+    return model, cfg
+
+
+@torch.no_grad()
+def sample(model: Transformer, tokens: list[int], n: int, temperature: float = 0.8, top_k: int = 40,
+           seed: int = 0) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([tokens], dtype=torch.long)
+    ctx = model.cfg.max_seq_len
+    for _ in range(n):
+        logits = model(ids[:, -ctx:])[0, -1].float()
+        if temperature <= 0:
+            nxt = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+        ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return ids[0].tolist()
+
+
+def generate_from_checkpoint(path, prompt: str, n: int, temperature: float = 0.8, top_k: int = 40,
+                             seed: int = 0) -> str:
+    model, cfg = load_model(path)
+    tok = load_tokenizer(cfg.data.path)
+    out = sample(model, tok.encode(prompt), n, temperature, top_k, seed)
+    return tok.decode(out)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="ndtrain generate", description="Sample text from a checkpoint.")
+    p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoints/ or run directory")
+    p.add_argument("--prompt", default="def ")
+    p.add_argument("--tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    print(generate_from_checkpoint(a.checkpoint, a.prompt, a.tokens, a.temperature, a.top_k, a.seed))
+    return 0

@@ -1,0 +1,126 @@
+"""Step metrics: JSONL + TensorBoard + a progress bar, and the peak FLOP/s that MFU divides by."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Dense bf16 peak FLOP/s per device, by substring of the CUDA device name.
+GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "B200": 2250e12, "A100": 312e12,
+                 "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
+
+
+def gpu_peak_flops(device: torch.device) -> float | None:
+    name = torch.cuda.get_device_name(device)
+    for key, peak in GPU_PEAK_BF16.items():
+        if key in name:
+            return peak
+    return None
+
+
+def probe_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 512, reps: int = 8) -> float:
+    """Best-of-`reps` matmul throughput of this process with its current thread count. Ranks
+    probe concurrently, so on a shared host each sees its real share of the cores."""
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up: first call pays for allocation and kernel selection
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    if device.type == "cuda":
+        peak = gpu_peak_flops(device)
+        if peak is not None:
+            return peak, "catalog"
+    return probe_matmul_flops(dtype), "measured"
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class MetricsLogger:
+    """Rank 0 writes; other ranks hold a logger that does nothing."""
+
+    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, progress: str, tensorboard: bool,
+                 start_step: int = 0):
+        self.enabled = enabled
+        self.bar = None
+        self.tb = None
+        self.file = None
+        self.last_print = 0.0
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            except ImportError:
+                self.tb = None
+        show = progress == "on" or (progress == "auto" and sys.stderr.isatty())
+        if show:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, desc="train")
+
+    def log(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(key, value, row["step"])
+        if "loss" in row:
+            self._show(row)
+        elif "val_loss" in row:
+            self.info(f"step {row['step']}: validation loss {row['val_loss']:.4f}")
+
+    def _show(self, row: dict) -> None:
+        text = f"loss {row['loss']:.3f} | {row['tokens_per_s']:,.0f} tok/s | MFU {100 * row['mfu']:.1f}%"
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(row["step"] - self.bar.n)
+        elif time.monotonic() - self.last_print > 10 or row.get("last"):
+            self.last_print = time.monotonic()
+            print(f"step {row['step']} | {text} | lr {row['lr']:.2e} | grad-norm {row['grad_norm']:.3f}", flush=True)
+
+    def info(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.file is not None:
+            self.file.close()
+
+
+def rss_mb() -> float:
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return 0.0

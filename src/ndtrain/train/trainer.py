@@ -1,0 +1,253 @@
+"""The training loop. One code path for every layout: a single process is the layout whose
+degrees are all 1 (no mesh, no process group)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ndtrain.config import JobConfig, to_toml
+from ndtrain.data.loader import StatefulLoader, TokenDataset, validation_batches
+from ndtrain.errors import NdtrainError
+from ndtrain.model.config import flops_per_token, num_params
+from ndtrain.model.init import materialize
+from ndtrain.model.llama import build_model
+from ndtrain.parallel import dims as pdims
+from ndtrain.parallel.compose import parallelize
+from ndtrain.parallel.grad_norm import all_reduce_sum, clip_coefficient, local_grad_sq, scale_grads
+from ndtrain.train import distributed
+from ndtrain.train.distributed import env_world_size
+from ndtrain.train.metrics import MetricsLogger, peak_flops, peak_memory_mb
+from ndtrain.train.optim import build_optimizer, lr_at, set_lr
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    seconds: float
+    skipped: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def global_batch_at(cfg: JobConfig, tokens_seen: int) -> int:
+    """The global batch (sequences) for the next step; `batch_ramp` raises it by tokens seen."""
+    gb = cfg.train.global_batch
+    for threshold, batch in sorted(cfg.train.batch_ramp):
+        if tokens_seen >= threshold:
+            gb = batch
+    return gb
+
+
+def split_micro(n: int, micro: int) -> list[tuple[int, int]]:
+    """[start, end) slices of at most `micro` rows. Loss is normalised by tokens, so an uneven
+    last micro-batch (after an elastic shrink) is still exact."""
+    return [(s, min(s + micro, n)) for s in range(0, n, micro)]
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig, run_dir: Path | None = None, log: bool = True):
+        self.cfg = cfg
+        self.rt = distributed.setup(cfg.train)
+        self.dims = pdims.resolve(cfg.parallel, self.rt.world_size, cfg.model, cfg.data.seq_len)
+        self.mesh = pdims.build_mesh(self.dims, self.rt.device.type) if self.rt.world_size > 1 else None
+        self.run_dir = run_dir
+        torch.manual_seed(cfg.train.seed)
+
+        self.train_set = TokenDataset(cfg.data.path, "train")
+        if self.train_set.vocab_size > cfg.model.vocab_size:
+            raise NdtrainError(f"the data's tokenizer has {self.train_set.vocab_size} tokens but "
+                               f"model.vocab_size is {cfg.model.vocab_size}; raise model.vocab_size")
+        self.dp_rank, self.dp_size = self._dp_coords()
+        self.loader = StatefulLoader(self.train_set, cfg.data.seq_len, cfg.train.seed, self.dp_rank, self.dp_size)
+
+        self.model = build_model(cfg.model, "meta")
+        self.model = parallelize(self.model, self.dims, cfg.parallel, self.mesh)
+        materialize(self.model, cfg.train.seed, self.rt.device)
+        self.fsdp = hasattr(self.model, "set_requires_gradient_sync")
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        # bf16 without FSDP (one process, or TP alone) runs under autocast instead of FSDP's policy.
+        self.autocast = (cfg.parallel.mixed_precision == "bf16" and not self.fsdp) or cfg.train.autocast_bf16
+        self.tp_rank = self.mesh["tp"].get_local_rank() if self.mesh is not None else 0
+
+        self.step = 0
+        self.tokens_seen = 0
+        dtype = torch.bfloat16 if cfg.parallel.mixed_precision == "bf16" or self.autocast else torch.float32
+        self.peak_flops_per_rank, self.peak_source = peak_flops(self.rt.device, dtype)
+        self.peak_flops_total = all_reduce_sum([self.peak_flops_per_rank], self.rt.device)[0]
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.logger = MetricsLogger(run_dir, log and self.rt.is_main and run_dir is not None, cfg.train.steps,
+                                    cfg.logging.progress, cfg.logging.tensorboard)
+        self.val_data = None
+
+    # ---- layout helpers -------------------------------------------------------------------
+    def _dp_coords(self) -> tuple[int, int]:
+        if self.mesh is None:
+            return 0, 1
+        dp = self.mesh["dp"]
+        return dp.get_local_rank(), dp.size()
+
+    def _loss_context(self):
+        if self.dims.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def _autocast(self):
+        if self.autocast:
+            return torch.autocast(self.rt.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with self._autocast():
+            logits = self.model(inputs)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+    @staticmethod
+    def _value(t: torch.Tensor) -> float:
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        return float(t.detach())
+
+    # ---- one optimizer step ---------------------------------------------------------------
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, micro: int) -> float:
+        """Runs all micro-batches of this rank's share; returns the summed (unnormalised) loss."""
+        tokens_here = targets.numel()
+        total = 0.0
+        slices = split_micro(inputs.shape[0], micro)
+        for i, (a, b) in enumerate(slices):
+            if self.fsdp:
+                # Reduce gradients only on the last micro-batch; earlier ones accumulate locally.
+                self.model.set_requires_gradient_sync(i == len(slices) - 1)
+            with self._loss_context():
+                loss = self._loss_sum(inputs[a:b].to(self.rt.device), targets[a:b].to(self.rt.device))
+                # Normalise by this rank's tokens for the whole step: summed over micro-batches
+                # and averaged over data-parallel ranks by FSDP, this is the exact global mean.
+                (loss / tokens_here).backward()
+            total += self._value(loss)
+        return total
+
+    def train_step(self) -> StepResult:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        gb = global_batch_at(cfg, self.tokens_seen)
+        if gb % self.dp_size:
+            raise NdtrainError(f"global batch {gb} is not divisible by the data-parallel size {self.dp_size}")
+        batch = self.loader.next_batch(gb)
+        lr = lr_at(self.step, cfg.optimizer, cfg.train.steps)
+        set_lr(self.optimizer, lr)
+        loss_sum = self.forward_backward(batch.inputs, batch.targets, cfg.train.micro_batch)
+        contributes = self.tp_rank == 0  # tp ranks hold the same loss; count it once
+        ranks_per_stage = self.rt.world_size // self.dims.pp
+        loss_total, grad_sq = all_reduce_sum(
+            [loss_sum if contributes else 0.0, float(local_grad_sq(self.params, ranks_per_stage))], self.rt.device)
+        global_tokens = gb * cfg.data.seq_len
+        loss = loss_total / global_tokens
+        grad_norm = math.sqrt(grad_sq) if grad_sq >= 0 else float("nan")
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if not skipped:
+            coef = clip_coefficient(grad_norm, cfg.optimizer.grad_clip)
+            if coef < 1.0:
+                scale_grads(self.params, coef)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens_seen += global_tokens
+        return StepResult(self.step, loss, grad_norm, lr, global_tokens, time.perf_counter() - t0, skipped)
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        cfg = self.cfg
+        if self.val_data is None:
+            # A fixed set of validation samples (val_batches x global_batch) whatever the layout,
+            # so validation losses compare across runs.
+            val_set = TokenDataset(cfg.data.path, "val")
+            self.val_data = validation_batches(val_set, cfg.data.seq_len, cfg.train.global_batch,
+                                               cfg.train.val_batches, self.dp_rank, self.dp_size)
+        self.model.eval()
+        total, tokens = 0.0, 0
+        for inputs, targets in self.val_data:
+            for a, b in split_micro(inputs.shape[0], cfg.train.micro_batch):
+                with self._loss_context():
+                    loss = self._loss_sum(inputs[a:b].to(self.rt.device), targets[a:b].to(self.rt.device))
+                total += self._value(loss)
+                tokens += targets[a:b].numel()
+        self.model.train()
+        total, tokens = all_reduce_sum([total if self.tp_rank == 0 else 0.0,
+                                        tokens if self.tp_rank == 0 else 0.0], self.rt.device)
+        return total / max(tokens, 1)
+
+    def metrics_row(self, r: StepResult) -> dict:
+        tps = r.tokens / r.seconds
+        return {"step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens_per_s": tps,
+                "mfu": self.flops_per_token * tps / self.peak_flops_total, "step_time_s": r.seconds,
+                "tokens_seen": self.tokens_seen, "peak_memory_mb": peak_memory_mb(self.rt.device),
+                "skipped": r.skipped, **r.extra}
+
+    def close(self) -> None:
+        self.logger.close()
+
+
+def default_run_dir(cfg: JobConfig) -> Path:
+    if cfg.train.output_dir:
+        return Path(cfg.train.output_dir)
+    return Path("runs") / f"{cfg.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def train(cfg: JobConfig) -> dict:
+    """Run a whole job: train, validate, checkpoint, sample. Returns a summary (rank 0's view)."""
+    from ndtrain.train.checkpoint import Checkpointer
+
+    run_dir = default_run_dir(cfg)
+    if env_world_size() > 1 and not cfg.train.output_dir:
+        # Ranks started by plain torchrun would each pick their own timestamp: agree on rank 0's.
+        distributed.setup(cfg.train)
+        holder = [str(run_dir)]
+        torch.distributed.broadcast_object_list(holder, src=0)
+        run_dir = Path(holder[0])
+    trainer = Trainer(cfg, run_dir)
+    rt, log = trainer.rt, trainer.logger
+    ckpt = Checkpointer(cfg, run_dir, trainer)
+    if rt.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+    if cfg.checkpoint.resume:
+        ckpt.resume(cfg.checkpoint.resume)
+    log.info(f"ndtrain: {cfg.model.preset} model, {num_params(cfg.model) / 1e6:.2f}M parameters, "
+             f"layout {trainer.dims.describe()} on {rt.world_size} x {rt.device.type}, "
+             f"peak {trainer.peak_flops_total / 1e9:.1f} GFLOP/s ({trainer.peak_source}); run dir {run_dir}")
+    last_val = None
+    while trainer.step < cfg.train.steps:
+        result = trainer.train_step()
+        if result.step % cfg.train.log_interval == 0 or result.step == cfg.train.steps:
+            row = trainer.metrics_row(result)
+            row["last"] = result.step == cfg.train.steps
+            log.log(row)
+        if cfg.train.val_interval and (result.step % cfg.train.val_interval == 0 or result.step == cfg.train.steps):
+            last_val = trainer.validate()
+            log.log({"step": result.step, "val_loss": last_val})
+        if ckpt.due(result.step):
+            ckpt.save()
+    path = ckpt.save(final=True)
+    ckpt.finish()
+    summary = {"run_dir": str(run_dir), "steps": trainer.step, "val_loss": last_val, "checkpoint": str(path)}
+    if rt.is_main and cfg.train.sample_tokens > 0 and path is not None:
+        from ndtrain.train.generate import generate_from_checkpoint
+
+        text = generate_from_checkpoint(path, cfg.train.sample_prompt, cfg.train.sample_tokens, seed=cfg.train.seed)
+        log.info("---- sample ----\n" + text + "\n----------------")
+        summary["sample"] = text
+    trainer.close()
+    return summary
