@@ -30,7 +30,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, par, mesh=None) -> nn.Modu
         from ndtrain.parallel.context import apply_context_parallel
 
         apply_context_parallel(model, mesh, par)
-    if dims.ep > 1 or (getattr(model, "cfg", None) is not None and model.cfg.is_moe and mesh is not None):
+    if dims.ep > 1:
         from ndtrain.parallel.expert import apply_expert_parallel
 
         apply_expert_parallel(model, mesh, dims)
@@ -41,6 +41,5 @@ def parallelize(model: nn.Module, dims: ParallelDims, par, mesh=None) -> nn.Modu
     if mesh is not None and dims.world_size // (dims.tp * dims.pp) > 1:
         from ndtrain.parallel.data_parallel import apply_fsdp
 
-        dp_mesh = mesh["dp_replicate", "dp_shard_cp"]
-        apply_fsdp(model, dp_mesh, par.zero, par.mixed_precision, par.cpu_offload)
+        apply_fsdp(model, mesh.fsdp_mesh(dims), par.zero, par.mixed_precision, par.cpu_offload)
     return model

@@ -108,13 +108,38 @@ def validate(dims: ParallelDims, par, model: ModelConfig, seq_len: int = 0) -> N
         raise ConfigError("parallel.cpu_offload", "CPU offload shards with FSDP; it needs at least 2 processes")
 
 
-def build_mesh(dims: ParallelDims, device_type: str):
-    """The device mesh with all five named dims plus the flattened views other code uses:
+class Meshes:
+    """The root mesh plus the flattened views other code uses, kept here because slicing a
+    flattened dim back out of the root mesh is deprecated:
     'dp' (loader sharding), 'dp_shard_cp' (FSDP sharding), 'dp_cp' (loss/gradient averaging)."""
+
+    def __init__(self, root, flat: dict):
+        self.root = root
+        self.flat = flat
+
+    def __getitem__(self, key):
+        if isinstance(key, str) and key in self.flat:
+            return self.flat[key]
+        return self.root[key]
+
+    def fsdp_mesh(self, dims: ParallelDims):
+        """2-D (replicate, shard) mesh for FSDP/HSDP; cp ranks shard parameters too."""
+        if dims.cp == 1:
+            return self.root["dp_replicate", "dp_shard"]
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return self.root["dp_replicate", "dp_shard_cp"]
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> Meshes:
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_ORDER)
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-    return mesh
+    root = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_ORDER)
+    flat = {
+        "dp": root["dp_replicate", "dp_shard"]._flatten("dp"),
+        "dp_shard_cp": root["dp_shard", "cp"]._flatten("dp_shard_cp"),
+        "dp_cp": root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+    }
+    return Meshes(root, flat)

@@ -16,6 +16,18 @@ import torch
 import torch.distributed as dist
 
 
+def reduce_partial_grads(params) -> None:
+    """Sequence-parallel norm weights come out of backward as Partial(sum) DTensors (each tp rank
+    summed over its own sequence shard). Reduce them once here, so the norm below and the
+    optimizer both see the true gradient."""
+    for p in params:
+        g = p.grad
+        if g is not None and hasattr(g, "placements") and any(pl.is_partial() for pl in g.placements):
+            from torch.distributed.tensor import Replicate
+
+            p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
+
+
 def local_grad_sq(params, ranks_per_stage: int) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64)
     for p in params:
@@ -24,9 +36,12 @@ def local_grad_sq(params, ranks_per_stage: int) -> torch.Tensor:
             continue
         shards = getattr(p, "_ndtrain_shard_factor", 1)
         if hasattr(g, "to_local"):
+            from torch.distributed.tensor.placement_types import _StridedShard
+
             mesh = g.device_mesh
             for dim, placement in enumerate(g.placements):
-                if placement.is_shard():
+                # FSDP over TP shards with _StridedShard, whose is_shard() answers False.
+                if placement.is_shard() or isinstance(placement, _StridedShard):
                     shards *= mesh.size(dim)
             g = g.to_local()
         total += g.detach().double().pow(2).sum().cpu() * (shards / ranks_per_stage)

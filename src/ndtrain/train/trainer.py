@@ -4,6 +4,7 @@ degrees are all 1 (no mesh, no process group)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -17,11 +18,12 @@ from ndtrain.config import JobConfig, to_toml
 from ndtrain.data.loader import StatefulLoader, TokenDataset, validation_batches
 from ndtrain.errors import NdtrainError
 from ndtrain.model.config import flops_per_token, num_params
-from ndtrain.model.init import materialize
+from ndtrain.model.init import canonical_name, materialize
 from ndtrain.model.llama import build_model
 from ndtrain.parallel import dims as pdims
 from ndtrain.parallel.compose import parallelize
-from ndtrain.parallel.grad_norm import all_reduce_sum, clip_coefficient, local_grad_sq, scale_grads
+from ndtrain.parallel.grad_norm import (all_reduce_sum, clip_coefficient, local_grad_sq, reduce_partial_grads,
+                                        scale_grads)
 from ndtrain.train import distributed
 from ndtrain.train.distributed import env_world_size
 from ndtrain.train.metrics import MetricsLogger, peak_flops, peak_memory_mb
@@ -149,6 +151,7 @@ class Trainer:
         lr = lr_at(self.step, cfg.optimizer, cfg.train.steps)
         set_lr(self.optimizer, lr)
         loss_sum = self.forward_backward(batch.inputs, batch.targets, cfg.train.micro_batch)
+        reduce_partial_grads(self.params)
         contributes = self.tp_rank == 0  # tp ranks hold the same loss; count it once
         ranks_per_stage = self.rt.world_size // self.dims.pp
         loss_total, grad_sq = all_reduce_sum(
@@ -195,6 +198,17 @@ class Trainer:
                 "mfu": self.flops_per_token * tps / self.peak_flops_total, "step_time_s": r.seconds,
                 "tokens_seen": self.tokens_seen, "peak_memory_mb": peak_memory_mb(self.rt.device),
                 "skipped": r.skipped, **r.extra}
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Unsharded fp32 copies of this rank's parameters (a collective under FSDP/TP)."""
+        # Gathering FSDP x TP (strided) shards warns about sequential all-gathers; that is expected.
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        out = {}
+        for name, t in self.model.state_dict().items():
+            if hasattr(t, "full_tensor"):
+                t = t.full_tensor()
+            out[canonical_name(name)] = t.detach().float().cpu().clone()
+        return out
 
     def close(self) -> None:
         self.logger.close()

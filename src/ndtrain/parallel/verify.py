@@ -1,0 +1,178 @@
+"""Layout parity: train N steps in each layout from the same initial weights and data, and compare
+losses, grad norms and updated weights with a single process.
+
+Used by `ndtrain verify` and by the parity tests. Layouts of one world size share one launch of
+ranks (a process group costs seconds to start); each layout builds its own mesh inside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from ndtrain.config import JobConfig, load_config, parse_value
+from ndtrain.errors import NdtrainError
+from ndtrain.model.init import canonical_name
+
+
+def layout_overrides(spec: str) -> dict:
+    """'dp_shard=2 tp=2 ac=full ga=2' -> overrides. `ga=K` sets micro_batch = global/(dp*K);
+    `ac`, `sp`, `mp`, `zero`, `schedule`, `v` are short forms of [parallel] keys."""
+    short = {"ac": "activation_checkpoint", "sp": "sequence_parallel", "mp": "mixed_precision",
+             "schedule": "pp_schedule", "v": "pp_virtual_stages", "offload": "cpu_offload"}
+    out: dict = {"parallel": {"dp_shard": 1}}
+    for item in spec.replace(",", " ").split():
+        if "=" not in item:
+            raise NdtrainError(f"layout item {item!r} is not key=value (in {spec!r})")
+        key, text = item.split("=", 1)
+        value = parse_value(text)
+        if key == "sp":
+            value = bool(value)
+        if key == "ga":
+            out.setdefault("_ga", value)
+            continue
+        if "." in key:
+            section, k = key.split(".", 1)
+            out.setdefault(section, {})[k] = value
+        else:
+            out["parallel"][short.get(key, key)] = value
+    return out
+
+
+def layout_world(overrides: dict) -> int:
+    p = overrides["parallel"]
+    w = 1
+    for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
+        w *= int(p.get(k, 1))
+    return w
+
+
+def layout_config(base: dict, spec: str) -> JobConfig:
+    ov = layout_overrides(spec)
+    ga = ov.pop("_ga", 1)
+    merged = {k: dict(v) for k, v in base.items()}
+    for section, values in ov.items():
+        merged.setdefault(section, {}).update(values)
+    cfg = load_config(None, merged)
+    p = cfg.parallel
+    dp = layout_world(ov) // (p.tp * p.pp * p.cp)
+    cfg.train.micro_batch = max(1, cfg.train.global_batch // (dp * ga))
+    return cfg
+
+
+def run_steps(cfg: JobConfig, steps: int) -> dict:
+    """Train `steps` steps in this process group; return losses, grad norms and full weights."""
+    from ndtrain.train.trainer import Trainer
+
+    trainer = Trainer(cfg, run_dir=None, log=False)
+    losses, norms = [], []
+    for _ in range(steps):
+        r = trainer.train_step()
+        losses.append(r.loss)
+        norms.append(r.grad_norm)
+    weights = trainer.full_weights()
+    trainer.close()
+    return {"losses": torch.tensor(losses, dtype=torch.float64), "grad_norms": torch.tensor(norms, dtype=torch.float64),
+            "weights": weights}
+
+
+def _run_many(cfgs: list[JobConfig], steps: int) -> list[dict]:
+    return [run_steps(cfg, steps) for cfg in cfgs]
+
+
+def _merge_ranks(per_rank: list[dict]) -> dict:
+    """Losses are identical on all ranks; weights of pipeline stages live on different ranks.
+    Every rank's copy is kept so a replica that drifted from its peers is caught too."""
+    merged = dict(per_rank[0])
+    merged["rank_weights"] = [r["weights"] for r in per_rank]
+    return merged
+
+
+@dataclass
+class Comparison:
+    layout: str
+    world: int
+    d_loss: float
+    d_weight: float
+    d_grad_norm: float
+    passed: bool
+
+
+def compare(ref: dict, got: dict) -> tuple[float, float, float]:
+    d_loss = float((ref["losses"] - got["losses"]).abs().max())
+    d_norm = float(((ref["grad_norms"] - got["grad_norms"]).abs() / ref["grad_norms"].abs().clamp_min(1e-12)).max())
+    rank_weights = got.get("rank_weights", [got["weights"]])
+    names = set().union(*rank_weights)
+    if names != set(ref["weights"]):
+        raise AssertionError(f"parameter names differ between layouts: {sorted(names ^ set(ref['weights']))[:5]}")
+    d_weight = max(float((ref["weights"][k] - w[k].to(ref["weights"][k].dtype)).abs().max())
+                   for w in rank_weights for k in w)
+    return d_loss, d_weight, d_norm
+
+
+def verify(base: dict, layouts: list[str], steps: int, tol_loss: float, tol_weight: float,
+           timeout_s: float = 300.0) -> tuple[dict, list[Comparison]]:
+    from ndtrain.parallel.launch import run_ranks
+
+    ref_cfg = load_config(None, base)
+    ref = run_steps(ref_cfg, steps)
+    by_world: dict[int, list[str]] = {}
+    for spec in layouts:
+        by_world.setdefault(layout_world(layout_overrides(spec)), []).append(spec)
+    results = []
+    for world, specs in by_world.items():
+        cfgs = [layout_config(base, s) for s in specs]
+        if world == 1:
+            outs = [run_steps(c, steps) for c in cfgs]
+        else:
+            per_rank = run_ranks(world, _run_many, cfgs, steps, timeout_s=timeout_s)
+            outs = [_merge_ranks([r[i] for r in per_rank]) for i in range(len(specs))]
+        for spec, out in zip(specs, outs):
+            d_loss, d_weight, d_norm = compare(ref, out)
+            results.append(Comparison(spec, world, d_loss, d_weight, d_norm,
+                                      d_loss <= tol_loss and d_weight <= tol_weight))
+    return ref, results
+
+
+def format_table(results: list[Comparison], tol_loss: float, tol_weight: float) -> str:
+    rows = [("layout", "world", "max|Δloss|", "max|Δweight|", "grad-norm rel", "result")]
+    for r in results:
+        rows.append((r.layout, str(r.world), f"{r.d_loss:.2e}", f"{r.d_weight:.2e}", f"{r.d_grad_norm:.1e}",
+                     "PASS" if r.passed else "FAIL"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append(f"tolerance: |Δloss| <= {tol_loss:g}, |Δweight| <= {tol_weight:g} (vs world 1)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="ndtrain verify", description=__doc__.split("\n\n")[0])
+    p.add_argument("--layouts", required=True,
+                   help="comma-separated layouts, items space-separated: 'dp_shard=4,tp=2 dp_shard=2'")
+    p.add_argument("--config", help="TOML config for model and training (default: debug preset)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--tol-loss", type=float, default=None, help="default 1e-5 (fp32) or 2e-2 (bf16)")
+    p.add_argument("--tol-weight", type=float, default=None, help="default 1e-5 (fp32) or 2e-2 (bf16)")
+    args, rest = p.parse_known_args(argv)
+    base_cfg = load_config(args.config, rest)
+    from ndtrain.config import to_dict
+
+    base = to_dict(base_cfg)
+    base.pop("name")
+    base["parallel"] = {}  # the reference is one process; layouts set their own degrees
+    base["train"]["micro_batch"] = base_cfg.train.global_batch
+    layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
+    bf16 = any("bf16" in s for s in layouts)
+    tol_l = args.tol_loss if args.tol_loss is not None else (2e-2 if bf16 else 1e-5)
+    tol_w = args.tol_weight if args.tol_weight is not None else (2e-2 if bf16 else 1e-5)
+    _, results = verify(base, layouts, args.steps, tol_l, tol_w)
+    print(format_table(results, tol_l, tol_w))
+    return 0 if all(r.passed for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,155 @@
+"""Hardware catalog: what one accelerator and its links can do, plus the measured "this machine".
+
+Numbers are vendor datasheet values (dense, no sparsity). Bandwidths are in bytes/s:
+`nvlink_bw` is the bidirectional NVLink figure vendors quote per GPU, `nic_bw` is the scale-out
+network per GPU per direction (one NIC per GPU, as on DGX/HGX nodes).
+
+Two kinds of constants are *not* datasheet values and are the only ones the planner fits:
+`mm_eff` (the fraction of peak that large bf16 GEMMs sustain inside a training step) and `kappa`
+(bytes of HBM traffic that the non-matmul kernels move per byte of stored activations, over a
+forward and backward). They are fitted on Megatron-LM's Table 1 for the A100 (see
+`published.py` and docs/planner.md); the other GPUs reuse them because no equally clean
+published table exists for them, which makes every H100/H800 number a genuine out-of-sample
+prediction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ndtrain.errors import NdtrainError
+
+GiB = 1024**3
+
+# Fitted on Narayanan et al. 2021, Table 1 (all ten rows), by `published.fit_a100()`.
+A100_MM_EFF = 0.74
+A100_KAPPA = 5.0
+
+# Achieved fraction of the link rate that NCCL collectives reach (nccl-tests bus bandwidth on
+# DGX systems is ~80% of NVLink and ~90% of InfiniBand line rate). Assumed, not fitted.
+NVLINK_EFF = 0.80
+NIC_EFF = 0.90
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    description: str
+    peak_bf16: float  # FLOP/s, dense
+    peak_fp8: float  # FLOP/s, dense; 0 = unsupported
+    hbm_bytes: float
+    hbm_bw: float  # bytes/s
+    nvlink_bw: float  # bytes/s, bidirectional per GPU
+    nic_bw: float  # bytes/s, per direction per GPU
+    gpus_per_node: int
+    tdp_w: float
+    peak_fp32: float = 0.0  # only CPUs train in fp32; 0 = use peak_bf16 / 2
+    mm_eff: float = A100_MM_EFF
+    kappa: float = A100_KAPPA
+    alpha_intra: float = 5e-6  # s per message hop inside a node
+    alpha_inter: float = 12e-6  # s per message hop across nodes
+    # Measured per-collective fits {name: {"alpha": s, "beta": bytes/s}} (calibrate.py); when
+    # present they replace the link model for groups inside one node.
+    collectives: dict = field(default_factory=dict, compare=False, hash=False)
+    source: str = ""
+
+    def peak(self, precision: str) -> float:
+        if precision == "fp8":
+            if not self.peak_fp8:
+                raise NdtrainError(f"{self.name} has no fp8 tensor cores; use --precision bf16")
+            return self.peak_fp8
+        if precision == "fp32":
+            return self.peak_fp32 or self.peak_bf16 / 2
+        return self.peak_bf16
+
+    @property
+    def intra_bw(self) -> float:
+        """Per-direction bandwidth a collective reaches between GPUs of one node."""
+        return self.nvlink_bw / 2 * NVLINK_EFF
+
+    @property
+    def inter_bw(self) -> float:
+        return self.nic_bw * NIC_EFF
+
+
+def _gpu(name, desc, bf16, fp8, hbm_gib, hbm_tbs, nvlink_gbs, nic_gbs, tdp, **kw) -> Hardware:
+    return Hardware(name=name, description=desc, peak_bf16=bf16 * 1e12, peak_fp8=fp8 * 1e12,
+                    hbm_bytes=hbm_gib * GiB, hbm_bw=hbm_tbs * 1e12, nvlink_bw=nvlink_gbs * 1e9,
+                    nic_bw=nic_gbs * 1e9, gpus_per_node=8, tdp_w=tdp, **kw)
+
+
+CATALOG: dict[str, Hardware] = {
+    h.name: h
+    for h in [
+        # A100: 312 TFLOP/s bf16, NVLink3 600 GB/s, HDR InfiniBand 200 Gb/s = 25 GB/s per GPU.
+        _gpu("a100-40", "NVIDIA A100 SXM 40GB, HDR IB", 312, 0, 40, 1.555, 600, 25, 400),
+        _gpu("a100-80", "NVIDIA A100 SXM 80GB, HDR IB", 312, 0, 80, 2.039, 600, 25, 400),
+        # H100 SXM: ~989 TFLOP/s bf16, NVLink4 900 GB/s, NDR 400 Gb/s = 50 GB/s per GPU.
+        _gpu("h100", "NVIDIA H100 SXM 80GB, NDR IB", 989, 1979, 79.6, 3.35, 900, 50, 700),
+        _gpu("h200", "NVIDIA H200 SXM 141GB, NDR IB", 989, 1979, 140.4, 4.8, 900, 50, 700),
+        # B200 (HGX): 2.25 PFLOP/s dense bf16, NVLink5 1.8 TB/s, ConnectX-7 400 Gb/s.
+        _gpu("b200", "NVIDIA B200 180GB, NDR IB", 2250, 4500, 179, 8.0, 1800, 50, 1000),
+        # H800: H100 compute with NVLink cut to 400 GB/s (DeepSeek-V3 reports 160 GB/s achieved,
+        # i.e. 80% of one direction) and 8 x 400 Gb/s IB.
+        _gpu("h800", "NVIDIA H800 SXM 80GB, NDR IB", 989, 1979, 79.6, 3.35, 400, 50, 700),
+    ]
+}
+ALIASES = {"a100": "a100-80", "h100-sxm": "h100", "h100sxm": "h100", "a100-80gb": "a100-80",
+           "a100-40gb": "a100-40", "local": "this-machine", "cpu": "this-machine"}
+
+DEFAULT_PROFILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ndtrain" / "hardware.json"
+
+
+def this_machine(profile: str | os.PathLike | None = None) -> Hardware:
+    """The calibrated local machine (one "device" = one single-threaded process, as the trainer
+    runs on CPU); conservative defaults when `ndtrain calibrate` has not been run."""
+    path = Path(profile) if profile else DEFAULT_PROFILE
+    data: dict = {}
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise NdtrainError(f"cannot read hardware profile {path}: {exc}") from exc
+    elif profile:
+        raise NdtrainError(f"hardware profile {path} does not exist (run `ndtrain calibrate --out {path}`)")
+    matmul = data.get("matmul", {})
+    mem = data.get("memory", {})
+    colls = data.get("collectives", {})
+    # Defaults: a few GFLOP/s per core and a slow loopback; chosen to under-promise.
+    fp32 = matmul.get("fp32_1thread", 20e9)
+    bf16 = matmul.get("bf16_1thread", fp32 / 4)
+    default_fit = {"alpha": 100e-6, "beta": 1e9}
+    fits = {name: colls.get(name, {}).get("4") or colls.get(name, {}).get("2") or default_fit
+            for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}
+    return Hardware(
+        name="this-machine",
+        description=data.get("description", "this machine (uncalibrated defaults)" if not data else "this machine"),
+        peak_bf16=bf16, peak_fp8=0.0, peak_fp32=fp32,
+        hbm_bytes=mem.get("bytes_per_device", mem.get("total_bytes", 8 * GiB) / 4),
+        hbm_bw=mem.get("copy_bw", 5e9), nvlink_bw=2 * fits["all_gather"]["beta"] / NVLINK_EFF,
+        nic_bw=fits["all_gather"]["beta"] / NIC_EFF, gpus_per_node=int(data.get("devices_per_node", 4)),
+        tdp_w=float(data.get("watts_per_device", 15.0)),
+        # Calibration measures what matmuls achieve, so no further derating; CPU elementwise ops
+        # are slower relative to memory bandwidth than fused GPU kernels.
+        mm_eff=1.0, kappa=A100_KAPPA, alpha_intra=fits["all_gather"]["alpha"],
+        alpha_inter=fits["all_gather"]["alpha"], collectives=fits, source=str(path) if data else "defaults",
+    )
+
+
+def get_hardware(name: str | Hardware, profile: str | None = None) -> Hardware:
+    if isinstance(name, Hardware):
+        return name
+    key = ALIASES.get(name.lower(), name.lower())
+    if key == "this-machine":
+        return this_machine(profile)
+    if key not in CATALOG:
+        raise NdtrainError(f"unknown hardware {name!r}; choose one of {', '.join([*CATALOG, 'this-machine'])}")
+    return CATALOG[key]
+
+
+def with_constants(hw: Hardware, **changes) -> Hardware:
+    return dataclasses.replace(hw, **changes)
