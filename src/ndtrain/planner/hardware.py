@@ -52,6 +52,7 @@ class Hardware:
     kappa: float = A100_KAPPA
     alpha_intra: float = 5e-6  # s per message hop inside a node
     alpha_inter: float = 12e-6  # s per message hop across nodes
+    overhead_bytes: float = 1.5 * GiB  # CUDA context, NCCL and cuBLAS workspaces: outside the allocator
     # Measured per-collective fits {name: {"alpha": s, "beta": bytes/s}} (calibrate.py); when
     # present they replace the link model for groups inside one node.
     collectives: dict = field(default_factory=dict, compare=False, hash=False)
@@ -135,7 +136,7 @@ def this_machine(profile: str | os.PathLike | None = None) -> Hardware:
         tdp_w=float(data.get("watts_per_device", 15.0)),
         # Calibration measures what matmuls achieve, so no further derating; CPU elementwise ops
         # are slower relative to memory bandwidth than fused GPU kernels.
-        mm_eff=1.0, kappa=A100_KAPPA, alpha_intra=fits["all_gather"]["alpha"],
+        mm_eff=1.0, kappa=A100_KAPPA, overhead_bytes=0.3 * GiB, alpha_intra=fits["all_gather"]["alpha"],
         alpha_inter=fits["all_gather"]["alpha"], collectives=fits, source=str(path) if data else "defaults",
     )
 

@@ -90,9 +90,15 @@ class Checkpointer:
         every = self.cfg.checkpoint.interval_steps
         return every > 0 and step % every == 0 and step < self.cfg.train.steps
 
+    def _module(self):
+        parts = self.trainer.model_parts
+        if len(parts) != 1:
+            raise NotImplementedError("checkpointing several model parts per rank (virtual pipeline stages)")
+        return parts[0]
+
     def _state(self) -> dict:
         t = self.trainer
-        model_sd, optim_sd = get_state_dict(t.model, t.optimizer)
+        model_sd, optim_sd = get_state_dict(self._module(), t.optimizer)
         return {"model": model_sd, "optim": optim_sd}
 
     def save(self, final: bool = False) -> Path | None:
@@ -163,7 +169,7 @@ class Checkpointer:
                                    f"{getattr(self.cfg.model, key)}: it belongs to a different model shape")
         sd = self._state()
         dcp.load(sd, checkpoint_id=str(path))
-        set_state_dict(t.model, t.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        set_state_dict(self._module(), t.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         t.step = state["step"]
         t.tokens_seen = state["tokens_seen"]
         t.loader.load_state_dict(state["loader"])

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 
-def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
+def build_optimizer(model_parts: list[nn.Module], cfg) -> torch.optim.Optimizer:
     decay, no_decay = [], []
-    for p in model.parameters():
+    for p in (p for part in model_parts for p in part.parameters()):
         if p.requires_grad:
             # Norm gains (1-D) are not decayed: shrinking them only fights the normalisation.
             (decay if p.dim() >= 2 else no_decay).append(p)

@@ -76,9 +76,11 @@ class Trainer:
         self.model = build_model(cfg.model, "meta")
         self.model = parallelize(self.model, self.dims, cfg.parallel, self.mesh)
         materialize(self.model, cfg.train.seed, self.rt.device)
+        # A pipeline rank may own several stages (virtual stages); everything else sees one part.
+        self.model_parts = [self.model]
         self.fsdp = hasattr(self.model, "set_requires_gradient_sync")
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
         # bf16 without FSDP (one process, or TP alone) runs under autocast instead of FSDP's policy.
         self.autocast = (cfg.parallel.mixed_precision == "bf16" and not self.fsdp) or cfg.train.autocast_bf16
         self.tp_rank = self.mesh["tp"].get_local_rank() if self.mesh is not None else 0
@@ -179,7 +181,8 @@ class Trainer:
             val_set = TokenDataset(cfg.data.path, "val")
             self.val_data = validation_batches(val_set, cfg.data.seq_len, cfg.train.global_batch,
                                                cfg.train.val_batches, self.dp_rank, self.dp_size)
-        self.model.eval()
+        for part in self.model_parts:
+            part.eval()
         total, tokens = 0.0, 0
         for inputs, targets in self.val_data:
             for a, b in split_micro(inputs.shape[0], cfg.train.micro_batch):
@@ -187,7 +190,8 @@ class Trainer:
                     loss = self._loss_sum(inputs[a:b].to(self.rt.device), targets[a:b].to(self.rt.device))
                 total += self._value(loss)
                 tokens += targets[a:b].numel()
-        self.model.train()
+        for part in self.model_parts:
+            part.train()
         total, tokens = all_reduce_sum([total if self.tp_rank == 0 else 0.0,
                                         tokens if self.tp_rank == 0 else 0.0], self.rt.device)
         return total / max(tokens, 1)
@@ -204,10 +208,11 @@ class Trainer:
         # Gathering FSDP x TP (strided) shards warns about sequential all-gathers; that is expected.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         out = {}
-        for name, t in self.model.state_dict().items():
-            if hasattr(t, "full_tensor"):
-                t = t.full_tensor()
-            out[canonical_name(name)] = t.detach().float().cpu().clone()
+        for part in self.model_parts:
+            for name, t in part.state_dict().items():
+                if hasattr(t, "full_tensor"):
+                    t = t.full_tensor()
+                out[canonical_name(name)] = t.detach().float().cpu().clone()
         return out
 
     def close(self) -> None:
