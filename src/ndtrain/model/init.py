@@ -87,6 +87,9 @@ def materialize(model: nn.Module, seed: int, device: str | torch.device = "cpu")
     """Allocate a meta-device (possibly sharded) model on `device` and fill every parameter from
     (seed, name). Tied parameters are filled once under their first name."""
     model.to_empty(device=device)
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()
     n_layers = getattr(getattr(model, "cfg", None), "n_layers", 1)
     base_std = getattr(getattr(model, "cfg", None), "init_std", 0.02)
     seen: set[int] = set()
