@@ -1,0 +1,56 @@
+"""Helpers shared by the benchmark scripts (not imported by ndtrain itself)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+# torchtitan's "debugmodel" shape, the one shared/notes/peers-on-cpu.md measured every peer on.
+PEER_MODEL = dict(dim=256, n_layers=6, n_heads=16, n_kv_heads=16, ffn_dim=768, vocab_size=2048, rope_theta=5e5)
+
+
+def synthetic_tokens(out_dir: Path, vocab: int, num_tokens: int = 2_000_000, seed: int = 0) -> Path:
+    """Uniform random tokens in ndtrain's prepared-data format (what the floor draws on the fly)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if (out_dir / "manifest.json").exists():
+        return out_dir
+    tokens = np.random.default_rng(seed).integers(0, vocab, num_tokens, dtype=np.uint16)
+    tokens.tofile(out_dir / "tokens.bin")
+    n_val = num_tokens // 50
+    manifest = {"format": "ndtrain-tokens", "format_version": 1, "tokenizer": "synthetic", "vocab_size": vocab,
+                "dtype": "uint16", "num_tokens": num_tokens, "tokens_file": "tokens.bin", "separator": "none",
+                "default_corpus": False, "sources": ["synthetic"], "source_sha256": f"uniform-{vocab}-{seed}",
+                "splits": {"train": [0, num_tokens - n_val], "val": [num_tokens - n_val, num_tokens]}}
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return out_dir
+
+
+def model_overrides(shape: dict) -> list[str]:
+    return [f"--model.{k}={v}" for k, v in shape.items()]
+
+
+def run(cmd: list[str], env_extra: dict | None = None, timeout: int = 900) -> str:
+    env = {**os.environ, **(env_extra or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def ndtrain_step_time(run_dir: Path, warmup: int) -> float:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step_time_s"] for r in rows if "step_time_s" in r and r["step"] > warmup]
+    return statistics.median(steps)
+
+
+def torchrun(world: int) -> list[str]:
+    return [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
