@@ -4,13 +4,14 @@ Numbers are vendor datasheet values (dense, no sparsity). Bandwidths are in byte
 `nvlink_bw` is the bidirectional NVLink figure vendors quote per GPU, `nic_bw` is the scale-out
 network per GPU per direction (one NIC per GPU, as on DGX/HGX nodes).
 
-Two kinds of constants are *not* datasheet values and are the only ones the planner fits:
-`mm_eff` (the fraction of peak that large bf16 GEMMs sustain inside a training step) and `kappa`
-(bytes of HBM traffic that the non-matmul kernels move per byte of stored activations, over a
-forward and backward). They are fitted on Megatron-LM's Table 1 for the A100 (see
-`published.py` and docs/planner.md); the other GPUs reuse them because no equally clean
-published table exists for them, which makes every H100/H800 number a genuine out-of-sample
-prediction.
+Two constants are *not* datasheet values and are the only ones the planner fits: `mm_eff` (the
+fraction of peak that GEMMs sustain inside a training step) and `kappa` (bytes of HBM traffic the
+non-matmul kernels move per byte of stored activations, over a forward and backward).
+  A100: mm_eff and kappa from Megatron-LM's Table 1 (ten GPT runs, 32 to 3072 GPUs).
+  H100: mm_eff from Llama 3 405B's two 8K-sequence runs (8,192 and 16,384 GPUs); kappa is the
+        A100's (it describes kernels, not chips). H200, H800 and B200 reuse the H100's numbers:
+        same Hopper-class kernels; nothing published was fitted for them, so DeepSeek-V3 on H800
+        is an out-of-sample check. See `published.py` and docs/planner.md.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from ndtrain.errors import NdtrainError
 
 GiB = 1024**3
 
-# Fitted on Narayanan et al. 2021, Table 1 (all ten rows), by `published.fit_a100()`.
-A100_MM_EFF = 0.74
+# Fitted on Narayanan et al. 2021, Table 1 (all ten rows), by `published.fit_a100()`: worst row 4.0%.
+A100_MM_EFF = 0.625
 A100_KAPPA = 5.0
+# Fitted on Dubey et al. 2024 (Llama 3), Table 4, 8K rows, by `published.fit_h100()`: worst row 0.7%.
+H100_MM_EFF = 0.575
 
 # Achieved fraction of the link rate that NCCL collectives reach (nccl-tests bus bandwidth on
 # DGX systems is ~80% of NVLink and ~90% of InfiniBand line rate). Assumed, not fitted.
@@ -53,6 +56,9 @@ class Hardware:
     alpha_intra: float = 5e-6  # s per message hop inside a node
     alpha_inter: float = 12e-6  # s per message hop across nodes
     overhead_bytes: float = 1.5 * GiB  # CUDA context, NCCL and cuBLAS workspaces: outside the allocator
+    # Host time per eager forward op plus its backward. GPUs launch asynchronously and hide it
+    # behind large kernels; a CPU "device" pays it on the critical path, and small models feel it.
+    op_overhead_s: float = 0.0
     # Measured per-collective fits {name: {"alpha": s, "beta": bytes/s}} (calibrate.py); when
     # present they replace the link model for groups inside one node.
     collectives: dict = field(default_factory=dict, compare=False, hash=False)
@@ -90,13 +96,13 @@ CATALOG: dict[str, Hardware] = {
         _gpu("a100-40", "NVIDIA A100 SXM 40GB, HDR IB", 312, 0, 40, 1.555, 600, 25, 400),
         _gpu("a100-80", "NVIDIA A100 SXM 80GB, HDR IB", 312, 0, 80, 2.039, 600, 25, 400),
         # H100 SXM: ~989 TFLOP/s bf16, NVLink4 900 GB/s, NDR 400 Gb/s = 50 GB/s per GPU.
-        _gpu("h100", "NVIDIA H100 SXM 80GB, NDR IB", 989, 1979, 79.6, 3.35, 900, 50, 700),
-        _gpu("h200", "NVIDIA H200 SXM 141GB, NDR IB", 989, 1979, 140.4, 4.8, 900, 50, 700),
+        _gpu("h100", "NVIDIA H100 SXM 80GB, NDR IB", 989, 1979, 79.6, 3.35, 900, 50, 700, mm_eff=H100_MM_EFF),
+        _gpu("h200", "NVIDIA H200 SXM 141GB, NDR IB", 989, 1979, 140.4, 4.8, 900, 50, 700, mm_eff=H100_MM_EFF),
         # B200 (HGX): 2.25 PFLOP/s dense bf16, NVLink5 1.8 TB/s, ConnectX-7 400 Gb/s.
-        _gpu("b200", "NVIDIA B200 180GB, NDR IB", 2250, 4500, 179, 8.0, 1800, 50, 1000),
+        _gpu("b200", "NVIDIA B200 180GB, NDR IB", 2250, 4500, 179, 8.0, 1800, 50, 1000, mm_eff=H100_MM_EFF),
         # H800: H100 compute with NVLink cut to 400 GB/s (DeepSeek-V3 reports 160 GB/s achieved,
         # i.e. 80% of one direction) and 8 x 400 Gb/s IB.
-        _gpu("h800", "NVIDIA H800 SXM 80GB, NDR IB", 989, 1979, 79.6, 3.35, 400, 50, 700),
+        _gpu("h800", "NVIDIA H800 SXM 80GB, NDR IB", 989, 1979, 79.6, 3.35, 400, 50, 700, mm_eff=H100_MM_EFF),
     ]
 }
 ALIASES = {"a100": "a100-80", "h100-sxm": "h100", "h100sxm": "h100", "a100-80gb": "a100-80",
@@ -124,7 +130,7 @@ def this_machine(profile: str | os.PathLike | None = None) -> Hardware:
     fp32 = matmul.get("fp32_1thread", 20e9)
     bf16 = matmul.get("bf16_1thread", fp32 / 4)
     default_fit = {"alpha": 100e-6, "beta": 1e9}
-    fits = {name: colls.get(name, {}).get("4") or colls.get(name, {}).get("2") or default_fit
+    fits = {name: {k: colls[name][k] for k in ("alpha", "beta")} if name in colls else default_fit
             for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}
     return Hardware(
         name="this-machine",
@@ -136,7 +142,7 @@ def this_machine(profile: str | os.PathLike | None = None) -> Hardware:
         tdp_w=float(data.get("watts_per_device", 15.0)),
         # Calibration measures what matmuls achieve, so no further derating; CPU elementwise ops
         # are slower relative to memory bandwidth than fused GPU kernels.
-        mm_eff=1.0, kappa=A100_KAPPA, overhead_bytes=0.3 * GiB, alpha_intra=fits["all_gather"]["alpha"],
+        mm_eff=1.0, kappa=A100_KAPPA, overhead_bytes=0.3 * GiB, op_overhead_s=data.get("op_overhead_s", 30e-6), alpha_intra=fits["all_gather"]["alpha"],
         alpha_inter=fits["all_gather"]["alpha"], collectives=fits, source=str(path) if data else "defaults",
     )
 

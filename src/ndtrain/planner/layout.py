@@ -92,7 +92,7 @@ class Layout:
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["sp"] = int(self.sp)
+        d["sp"] = int(self.sp and self.tp > 1)
         return d
 
 

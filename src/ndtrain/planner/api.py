@@ -1,0 +1,133 @@
+"""The planner as a library: `auto_layout` for `[parallel] auto = true`, and `predict` /
+`predict_step_time` for comparing predictions with measured steps."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ndtrain.errors import NdtrainError
+from ndtrain.model.config import ModelConfig
+from ndtrain.planner.hardware import Hardware, get_hardware, this_machine
+from ndtrain.planner.layout import parse_layout
+from ndtrain.planner.problem import make_problem
+from ndtrain.planner.search import Evaluator, Prediction, search
+
+
+def _hardware(profile) -> Hardware:
+    if profile is None:
+        return this_machine()
+    if isinstance(profile, Hardware):
+        return profile
+    if isinstance(profile, (os.PathLike, Path)) or str(profile).endswith(".json"):
+        return this_machine(profile)
+    return get_hardware(str(profile))
+
+
+def _precision(hw: Hardware, precision: str | None) -> str:
+    # The trainer computes in fp32 on CPU unless told otherwise (parallel.mixed_precision).
+    return precision or ("fp32" if hw.name == "this-machine" else "bf16")
+
+
+def auto_layout(model_cfg: ModelConfig, world_size: int, seq_len: int, global_batch: int,
+                micro_batch_options=(1, 2, 4, 8), hardware_profile=None, *, precision: str | None = None,
+                zero_options=(3,), ac_options=("none", "selective", "full"), schedules=None) -> dict:
+    """Pick the fastest layout the ndtrain runtime can build for `world_size` ranks.
+
+    Arguments:
+      model_cfg           the ModelConfig being trained.
+      world_size          number of ranks.
+      seq_len             tokens per sequence.
+      global_batch        sequences per optimizer step (train.global_batch).
+      micro_batch_options sequences per rank per forward/backward to consider.
+      hardware_profile    None (this machine, from ~/.cache/ndtrain/hardware.json written by
+                          `ndtrain calibrate`, defaults if absent), a path to such a JSON file, a
+                          catalog name ("h100", "a100-80", ...) or a Hardware.
+      precision           "fp32" | "bf16" | "fp8"; default fp32 on this machine, bf16 on GPUs.
+      zero_options        ZeRO stages allowed when dp_shard > 1. Default (3,): the planner's stage 2
+                          is the ZeRO paper's (sharded gradients, replicated parameters), which is
+                          not the runtime's `zero = 2` (parameters kept gathered between forward
+                          and backward), so only 3 is offered unless the caller knows better.
+      ac_options          activation-checkpoint policies allowed.
+      schedules           pipeline schedules allowed (default: all six).
+
+    Only runtime-buildable layouts are searched: tp divides heads and kv heads and is at most one
+    node, pp*v divides the layers (equal stages), cp splits the sequence into 2*cp equal chunks, ep
+    divides the experts and dp_shard*cp, dp*micro_batch divides global_batch, and the pipeline
+    schedule gets the micro-batches it needs.
+
+    Returns a dict of `[parallel]`/`[train]` keys, ready to apply:
+      dp_replicate, dp_shard, tp, cp, pp, ep, zero, sequence_parallel (bool), pp_schedule,
+      pp_virtual_stages, activation_checkpoint ("none"|"selective"|"full"), ac (same),
+      micro_batch, pp_microbatches (micro-batches per step per pipeline),
+    plus the prediction: predicted_step_time (s), predicted_tokens_per_s, predicted_memory_bytes
+    (peak on the fullest device), predicted_mfu, hardware (name).
+    Raises NdtrainError when no layout fits in memory.
+    """
+    hw = _hardware(hardware_profile)
+    pb = make_problem(model_cfg, seq_len, global_batch, world_size, hw, precision=_precision(hw, precision),
+                      strict=True)
+    res = search(pb, top_k=1, mb_options=sorted(set(int(m) for m in micro_batch_options)),
+                 ac_options=tuple(ac_options), zero_options=tuple(zero_options),
+                 schedules=tuple(schedules) if schedules else None)
+    if not res.top:
+        why = ""
+        if res.fastest_over_cap:
+            over = res.fastest_over_cap
+            why = (f"; the closest, {over.layout.short()}, needs {over.memory['total'] / 2**30:.1f} GiB of "
+                   f"{hw.hbm_bytes / 2**30:.1f} GiB")
+        raise NdtrainError(f"no layout of {world_size} ranks fits this model, sequence and batch{why}")
+    best = res.top[0]
+    lay = best.layout
+    return {
+        "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp, "cp": lay.cp, "pp": lay.pp,
+        "ep": lay.ep, "zero": lay.zero, "sequence_parallel": bool(lay.sp and lay.tp > 1),
+        "pp_schedule": lay.schedule, "pp_virtual_stages": lay.v, "activation_checkpoint": lay.ac, "ac": lay.ac,
+        "micro_batch": lay.mb, "pp_microbatches": lay.micro_batches(global_batch),
+        "predicted_step_time": best.step_time, "predicted_tokens_per_s": best.tokens_per_s,
+        "predicted_memory_bytes": best.memory["total"], "predicted_mfu": best.mfu, "hardware": hw.name,
+    }
+
+
+# Keys a layout dict may use; other `[parallel]` keys (compile, cp_attention, ...) do not change the
+# prediction and are ignored, so a whole ParallelConfig can be passed as a dict.
+PLANNER_KEYS = {"dp_replicate", "dp_shard", "tp", "cp", "pp", "ep", "zero", "mb", "micro_batch", "v",
+                "pp_virtual_stages", "ac", "activation_checkpoint", "sp", "sequence_parallel", "schedule",
+                "pp_schedule"}
+
+
+def predict(model_cfg: ModelConfig, layout: dict | str, seq_len: int, global_batch: int, hardware=None,
+            *, world: int | None = None, precision: str | None = None, stack: str = "ndtrain") -> Prediction:
+    """Memory and step-time prediction for one layout.
+
+    layout: a dict or `key=value,...` string over dp_replicate, dp_shard, tp, cp, pp, ep, zero,
+    mb (or micro_batch), v (or pp_virtual_stages), ac (or activation_checkpoint), sp (or
+    sequence_parallel) and schedule (or pp_schedule); other keys are ignored, except
+    mixed_precision, which sets the precision when `precision` is not given.
+    Unset degrees are 1 except dp_shard, which takes the rest of `world` (required then). The result's .time holds the breakdown (compute,
+    recompute, exposed_comm with per-dimension comm, bubble, optimizer, total) in seconds and
+    .memory the per-device bytes.
+    """
+    hw = _hardware(hardware)
+    if isinstance(layout, dict):
+        if precision is None and "mixed_precision" in layout:
+            precision = "bf16" if layout["mixed_precision"] == "bf16" else "fp32"
+        layout = {k: (int(v) if isinstance(v, bool) else v) for k, v in layout.items() if k in PLANNER_KEYS}
+        if "dp_shard" not in layout or int(layout.get("dp_shard", -1)) == -1:
+            if world is None:
+                raise NdtrainError("predict: give dp_shard or world")
+    else:
+        if world is None and "dp_shard=" not in layout:
+            raise NdtrainError("predict: give dp_shard or world")
+    lay = parse_layout(layout, world or 0)
+    if lay.ac not in ("none", "selective", "full"):
+        raise NdtrainError(f"predict: activation checkpoint {lay.ac!r} is not modelled")
+    pb = make_problem(model_cfg, seq_len, global_batch, world or lay.world, hw, stack=stack,
+                      precision=_precision(hw, precision))
+    return Evaluator(pb)(lay)
+
+
+def predict_step_time(model_cfg: ModelConfig, layout: dict | str, seq_len: int, global_batch: int,
+                      hardware=None, **kw) -> float:
+    """Predicted seconds per optimizer step (see `predict` for the arguments and the breakdown)."""
+    return predict(model_cfg, layout, seq_len, global_batch, hardware, **kw).step_time

@@ -1,0 +1,154 @@
+"""`ndtrain plan` and `ndtrain goodput`. No torch import: runs on a laptop."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ndtrain.errors import NdtrainError
+from ndtrain.planner.goodput import goodput_report
+from ndtrain.planner.layout import AC_POLICIES, PRECISIONS, SCHEDULES, STACKS, canonical_schedule, parse_layout
+from ndtrain.planner.problem import make_problem
+from ndtrain.planner.report import goodput_text, plan_text
+from ndtrain.planner.search import Evaluator, SearchResult, search
+from ndtrain.planner.shapes import parse_count, parse_duration, resolve_model
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit code 2, like every other ndtrain user error
+        raise NdtrainError(message)
+
+
+def _count(text: str, binary: bool = False) -> float:
+    try:
+        return parse_count(text, binary)
+    except ValueError as exc:
+        raise NdtrainError(str(exc)) from exc
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="ndtrain plan", description="Predict memory, step time, MFU and energy of parallel "
+                "layouts and pick the fastest that fits.")
+    p.add_argument("--model", help="preset name (e.g. llama3-8b, deepseek-v3)")
+    p.add_argument("--model-shape", help="layers=,hidden=,heads=,kv_heads=,ffn=,vocab=,mlp=swiglu|gelu "
+                   "[,experts=,active_experts=,shared_experts=,expert_ffn=,dense_layers=]")
+    p.add_argument("--gpus", required=True, type=int)
+    p.add_argument("--gpu", default="h100", help="a100-40, a100-80, h100, h200, b200, h800, this-machine")
+    p.add_argument("--profile", help="hardware JSON for this-machine (default ~/.cache/ndtrain/hardware.json)")
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--global-batch-tokens", help="tokens per step; k/M suffixes are binary (16M = 2048 x 8192)")
+    p.add_argument("--global-batch", type=int, help="sequences per step")
+    p.add_argument("--tokens", default="1T", help="token budget for days and energy (decimal: 15T = 15e12)")
+    p.add_argument("--top", type=int, default=3)
+    p.add_argument("--layout", help="evaluate one layout: tp=8,pp=16,dp_shard=64,mb=1,ac=full,schedule=...")
+    p.add_argument("--fix", help="pin degrees in the search, e.g. tp=8,pp=16")
+    p.add_argument("--mb", help="micro-batch sizes to try, e.g. 1,2,4 (default powers of two to 64)")
+    p.add_argument("--schedules", help=f"comma list from {', '.join(SCHEDULES)}")
+    p.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
+    p.add_argument("--stack", default="ndtrain", choices=list(STACKS))
+    p.add_argument("--strict", action="store_true", help="only layouts the ndtrain runtime can build")
+    p.add_argument("--explain", action="store_true", help="say why the runner-up and other meshes lost")
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def _fixed(text: str | None) -> dict:
+    if not text:
+        return {}
+    out: dict = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, _, value = item.partition("=")
+        key = key.strip().lower()
+        if key in ("ac",):
+            if value not in AC_POLICIES:
+                raise NdtrainError(f"--fix: ac must be one of {', '.join(AC_POLICIES)}")
+            out[key] = value
+        elif key == "schedule":
+            out[key] = canonical_schedule(value)
+        elif key in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep", "zero", "mb", "v", "sp"):
+            try:
+                out[key] = bool(int(value)) if key == "sp" else int(value)
+            except ValueError as exc:
+                raise NdtrainError(f"--fix: {key}={value!r} is not an integer") from exc
+        else:
+            raise NdtrainError(f"--fix: unknown key {key!r}")
+    return out
+
+
+def plan_main(argv: list[str]) -> int:
+    args = plan_parser().parse_args(argv)
+    cfg = resolve_model(args.model, args.model_shape)
+    if args.global_batch and args.global_batch_tokens:
+        raise NdtrainError("give --global-batch or --global-batch-tokens, not both")
+    if args.global_batch:
+        batch = args.global_batch
+    elif args.global_batch_tokens:
+        tokens = _count(args.global_batch_tokens, binary=True)
+        batch = round(tokens / args.seq)
+        if batch < 1 or abs(batch * args.seq - tokens) > 0.01 * tokens:
+            raise NdtrainError(f"--global-batch-tokens {args.global_batch_tokens} is not a whole number of "
+                               f"{args.seq}-token sequences")
+    else:
+        raise NdtrainError("give --global-batch SEQUENCES or --global-batch-tokens TOKENS")
+    budget = _count(args.tokens)
+    pb = make_problem(cfg, args.seq, batch, args.gpus, args.gpu, stack=args.stack, precision=args.precision,
+                      strict=args.strict, profile=args.profile)
+    if args.layout:
+        lay = parse_layout(args.layout, args.gpus)
+        ev = Evaluator(pb)
+        pred = ev(lay)
+        res = SearchResult(top=[pred], considered=1, evaluated=1, fitting=int(pred.fits), seconds=0.0)
+    else:
+        try:
+            mbs = [int(x) for x in args.mb.split(",")] if args.mb else None
+        except ValueError as exc:
+            raise NdtrainError(f"--mb must be a comma list of integers, got {args.mb!r}") from exc
+        scheds = tuple(canonical_schedule(s) for s in args.schedules.split(",")) if args.schedules else None
+        res = search(pb, top_k=max(1, args.top), fixed=_fixed(args.fix), mb_options=mbs, schedules=scheds)
+    if args.json:
+        out = {
+            "model": cfg.preset, "gpus": args.gpus, "hardware": pb.hw.name, "seq": args.seq, "global_batch": batch,
+            "precision": args.precision, "stack": args.stack, "token_budget": budget,
+            "search": {"considered": res.considered, "sized": res.sized, "evaluated": res.evaluated, "fitting": res.fitting,
+                       "seconds": res.seconds},
+            "layouts": [p.to_json(budget, args.gpus, pb.hw.tdp_w) for p in res.top],
+            "fastest_over_cap": res.fastest_over_cap.to_json() if res.fastest_over_cap else None,
+        }
+        json.dump(out, sys.stdout, indent=1)
+        print()
+    else:
+        print(plan_text(pb, res, budget, args.explain))
+    return 0 if res.top else 1
+
+
+def goodput_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="ndtrain goodput", description="Expected training goodput under failures and the "
+                "optimal checkpoint interval (Young, Daly), checked by Monte-Carlo simulation.")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--mtbf-gpu-hours", type=float, required=True,
+                   help="mean time between failures of one GPU (with its share of host and network), hours")
+    p.add_argument("--ckpt-save", required=True, help="time a checkpoint blocks training: 90s, 2m, ...")
+    p.add_argument("--restart", required=True, help="time from failure to training again: 10m, ...")
+    p.add_argument("--days", type=float, default=30.0, help="days of useful training per simulated run")
+    p.add_argument("--trials", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def goodput_main(argv: list[str]) -> int:
+    args = goodput_parser().parse_args(argv)
+    try:
+        ckpt, restart = parse_duration(args.ckpt_save), parse_duration(args.restart)
+    except ValueError as exc:
+        raise NdtrainError(str(exc)) from exc
+    if args.gpus < 1 or args.mtbf_gpu_hours <= 0 or ckpt <= 0 or restart < 0 or args.trials < 1 or args.days <= 0:
+        raise NdtrainError("--gpus, --mtbf-gpu-hours, --ckpt-save, --days and --trials must be positive")
+    rep = goodput_report(args.gpus, args.mtbf_gpu_hours, ckpt, restart, args.days, args.trials, args.seed)
+    if args.json:
+        json.dump(rep, sys.stdout, indent=1)
+        print()
+    else:
+        print(goodput_text(rep))
+    return 0

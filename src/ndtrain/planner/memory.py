@@ -1,0 +1,153 @@
+"""Memory per device: model states under DDP/ZeRO/HSDP, activations (Korthikanti et al. 2022,
+adapted to SwiGLU/GQA/RMSNorm), micro-batches in flight per pipeline schedule, logits, buffers.
+
+Activation accounting, in units of s*b*h bytes at 2-byte activations (s = local sequence, b =
+micro-batch, h = hidden, a = heads, g = kv heads, w = MLP intermediate width, t = tp):
+
+  replicated over TP unless sequence-parallel, R:
+      2 norm inputs + 2 norm outputs = 8, plus 2 one-byte dropout masks = 10 for GPT
+  sharded over TP, S:
+      Q 2 + K,V 4g/a + attention output 2 + MLP
+      MLP: GeLU stores its input and output, 4w/h (= 16 for w = 4h);
+           SwiGLU stores gate, up, silu(gate) and their product, 8w/h
+      MoE layers add 4k: the k routed copies of each token in and out of the experts
+  scores: 5as/h (softmax 2 + dropout mask 1 + dropout output 2) for unfused attention,
+      2as/h without dropout, none with flash attention (it recomputes them in backward)
+
+GPT (g = a, w = 4h, dropout, unfused) gives R + S = 10 + 24 = 34: Korthikanti's sbh(34 + 5as/h).
+Llama 3 8B (g/a = 1/4, w = 3.5h, no dropout, flash) gives 8 + (5 + 28) = 41 sbh and no s^2 term:
+SwiGLU's third matrix costs more than GeLU, GQA saves 3 sbh on K,V, dropout masks disappear.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ndtrain.planner.layout import INTERLEAVED, V_SHAPED, Layout, Stack
+from ndtrain.planner.problem import Problem
+from ndtrain.planner.shapes import Shape
+
+FRAGMENTATION = 0.10  # of the allocations that churn every step (activations, logits, buffers)
+DDP_BUCKETS = 2 * 25e6 * 4  # two 25 MB-element gradient buckets in flight
+
+
+def activation_terms(shape: Shape, stack: Stack, ac: str) -> tuple[float, float, float]:
+    """(R, S, score coefficient) of the module docstring for one layer, after `ac` is applied;
+    full recompute is handled by the caller (it keeps only the layer input)."""
+    a, h, w = shape.heads, shape.dim, shape.mlp_act_width
+    r = 8.0 + (2.0 if stack.dropout else 0.0)
+    mlp = (4.0 if shape.gelu else 8.0) * w / h
+    if ac == "selective" and stack.selective_mlp:
+        mlp /= 2  # the activation function's output is recomputed from its stored input
+    s = 4.0 + 4.0 * shape.gqa_ratio + mlp + 4.0 * shape.active_experts * shape.moe_layer_frac
+    if stack.flash_attention or ac == "selective":
+        score = 0.0  # selective recompute exists to drop exactly this term
+    else:
+        score = (5.0 if stack.dropout else 2.0) * a
+    return r, s, score
+
+
+@lru_cache(maxsize=1 << 16)
+def activation_bytes(shape: Shape, stack: Stack, seq: int, b: int, t: int = 1, sp: bool = False,
+                     cp: int = 1, ac: str = "none", elt: int = 2) -> float:
+    """Bytes one layer keeps for backward for one micro-batch on one device."""
+    s_loc = seq / cp
+    sbh = s_loc * b * shape.dim * (elt / 2)
+    if ac == "full":
+        return 2 * sbh / (t if sp else 1)
+    r, s, score = activation_terms(shape, stack, ac)
+    stored = sbh * (r / (t if sp else 1) + s / t)
+    # scores: each device holds its s/cp queries against the full key length
+    stored += score * s_loc * seq * b * (elt / 2) / t
+    if stack.flash_attention:
+        stored += 4 * shape.heads * s_loc * b / t  # fp32 log-sum-exp per query row and head
+    return stored
+
+
+def in_flight(schedule: str, p: int, v: int, m: int) -> tuple[float, float]:
+    """Micro-batches whose activations a device holds at its peak, in units of one micro-batch
+    through all of that device's layers: (first pipeline rank, last pipeline rank)."""
+    if p == 1:
+        return 1.0, 1.0
+    if schedule == "GPipe":
+        return float(m), float(m)
+    if schedule == "1F1B":
+        return float(min(p, m)), 1.0
+    if schedule in INTERLEAVED:
+        # Korthikanti et al.: p * (1 + (p-1)/(p v)) on the first rank; the last rank's warm-up
+        # in Megatron's interleaved schedule is (v-1) p chunk-micro-batches, plus the one running.
+        return p + (p - 1) / v, ((v - 1) * p + 1) / v
+    if schedule == "ZBVZeroBubble":
+        return float(p), float(p)  # ZB-V keeps 1F1B's peak, spread evenly over the ranks
+    if schedule == "DualPipeV":
+        return p + 0.5, p + 0.5  # DeepSeek-V3 Table 2: PP+1 chunk-micro-batches with 2 chunks/rank
+    raise ValueError(schedule)
+
+
+def state_bytes(psi: float, zero: int, shard: int, pbytes: int) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer) bytes for `psi` parameters, ZeRO stage `zero` (0 = DDP)
+    over `shard` ranks. Mixed-precision Adam: 2 + 2 + 12 = 16 bytes/param (fp32: 4 + 4 + 8)."""
+    pb, gb, ob = (2, 2, 12) if pbytes == 2 else (4, 4, 8)
+    if zero == 0 or shard <= 1:
+        return pb * psi, gb * psi, ob * psi
+    if zero == 1:
+        return pb * psi, gb * psi, ob * psi / shard
+    if zero == 2:
+        return pb * psi, gb * psi / shard, ob * psi / shard
+    return pb * psi / shard, gb * psi / shard, ob * psi / shard
+
+
+def device_params(shape: Shape, lay: Layout, layers: int, embed: bool, head: bool) -> tuple[float, float]:
+    """(dense, routed-expert) parameters on one device holding `layers` layers."""
+    t = lay.tp
+    dense = layers * shape.dense_params_layer / t
+    if embed:
+        dense += shape.embed_params / t
+    if head and (not shape.tied or not embed):
+        dense += shape.embed_params / t + shape.dim
+    return dense, layers * shape.expert_params_layer / (t * lay.ep)
+
+
+def memory_breakdown(pb: Problem, lay: Layout, part: tuple[int, int]) -> dict:
+    """Peak bytes on the fullest device, broken down. `part` = (layers per non-last stage, layers
+    on the last stage) from problem.partition."""
+    sh, st, elt = pb.shape, pb.stack, pb.act_bytes
+    p, t, sp = lay.pp, lay.tp, lay.sp and lay.tp > 1
+    m = lay.micro_batches(pb.global_batch)
+    first_inf, last_inf = in_flight(lay.schedule, p, lay.v, m)
+    per_layer = activation_bytes(sh, st, pb.seq, lay.mb, t, sp, lay.cp, lay.ac, elt)
+    working = activation_bytes(sh, st, pb.seq, lay.mb, t, sp, lay.cp, "none", elt) if lay.ac == "full" else 0.0
+    logit_elems = lay.mb * pb.seq / lay.cp * sh.vocab / t
+    shard = lay.shard_degree
+    zero = lay.eff_zero
+    exp_shard = shard // lay.ep if shard > 1 else 1
+    pbytes = 4 if pb.precision == "fp32" else 2
+
+    if p == 1:
+        devices = [("only", sh.layers, True, True, 1.0)]
+    elif lay.schedule in V_SHAPED:
+        devices = [("first+last", part[0], True, True, first_inf)]
+    else:
+        devices = [("first", part[0], True, False, first_inf), ("last", part[1], False, True, last_inf)]
+
+    best = None
+    for name, layers, embed, head, inf in devices:
+        dense, expert = device_params(sh, lay, layers, embed, head)
+        dp_, dg, do = state_bytes(dense, zero, shard, pbytes)
+        ep_, eg, eo = state_bytes(expert, zero if exp_shard > 1 else 0, exp_shard, pbytes)
+        acts = layers * per_layer * inf + working
+        # the loss's backward follows its forward at once except under GPipe (all forwards first)
+        held = m if lay.schedule == "GPipe" and p > 1 else 1
+        logits = logit_elems * ((elt + 4) * held + 4) if head else 0.0
+        if zero == 3:
+            layer_psi = (sh.dense_params_layer + sh.expert_params_layer / lay.ep) / t
+            buffers = layer_psi * (2 * pbytes + st.grad_reduce_bytes)  # two gathered layers + one layer's grads
+        else:
+            buffers = DDP_BUCKETS
+        frag = FRAGMENTATION * (acts + logits + buffers)
+        parts = {"params": dp_ + ep_, "grads": dg + eg, "optimizer": do + eo, "activations": acts,
+                 "logits": logits, "buffers": buffers, "overhead": pb.hw.overhead_bytes, "fragmentation": frag}
+        total = sum(parts.values())
+        if best is None or total > best["total"]:
+            best = {**parts, "total": total, "device": name, "layers": layers}
+    return best

@@ -1,0 +1,126 @@
+"""Text rendering of plans, explanations and goodput reports."""
+
+from __future__ import annotations
+
+from ndtrain.model.config import num_params
+from ndtrain.planner.problem import Problem
+from ndtrain.planner.search import Prediction, SearchResult
+
+GiB = 1024**3
+MEM_KEYS = ("params", "grads", "optimizer", "activations", "logits", "buffers", "overhead", "fragmentation")
+COMM_KEYS = ("tp", "cp", "ep", "pp", "dp")
+
+
+def human(n: float, unit: str = "") -> str:
+    for div, suffix in ((1e12, "T"), (1e9, "B" if not unit else "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= div:
+            return f"{n / div:.3g}{suffix}{unit}"
+    return f"{n:.3g}{unit}"
+
+
+def seconds(x: float) -> str:
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def header(pb: Problem) -> str:
+    cfg, hw = pb.cfg, pb.hw
+    total, active = num_params(cfg), num_params(cfg, active_only=True)
+    name = cfg.preset if cfg.preset != "custom" else f"custom {cfg.n_layers}x{cfg.dim}"
+    params = human(total) + (f" ({human(active)} active)" if cfg.is_moe else "")
+    return (f"{name}, {params} params, on {pb.world:,} x {hw.name} ({hw.description}); seq {pb.seq:,}, "
+            f"global batch {pb.global_batch:,} seqs = {human(pb.tokens_per_step)} tokens; {pb.precision}, "
+            f"stack {pb.stack.name}")
+
+
+def layout_block(rank: str, pred: Prediction, pb: Problem, budget: float) -> list[str]:
+    t, mem = pred.time, pred.memory
+    comm = ", ".join(f"{k} {seconds(t['comm'][k])}" for k in COMM_KEYS if t["comm"][k] > 5e-4)
+    recompute = f" (recompute {seconds(t['recompute'])})" if t["recompute"] > 0 else ""
+    fits = "" if pred.fits else "   DOES NOT FIT"
+    where = mem["device"] + f" rank, {mem['layers']} layers"
+    days = budget / pred.tokens_per_s / 86400
+    mwh = pb.world * pb.hw.tdp_w * days * 86400 / 3.6e9
+    return [
+        f"{rank} {pred.layout.short()}",
+        f"    throughput {human(pred.tokens_per_s)} tokens/s, {pred.tflops_per_gpu:.3g} TFLOP/s/GPU, "
+        f"MFU {pred.mfu:.1%}, HFU {pred.hfu:.1%}" + (" (of the bf16 peak)" if pb.precision == "fp8" else ""),
+        f"    step {seconds(pred.step_time)} = compute {seconds(t['compute'])}{recompute} + exposed comm "
+        f"{seconds(t['exposed_comm'])}" + (f" ({comm})" if comm else "") +
+        f" + bubble {seconds(t['bubble'])} + optimizer {seconds(t['optimizer'])}; "
+        f"{t['micro_batches']} micro-batches",
+        f"    memory {mem['total'] / GiB:.1f} of {pb.hw.hbm_bytes / GiB:.1f} GiB ({where}) = "
+        + " + ".join(f"{k} {mem[k] / GiB:.1f}" for k in MEM_KEYS) + fits,
+        f"    {human(budget)} tokens: {days:,.1f} days, {mwh:,.0f} MWh" if mwh >= 100 else
+        f"    {human(budget)} tokens: {days:,.1f} days, {mwh:.3g} MWh" + " (GPUs at TDP)",
+    ]
+
+
+def plan_text(pb: Problem, res: SearchResult, budget: float, explain: bool) -> str:
+    if res.considered == 1:
+        lines = [header(pb), "the given layout:", ""]
+    else:
+        lines = [header(pb),
+                 f"searched {res.considered:,} layouts in {res.seconds:.2f} s: {res.sized:,} sized, {res.fitting:,} fit "
+                 f"in memory, {res.evaluated:,} timed (the rest were dominated or bounded out)", ""]
+    if not res.top:
+        floor = 16 * num_params(pb.cfg) / pb.world
+        lines.append(f"no layout fits in memory: model states alone need {floor / GiB:.1f} GiB per GPU even when "
+                     f"fully sharded, activations come on top, and the GPU has {pb.hw.hbm_bytes / GiB:.1f} GiB")
+        if res.fastest_over_cap:
+            lines += layout_block("closest:", res.fastest_over_cap, pb, budget)
+        return "\n".join(lines)
+    for i, pred in enumerate(res.top, 1):
+        lines += layout_block(f"#{i}", pred, pb, budget) + [""]
+    if explain:
+        lines += explain_text(pb, res)
+    return "\n".join(lines).rstrip()
+
+
+def _components(p: Prediction) -> dict:
+    t = p.time
+    out = {"compute": t["compute"] - t["recompute"], "recompute": t["recompute"], "bubble": t["bubble"],
+           "optimizer": t["optimizer"]}
+    out.update({f"{k} comm": t["comm"][k] for k in COMM_KEYS})
+    return out
+
+
+def compare(win: Prediction, other: Prediction) -> str:
+    a, b = _components(win), _components(other)
+    deltas = sorted(((b[k] - a[k], k) for k in a), key=lambda d: -abs(d[0]))
+    diff = [f"{k} {'+' if d >= 0 else '-'}{seconds(abs(d))}" for d, k in deltas if abs(d) > 1e-3 * win.step_time][:4]
+    wl, ol = win.layout.as_dict(), other.layout.as_dict()
+    changed = [f"{k} {wl[k]}->{ol[k]}" for k in wl if wl[k] != ol[k]]
+    return (f"{other.layout.short()}: {seconds(other.step_time - win.step_time)} slower per step "
+            f"({(other.step_time / win.step_time - 1):.2%}); differs in {', '.join(changed) or 'nothing'}; "
+            f"time moves: {', '.join(diff) or 'none above 0.1%'}")
+
+
+def explain_text(pb: Problem, res: SearchResult) -> list[str]:
+    win = res.top[0]
+    lines = ["why the others lost:"]
+    if len(res.top) > 1:
+        lines.append("  runner-up " + compare(win, res.top[1]))
+    mesh = (win.layout.tp, win.layout.cp, win.layout.pp, win.layout.ep)
+    others = sorted((p for m, p in res.best_by_mesh.items() if m != mesh), key=lambda p: p.step_time)
+    for p in others[:3]:
+        lines.append("  best other mesh " + compare(win, p))
+    if res.fastest_over_cap:
+        o = res.fastest_over_cap
+        lines.append(f"  faster but too big: {o.layout.short()} would take {seconds(o.step_time)} but needs "
+                     f"{o.memory['total'] / GiB:.1f} GiB > {pb.hw.hbm_bytes / GiB:.1f} GiB "
+                     f"(activations {o.memory['activations'] / GiB:.1f} GiB)")
+    return lines
+
+
+def goodput_text(r: dict) -> str:
+    lines = [f"{r['gpus']:,} GPUs: job MTBF {r['mtbf_job_s'] / 3600:.2f} h ({r['failures_per_day']:.1f} "
+             f"interruptions/day); checkpoint save {r['ckpt_s'] / 60:.2f} min, restart {r['restart_s'] / 60:.2f} min",
+             f"{'interval rule':<16}{'interval':>12}{'expected':>11}{'simulated':>20}   failures/run",
+             ]
+    for row in r["rows"]:
+        sim = row["simulated"]
+        simulated = f"{sim['efficiency']:>13.2%} ± {sim['stderr']:.2%}   {sim['failures']:.0f}" if sim else f"{'-':>20}"
+        lines.append(f"{row['name']:<16}{row['interval_s'] / 60:>8.1f} min{row['expected']:>11.2%}{simulated}")
+    lines.append(f"expected = Daly's closed form; simulated = {r['trials']} Monte-Carlo runs of "
+                 f"{r['work_days']:g} days of work each")
+    return "\n".join(lines)

@@ -1,0 +1,296 @@
+"""Evaluate one layout, or enumerate every valid layout for a world size and batch and rank them
+by predicted tokens/s.
+
+The enumeration skips only what is provably no better: for fixed degrees, micro-batch and schedule,
+recompute policies are tried cheapest first (none, selective, full) and the first that fits wins,
+since recompute only ever adds time; larger micro-batches are skipped once even full recompute
+no longer fits; GPipe is tried only where 1F1B cannot run (same bubble, more memory).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+
+from ndtrain.errors import NdtrainError
+from ndtrain.model.config import flops_per_token
+from ndtrain.planner.layout import AC_POLICIES, INTERLEAVED, Layout, check_layout
+from ndtrain.planner.memory import memory_breakdown, state_bytes
+from ndtrain.planner.problem import Problem
+from ndtrain.planner.timing import busy_and_bubble, layer_costs, stage_split, step_breakdown
+
+GiB = 1024**3
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    step_time: float
+    time: dict
+    memory: dict
+    fits: bool
+    tokens_per_s: float
+    tflops_per_gpu: float  # model FLOPs (6N + attention), per GPU
+    mfu: float  # against the dense bf16 peak
+    hfu: float  # counting recomputed FLOPs
+
+    def to_json(self, budget_tokens: float = 0.0, world: int = 0, tdp: float = 0.0) -> dict:
+        out = {
+            "layout": self.layout.as_dict(), "fits": self.fits, "step_time_s": self.step_time,
+            "tokens_per_s": self.tokens_per_s, "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,
+            "hfu": self.hfu, "memory_gib": {k: v / GiB if isinstance(v, float) else v for k, v in self.memory.items()},
+            "time_s": self.time,
+        }
+        if budget_tokens:
+            seconds = budget_tokens / self.tokens_per_s
+            out["days"] = seconds / 86400
+            out["energy_mwh"] = world * tdp * seconds / 3.6e9
+        return out
+
+
+class Evaluator:
+    """Evaluates layouts of one problem, caching per-layer costs shared by many layouts."""
+
+    def __init__(self, pb: Problem):
+        self.pb = pb
+        self._layer: dict = {}
+        self._cache: dict = {}
+        peak16 = pb.hw.peak("fp32" if pb.precision == "fp32" else "bf16")
+        tokens = pb.tokens_per_step
+        self.model_flops = flops_per_token(pb.cfg, pb.seq) * tokens
+        sh = pb.shape
+        fwd_layers = (2 * sh.mm_params_layer + 4 * pb.seq * sh.heads * sh.head_dim) * sh.layers * tokens
+        self.recompute_flops = {"none": 0.0, "full": fwd_layers,
+                                "selective": 0.0 if pb.stack.flash_attention else 4 * pb.seq * sh.heads * sh.head_dim * sh.layers * tokens}
+        self.peak_total = peak16 * pb.world
+        self.evaluated = 0
+        self.sized = 0
+
+    def layer(self, lay: Layout) -> dict:
+        key = (lay.tp, lay.cp, lay.mb, lay.ac, lay.sp, lay.ep, lay.schedule == "DualPipeV" and lay.pp > 1)
+        lc = self._layer.get(key)
+        if lc is None:
+            lc = self._layer[key] = layer_costs(self.pb, lay)
+            lc["splits"] = {}
+        return lc
+
+    def split(self, lay: Layout, lc: dict) -> tuple[int, int] | None:
+        if lay.pp not in lc["splits"]:
+            lc["splits"][lay.pp] = stage_split(self.pb, lay, lc)
+        return lc["splits"][lay.pp]
+
+    def lower_bound(self, lay: Layout) -> float:
+        """Busy time plus bubble: what the step costs before memory traffic and DP/PP comm."""
+        lc = self.layer(lay)
+        split = self.split(lay, lc)
+        if split is None:
+            return math.inf
+        dev, bubble, _, _ = busy_and_bubble(self.pb, lay, lc, split)
+        return lay.micro_batches(self.pb.global_batch) * dev + bubble
+
+    def memory(self, lay: Layout) -> tuple[dict, dict, tuple[int, int]]:
+        """(memory breakdown, layer costs, stage split); the cheap half of an evaluation."""
+        self.sized += 1
+        lc = self.layer(lay)
+        split = self.split(lay, lc)
+        if split is None:
+            raise NdtrainError(f"layout {lay.short()}: {self.pb.shape.layers} layers cannot split into {lay.pp} stages")
+        return memory_breakdown(self.pb, lay, split), lc, split
+
+    def finish(self, lay: Layout, mem: dict, lc: dict, split: tuple[int, int]) -> Prediction:
+        pb = self.pb
+        self.evaluated += 1
+        tb = step_breakdown(pb, lay, lc, split, self._cache)
+        step = tb["total"]
+        mfu = self.model_flops / (step * self.peak_total)
+        return Prediction(layout=lay, step_time=step, time=tb, memory=mem, fits=mem["total"] <= pb.hw.hbm_bytes,
+                          tokens_per_s=pb.tokens_per_step / step, tflops_per_gpu=self.model_flops / step / pb.world / 1e12,
+                          mfu=mfu, hfu=mfu * (1 + self.recompute_flops[lay.ac] / self.model_flops))
+
+    def __call__(self, lay: Layout, check: bool = True) -> Prediction:
+        pb = self.pb
+        if check:
+            why = check_layout(lay, pb.shape, pb.world, pb.global_batch, pb.seq, pb.strict)
+            if why:
+                raise NdtrainError(f"layout {lay.short()}: {why}")
+        return self.finish(lay, *self.memory(lay))
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class SearchResult:
+    top: list[Prediction]
+    considered: int  # layouts enumerated, including those settled by a dominance rule or the bound
+    evaluated: int  # layouts whose step time was computed
+    fitting: int  # layouts found to fit in memory
+    seconds: float
+    sized: int = 0  # layouts whose memory was computed
+    fastest_over_cap: Prediction | None = None
+    best_by_mesh: dict = field(default_factory=dict)  # (tp, cp, pp, ep) -> fastest fitting Prediction
+
+
+def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: list[int] | None = None,
+           ac_options: tuple[str, ...] = AC_POLICIES, schedules: tuple[str, ...] | None = None,
+           zero_options: tuple[int, ...] = (1, 2, 3), max_cp: int = 32) -> SearchResult:
+    """All valid layouts for pb.world GPUs, the top_k by tokens/s among those that fit.
+
+    fixed: {key: value} over Layout fields (tp, pp, dp_shard, ..., sp, schedule, ac) to pin.
+    mb_options: micro-batch sizes to try (default: the powers of two up to 64 that divide the
+    per-replica batch)."""
+    fixed = dict(fixed or {})
+    start = time.perf_counter()
+    ev = Evaluator(pb)
+    sh, hw, W = pb.shape, pb.hw, pb.world
+    cap = hw.hbm_bytes
+    pbytes = 4 if pb.precision == "fp32" else 2
+    acs = [a for a in AC_POLICIES if a in ac_options and fixed.get("ac", a) == a]
+    heap: list = []
+    by_mesh: dict = {}
+    stats = {"considered": 0, "fitting": 0, "over": None, "over_lb": math.inf, "n": 0}
+
+    def allowed(key, value):
+        return key not in fixed or fixed[key] == value
+
+    def offer(pred: Prediction) -> None:
+        lay = pred.layout
+        mesh = (lay.tp, lay.cp, lay.pp, lay.ep)
+        if mesh not in by_mesh or pred.step_time < by_mesh[mesh].step_time:
+            by_mesh[mesh] = pred
+        stats["n"] += 1
+        item = (-pred.step_time, -stats["n"], pred)
+        if len(heap) < top_k:
+            heapq.heappush(heap, item)
+        elif item > heap[0]:
+            heapq.heapreplace(heap, item)
+
+    def states_lower_bound(t, p, e, z, shard) -> float:
+        dense = sh.layers / p * sh.dense_params_layer / t
+        expert = sh.layers / p * sh.expert_params_layer / (t * e)
+        se = max(1, shard // e)
+        return (sum(state_bytes(dense, z if shard > 1 else 0, shard, pbytes))
+                + sum(state_bytes(expert, z if se > 1 else 0, se, pbytes)) + hw.overhead_bytes)
+
+    def inner(t, c, p, dp, ds, e):
+        shard = ds * c if ds > 1 else 1
+        zeros = [z for z in zero_options if allowed("zero", z)] if shard > 1 else [fixed.get("zero", 3)]
+        zeros = [z for z in zeros if states_lower_bound(t, p, e, z, shard) <= cap]
+        if not zeros:
+            return
+        per_replica = pb.global_batch // dp
+        mbs = mb_options or [1 << i for i in range(7)]
+        sp = bool(fixed.get("sp", True)) if t > 1 else False
+        for mb in mbs:
+            if per_replica % mb or not allowed("mb", mb):
+                continue
+            m = per_replica // mb
+            any_fit = False
+            for sched, v in _schedules(p, m, sh.layers, pb.strict, schedules, fixed):
+                if len(heap) == top_k:
+                    probe = Layout(dp_replicate=dp // ds, dp_shard=ds, tp=t, cp=c, pp=p, ep=e, zero=zeros[0], mb=mb,
+                                   v=v, ac=acs[0], sp=sp, schedule=sched)
+                    if not check_layout(probe, sh, W, pb.global_batch, pb.seq, pb.strict) and \
+                            ev.lower_bound(probe) >= -heap[0][0]:
+                        stats["considered"] += len(acs) * len(zeros)  # none of them can make the top k
+                        any_fit = True  # unknown; do not stop growing the micro-batch on this evidence
+                        continue
+                # ZeRO stages and recompute policies only add time as they save memory: walk
+                # them cheapest first and stop where a cheaper combination already fitted.
+                ac_limit = len(acs)
+                for z in zeros:
+                    for i, ac in enumerate(acs[:ac_limit]):
+                        stats["considered"] += 1
+                        lay = Layout(dp_replicate=dp // ds, dp_shard=ds, tp=t, cp=c, pp=p, ep=e, zero=z, mb=mb,
+                                     v=v, ac=ac, sp=sp, schedule=sched)
+                        if check_layout(lay, sh, W, pb.global_batch, pb.seq, pb.strict):
+                            break
+                        try:
+                            mem, lc, split = ev.memory(lay)
+                        except NdtrainError:
+                            break
+                        if mem["total"] > cap:
+                            lb = ev.lower_bound(lay)  # remember the fastest-looking layout that was too big
+                            if lb < stats["over_lb"]:
+                                stats["over_lb"], stats["over"] = lb, lay
+                            continue
+                        stats["fitting"] += 1
+                        any_fit = True
+                        stats["considered"] += ac_limit - 1 - i
+                        ac_limit = i
+                        if len(heap) < top_k or ev.lower_bound(lay) < -heap[0][0]:
+                            offer(ev.finish(lay, mem, lc, split))
+                        break
+                    if ac_limit == 0:
+                        stats["considered"] += len(acs) * (len(zeros) - 1 - zeros.index(z))
+                        break
+            if not any_fit and mb > 1:
+                break  # a larger micro-batch needs more memory still
+
+    tps = [t for t in divisors(W) if t <= hw.gpus_per_node and sh.heads % t == 0
+           and (sh.kv_heads % t == 0 or (not pb.strict and t % sh.kv_heads == 0)) and allowed("tp", t)]
+    meshes = []
+    for t in tps:
+        for c in divisors(W // t):
+            if not allowed("cp", c) or c > max_cp or (c > 1 and (pb.seq % (2 * c) or pb.seq // c < 256)):
+                continue
+            for p in divisors(W // (t * c)):
+                dp = W // (t * c * p)
+                if allowed("pp", p) and p <= sh.layers and not (pb.strict and sh.layers % p) and pb.global_batch % dp == 0:
+                    meshes.append((_estimate(ev, t, c, p, dp), t, c, p, dp))
+    # Promising meshes first, so that the top k fills early and the bound prunes the rest.
+    for _, t, c, p, dp in sorted(meshes):
+        for ds in divisors(dp):
+            if not allowed("dp_shard", ds) or not allowed("dp_replicate", dp // ds):
+                continue
+            for e in (divisors(math.gcd(sh.n_experts, ds * c)) if sh.n_experts else [1]):
+                if allowed("ep", e):
+                    inner(t, c, p, dp, ds, e)
+    top = [it[2] for it in sorted(heap, key=lambda it: (-it[0], -it[1]))]
+    over = ev(stats["over"], check=False) if stats["over"] is not None else None
+    over = over if over and (not top or over.step_time < top[0].step_time) else None
+    return SearchResult(top=top, considered=stats["considered"], evaluated=ev.evaluated, fitting=stats["fitting"],
+                        sized=ev.sized,
+                        seconds=time.perf_counter() - start, fastest_over_cap=over, best_by_mesh=by_mesh)
+
+
+def _estimate(ev: Evaluator, t: int, c: int, p: int, dp: int) -> float:
+    """Rough step time of a mesh (smallest micro-batch, no recompute, 1F1B) to order the search."""
+    m = ev.pb.global_batch // dp
+    sched = "1F1B" if p > 1 and m >= p else "GPipe"
+    try:
+        return ev.lower_bound(Layout(dp_shard=dp, tp=t, cp=c, pp=p, mb=1, ac="none", sp=t > 1, schedule=sched))
+    except NdtrainError:
+        return math.inf
+
+
+def _schedules(p: int, m: int, layers: int, strict: bool, allowed: tuple[str, ...] | None, fixed: dict):
+    if p == 1:
+        yield fixed.get("schedule", "1F1B"), 1
+        return
+    want = set(allowed) if allowed else None
+    if "schedule" in fixed:
+        want = {fixed["schedule"]}
+
+    def ok(name):
+        return want is None or name in want
+
+    if ok("1F1B") and m >= p and fixed.get("v", 1) == 1:
+        yield "1F1B", 1
+    elif ok("GPipe") and fixed.get("v", 1) == 1:
+        yield "GPipe", 1
+    for v in range(2, min(layers // p, 8) + 1):
+        if "v" in fixed and fixed["v"] != v:
+            continue
+        if strict and layers % (p * v):
+            continue
+        for name in INTERLEAVED:
+            if ok(name):
+                yield name, v
+        if v == 2:
+            for name in ("ZBVZeroBubble", "DualPipeV"):
+                if ok(name):
+                    yield name, 2

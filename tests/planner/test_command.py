@@ -1,0 +1,76 @@
+"""The CLI: `ndtrain plan`, `ndtrain goodput`, `ndtrain calibrate`, and planning without torch."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ndtrain.cli import main as cli
+from ndtrain.planner.hardware import this_machine
+
+
+def test_plan_text_with_explain(capsys):
+    assert cli(["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--seq", "8192",
+                "--global-batch-tokens", "1M", "--tokens", "15T", "--explain"]) == 0
+    out = capsys.readouterr().out
+    for word in ("#1", "MFU", "bubble", "exposed comm", "activations", "days", "MWh", "why the others lost"):
+        assert word in out
+
+
+def test_plan_json_and_single_layout(capsys):
+    assert cli(["plan", "--model-shape", "layers=24,hidden=2304,heads=24,mlp=gelu,vocab=51200", "--gpus", "32",
+                "--gpu", "a100-80", "--seq", "2048", "--global-batch", "512", "--json",
+                "--layout", "dp_replicate=32,mb=4,ac=full"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    lay = out["layouts"][0]
+    for key in ("memory_gib", "time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "hfu", "days", "energy_mwh"):
+        assert key in lay
+    assert lay["layout"]["dp_replicate"] == 32 and lay["hfu"] > lay["mfu"]
+    assert set(lay["time_s"]) >= {"compute", "exposed_comm", "bubble", "total"}
+
+
+def test_plan_user_errors_are_one_line(capsys):
+    assert cli(["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--layout", "tp=3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ndtrain plan: error:") and "\n" not in err
+    assert cli(["plan", "--model", "llama3-8b", "--gpus", "8"]) == 2
+    assert cli(["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--gpu", "tpu"]) == 2
+
+
+def test_moe_plan_on_h800(capsys):
+    assert cli(["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--gpu", "h800", "--seq", "4096",
+                "--global-batch", "64", "--top", "1", "--precision", "fp8"]) == 0
+    assert "ep=" in capsys.readouterr().out
+
+
+def test_goodput_cli(capsys):
+    assert cli(["goodput", "--gpus", "16384", "--mtbf-gpu-hours", "50000", "--ckpt-save", "1m",
+                "--restart", "5m", "--days", "5", "--trials", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "daly" in out and "young" in out and "simulated" in out
+    assert cli(["goodput", "--gpus", "8", "--mtbf-gpu-hours", "1", "--ckpt-save", "soon", "--restart", "1m"]) == 2
+
+
+def test_planner_never_imports_torch():
+    code = ("import sys; from ndtrain.cli import main; "
+            "main(['plan','--model','llama3-8b','--gpus','8','--global-batch','64','--top','1']); "
+            "main(['goodput','--gpus','8','--mtbf-gpu-hours','1000','--ckpt-save','1m','--restart','1m','--trials','2','--days','1']); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_calibrate_writes_a_profile_the_catalog_loads(tmp_path, capsys):
+    out = tmp_path / "hw.json"
+    assert cli(["calibrate", "--quick", "--worlds", "2", "--out", str(out)]) == 0
+    prof = json.loads(out.read_text())
+    assert set(prof["collectives"]) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"}
+    for fit in prof["collectives"].values():
+        assert fit["alpha"] > 0 and fit["beta"] > 0
+    hw = this_machine(out)
+    assert hw.peak("fp32") == prof["matmul"]["fp32_1thread"] and hw.collectives["p2p"]["alpha"] > 0
+
+
+def test_this_machine_falls_back_to_defaults(tmp_path):
+    with pytest.raises(Exception, match="does not exist"):
+        this_machine(tmp_path / "missing.json")

@@ -1,0 +1,82 @@
+"""Time model pieces: collective costs, pipeline bubbles, TP volume, overlap."""
+
+import math
+
+import pytest
+
+from ndtrain.model.config import preset
+from ndtrain.planner.comm import collective_time
+from ndtrain.planner.hardware import CATALOG
+from ndtrain.planner.layout import Layout
+from ndtrain.planner.problem import make_problem
+from ndtrain.planner.timing import bubble_time, layer_costs, step_breakdown
+
+H100 = CATALOG["h100"]
+
+
+def test_ring_costs_inside_a_node():
+    n, k = 1e9, 8
+    a, bw = H100.alpha_intra, H100.intra_bw
+    assert collective_time(H100, "all_reduce", k, 1, n) == pytest.approx(2 * (k - 1) * a + 2 * (k - 1) / k * n / bw)
+    assert collective_time(H100, "all_gather", k, 1, n) == pytest.approx((k - 1) * a + (k - 1) / k * n / bw)
+    assert collective_time(H100, "reduce_scatter", k, 1, n) == collective_time(H100, "all_gather", k, 1, n)
+    assert collective_time(H100, "p2p", 2, 1, n) == pytest.approx(a + n / bw)
+    assert collective_time(H100, "all_reduce", 1, 1, n) == 0.0
+
+
+def test_tree_all_reduce_wins_for_small_messages_on_many_ranks():
+    k, n = 4096, 1e3
+    ring = 2 * (k - 1) * H100.alpha_inter
+    assert collective_time(H100, "all_reduce", k, 8, n) < ring / 10
+    assert collective_time(H100, "all_reduce", k, 8, n) >= 2 * math.log2(k) * H100.alpha_inter
+
+
+def test_groups_across_nodes_use_the_nic_hierarchically():
+    n = 1e9
+    inter = collective_time(H100, "all_gather", 16, 8, n)  # one rank per node: flat over IB
+    assert inter == pytest.approx(15 * H100.alpha_inter + 15 / 16 * n / H100.inter_bw)
+    # 8 ranks per node on 2 nodes: IB carries 1/8 of the data per NIC, the rest rides NVLink
+    hier = collective_time(H100, "all_gather", 16, 1, n)
+    assert hier < inter / 4
+
+
+def test_bubbles_per_schedule():
+    p, m, f = 8, 32, 1.0
+    one = bubble_time("1F1B", p, 1, f, f, f)
+    assert one / (m * 3 * f) == pytest.approx((p - 1) / m)
+    assert bubble_time("GPipe", p, 1, f, f, f) == one
+    assert bubble_time("Interleaved1F1B", p, 4, f, f, f) == pytest.approx(one / 4)
+    assert bubble_time("InterleavedZeroBubble", p, 1, f, f, f) == pytest.approx(one / 3)  # ZB-H1: a third
+    assert bubble_time("ZBVZeroBubble", p, 2, f, f, f) == 0.0  # zero when F = B = W
+    assert bubble_time("ZBVZeroBubble", p, 2, f, 2 * f, f) > 0.0
+    assert bubble_time("DualPipeV", p, 2, f, f, f) == pytest.approx((p - 1) * f)
+    assert bubble_time("1F1B", 1, 1, f, f, f) == 0.0
+
+
+def test_tp_traffic_is_8bsh_per_layer_and_micro_batch():
+    pb = make_problem(preset("llama3-8b"), 4096, 64, 8, "h100")
+    lay = Layout(dp_shard=1, tp=8, mb=2, ac="none")
+    lc = layer_costs(pb, lay)
+    bsh = 2 * 4096 * 4096 * 2  # bytes of one b x s x h activation
+    ring = 2 * 7 / 8 * bsh / H100.intra_bw + 14 * H100.alpha_intra
+    assert lc["tp"] == pytest.approx(4 * ring)  # 4 all-reduces = 8bsh(t-1)/t on the wire
+    full = layer_costs(pb, Layout(dp_shard=1, tp=8, mb=2, ac="full"))
+    assert full["tp"] == pytest.approx(6 * ring)  # the recomputed forward repeats its 2
+
+
+def test_recompute_adds_a_forward_and_dp_overlap_hides_gradients():
+    pb = make_problem(preset("llama3-8b"), 4096, 64, 8, "h100")
+    none = step_breakdown(pb, Layout(dp_shard=8, zero=1, mb=1, ac="none"))
+    full = step_breakdown(pb, Layout(dp_shard=8, zero=1, mb=1, ac="full"))
+    assert full["recompute"] > 0.2 * none["compute"]
+    assert none["comm"]["dp"] < 0.05 * none["total"]  # hidden behind the last backward
+    meg = make_problem(preset("llama3-8b"), 4096, 64, 8, "h100", stack="megatron-2021")
+    exposed = step_breakdown(meg, Layout(dp_replicate=8, dp_shard=1, mb=1, ac="none"))
+    assert exposed["comm"]["dp"] > none["comm"]["dp"]
+
+
+def test_zero3_moves_more_than_zero1():
+    pb = make_problem(preset("llama3-8b"), 4096, 64, 64, "h100")
+    z1 = step_breakdown(pb, Layout(dp_shard=64, zero=1, mb=1))
+    z3 = step_breakdown(pb, Layout(dp_shard=64, zero=3, mb=1))
+    assert z3["total"] >= z1["total"]
