@@ -1,0 +1,86 @@
+"""Context parallel: the sequence dimension sharded over the `cp` mesh dim.
+
+Load-balanced causal chunking: the sequence is cut into 2*cp equal chunks and cp rank r holds
+chunks r and 2*cp-1-r. Under a causal mask an early chunk attends to little and a late one to
+a lot, so pairing them gives every rank the same attention work (a contiguous split would leave
+rank 0 idle while the last rank does ~2x the average).
+
+Everything outside attention is per-token, so it runs unchanged on the local tokens; three
+things know about the split:
+- the trainer shards inputs/targets with `shard_sequence` and passes `cp_positions` to the
+  model, so RoPE rotates by true global positions;
+- attention (`Attention.sdpa`) is replaced by ring or all-gather attention (ring_attention.py),
+  which relies on exactly this layout;
+- the loss: each rank normalises by its own tokens, and FSDP's gradient average over the
+  (dp_replicate, dp_shard x cp) mesh turns that into the exact global token mean.
+
+With tensor parallel, tp shards heads and cp shards the sequence: the TP region (and its
+sequence-parallel shards) sees the cp-local sequence, and each tp rank runs cp attention over
+its own heads with its cp peers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ndtrain.parallel.ring_attention import CPComm, context_attention
+
+
+# ---- layout ----------------------------------------------------------------------------------
+def cp_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """Global positions of the tokens cp rank `rank` holds: chunks rank and 2*cp-1-rank."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"seq_len {seq_len} is not divisible by 2*cp = {2 * cp}")
+    c = seq_len // (2 * cp)
+    first = torch.arange(rank * c, (rank + 1) * c, device=device)
+    second = torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c, device=device)
+    return torch.cat([first, second])
+
+
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's share of `x` along `dim` (a contiguous copy)."""
+    if cp == 1:
+        return x
+    return x.index_select(dim, cp_positions(x.shape[dim], cp, rank, x.device))
+
+
+def unshard_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """Inverse of `shard_sequence`: the per-rank shards (in cp-rank order) back in global order."""
+    cp = len(parts)
+    n = parts[0].shape[dim] * cp
+    order = torch.cat([cp_positions(n, cp, r) for r in range(cp)])
+    out = torch.cat(parts, dim=dim)
+    return out.index_select(dim, torch.argsort(order).to(out.device))
+
+
+# ---- the attention hook ----------------------------------------------------------------------
+class ContextParallelSDPA:
+    """Drop-in for `Attention.sdpa` (q, k, v: [b, h, s_local, d]). A plain object, not a module,
+    so it adds nothing to the state dict; the process group lives inside `CPComm`."""
+
+    def __init__(self, group, mode: str = "ring"):
+        self.comm = CPComm(group, mode)
+
+    @torch._dynamo.disable  # p2p collectives inside a custom autograd function: keep it eager
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return context_attention(q, k, v, self.comm)
+
+    def __repr__(self) -> str:
+        return f"ContextParallelSDPA(cp={self.comm.size}, rank={self.comm.rank}, mode={self.comm.mode})"
+
+
+def _require_positions(module, args, kwargs):
+    positions = args[1] if len(args) > 1 else kwargs.get("positions")
+    if positions is None:
+        raise RuntimeError("this model is context-parallel: call it with positions=cp_positions(...) "
+                           "(the default 0..s-1 would be the wrong RoPE positions for a sequence shard)")
+
+
+def apply_context_parallel(model: nn.Module, mesh, par) -> None:
+    """Swap every block's attention kernel for context-parallel attention over mesh['cp']."""
+    group = mesh["cp"].get_group()
+    sdpa = ContextParallelSDPA(group, par.cp_attention)
+    for block in model.layers.values():
+        block.attention.sdpa = sdpa
+    model.register_forward_pre_hook(_require_positions, with_kwargs=True)

@@ -1,0 +1,237 @@
+"""Causal attention over a sequence sharded across context-parallel (cp) ranks.
+
+Layout (see context.py): the sequence is cut into 2*cp equal chunks and cp rank r holds chunks
+r and 2*cp-1-r, concatenated. With that layout the causal structure between a rank's queries
+and another rank j's keys/values is one of three shapes, each a dense rectangle:
+
+- j == r: the rank's own block, plain causal (local order is global order);
+- j <  r: every query sees j's first chunk (all earlier positions), none of its second chunk;
+- j >  r: only the second query chunk sees anything, and it sees both of j's chunks.
+
+So every rank does the same amount of work per block (load balance), and no block needs an
+explicit mask. Blocks are combined with the online-softmax rule: a running output and
+log-sum-exp per query row, rescaled as each block arrives.
+
+Two ways to bring the other ranks' K/V:
+- ring: each step sends the current K/V block to the next rank and receives the previous
+  rank's, started before this step's compute so the transfer overlaps it; peak extra memory is
+  one block;
+- allgather: one all-gather of every rank's K/V (what Llama 3 did); simpler, cp blocks in memory.
+
+Backward is our own: only the local q, k, v, output and log-sum-exp are saved (as a fused
+attention kernel would), and the K/V blocks are brought round again. Each block's gradient uses
+the *global* output and log-sum-exp, which makes the per-block terms sum to the exact gradient.
+Key/value gradients travel back to their owner: in the ring they follow the K/V round and
+arrive home after cp hops; with all-gather one reduce-scatter returns them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+_TAG_KV, _TAG_DKV = 11, 12
+
+
+# ---- one block: (out, lse) and its gradient --------------------------------------------------
+def block_forward(q, k, v, causal: bool, scale: float, fused: bool = True, rows: int = 1024):
+    """Attention of q over one K/V block; returns (out in q's dtype, log-sum-exp fp32 [b, h, s])."""
+    if fused and q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    # Portable path (any device), in fp32: scores are materialised for `rows` queries at a time,
+    # so the transient stays O(rows x keys) rather than O(queries x keys).
+    outs, lses = [], []
+    for r0 in range(0, q.shape[-2], rows):
+        qc = q[..., r0:r0 + rows, :]
+        kend = min(k.shape[-2], r0 + qc.shape[-2]) if causal else k.shape[-2]
+        sc = _scores(qc, k[..., :kend, :], causal, scale, r0)
+        lse = torch.logsumexp(sc, dim=-1)
+        outs.append(torch.matmul(torch.exp(sc - lse.unsqueeze(-1)), v[..., :kend, :].float()))
+        lses.append(lse)
+    return torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
+
+
+def block_backward(go, q, k, v, out, lse, causal: bool, scale: float, fused: bool = True, rows: int = 1024):
+    """Gradients (dq, dk, dv) of one block given the final output and log-sum-exp of q's rows."""
+    if fused and q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            go, q, k, v, out, lse, 0.0, causal, scale=scale)
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    for r0 in range(0, q.shape[-2], rows):
+        qc, gc = q[..., r0:r0 + rows, :].float(), go[..., r0:r0 + rows, :].float()
+        kend = min(k.shape[-2], r0 + qc.shape[-2]) if causal else k.shape[-2]
+        kc, vc = k[..., :kend, :].float(), v[..., :kend, :].float()
+        p = torch.exp(_scores(qc, kc, causal, scale, r0) - lse[..., r0:r0 + rows].unsqueeze(-1))
+        dv[..., :kend, :] += torch.matmul(p.transpose(-1, -2), gc)
+        delta = (gc * out[..., r0:r0 + rows, :].float()).sum(-1, keepdim=True)
+        ds = p * (torch.matmul(gc, vc.transpose(-1, -2)) - delta) * scale
+        dq[..., r0:r0 + rows, :] = torch.matmul(ds, kc)
+        dk[..., :kend, :] += torch.matmul(ds.transpose(-1, -2), qc)
+    return dq, dk, dv
+
+
+def _scores(q, k, causal: bool, scale: float, row0: int = 0) -> torch.Tensor:
+    """fp32 scores; `causal` masks keys after each query's own position (row0 + row)."""
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        rows = torch.arange(s.shape[-2], device=s.device)[:, None] + row0
+        s = s.masked_fill(torch.arange(s.shape[-1], device=s.device)[None, :] > rows, float("-inf"))
+    return s
+
+
+def block_plan(rank: int, src: int, local_len: int) -> tuple[slice, slice, bool]:
+    """(query rows, key rows, causal) that rank `rank` attends to in `src`'s K/V block."""
+    c = local_len // 2
+    if src == rank:
+        return slice(None), slice(None), True
+    if src < rank:
+        return slice(None), slice(0, c), False
+    return slice(c, None), slice(None), False
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor, rows: slice):
+    """Online softmax: fold one block's (out, lse) into the running fp32 accumulators in place."""
+    o, l = out[:, :, rows], lse[:, :, rows]
+    new = torch.logaddexp(l, blk_lse)
+    o.mul_(torch.exp(l - new).unsqueeze(-1)).add_(blk_out.float() * torch.exp(blk_lse - new).unsqueeze(-1))
+    l.copy_(new)
+
+
+# ---- communication ---------------------------------------------------------------------------
+class CPComm:
+    """K/V exchange over one cp process group, in ring or all-gather mode."""
+
+    def __init__(self, group, mode: str):
+        if mode not in ("ring", "allgather"):
+            raise ValueError(f"cp attention mode must be 'ring' or 'allgather', got {mode!r}")
+        self.group, self.mode = group, mode
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def order(self) -> list[int]:
+        # Own block first (every row then has a finite log-sum-exp), then the ring's order; the
+        # all-gather path uses the same order so both modes round identically.
+        return [(self.rank - t) % self.size for t in range(self.size)]
+
+    def shift(self, t: torch.Tensor, tag: int):
+        """Start sending `t` to the next rank and receiving the previous rank's into a new buffer."""
+        buf = torch.empty_like(t)
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag),
+               dist.P2POp(dist.irecv, buf, self.prev, self.group, tag)]
+        return buf, dist.batch_isend_irecv(ops)
+
+    def blocks(self, kv: torch.Tensor):
+        """Yields (source rank, its K/V block [2, b, h, s, d]) in `order()`."""
+        if self.mode == "allgather":
+            # Collectives concatenate along dim 0: gather flat, then view one block per rank.
+            full = torch.empty((self.size * kv.shape[0], *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
+            dist.all_gather_single(full, kv, group=self.group)
+            full = full.view(self.size, *kv.shape)
+            for src in self.order():
+                yield src, full[src]
+            return
+        cur = kv
+        for step, src in enumerate(self.order()):
+            pending = self.shift(cur, _TAG_KV) if step < self.size - 1 else None
+            yield src, cur  # the caller computes on `cur` while the next block is in flight
+            if pending is not None:
+                buf, works = pending
+                for w in works:
+                    w.wait()
+                cur = buf
+
+
+class _DKVReturn:
+    """Brings each K/V block's gradient back to its owner.
+
+    ring: the gradient of block j rides the ring behind K/V, each holder adding its share; the
+    hop started after step t completes while step t+1 computes, and the last hop lands at home.
+    allgather: collect all blocks' gradients, then one reduce-scatter (a sum)."""
+
+    def __init__(self, comm: CPComm, like: torch.Tensor):
+        self.comm = comm
+        self.pending = None
+        self.all = torch.zeros((comm.size, *like.shape), dtype=torch.float32, device=like.device) \
+            if comm.mode == "allgather" else None
+
+    def add(self, src: int, part: torch.Tensor) -> None:
+        if self.all is not None:
+            self.all[src] += part
+            return
+        if self.pending is not None:
+            buf, works = self.pending
+            for w in works:
+                w.wait()
+            part += buf
+        self.pending = self.comm.shift(part, _TAG_DKV)
+
+    def result(self) -> torch.Tensor:
+        if self.all is not None:
+            out = torch.empty_like(self.all[0])
+            dist.reduce_scatter_single(out, self.all.flatten(0, 1), group=self.comm.group)
+            return out
+        buf, works = self.pending
+        for w in works:
+            w.wait()
+        return buf
+
+
+# ---- the autograd function -------------------------------------------------------------------
+def _forward_blocks(q, kv, comm: CPComm, scale: float, fused: bool):
+    b, h, n, d = q.shape
+    out = torch.zeros((b, h, n, d), dtype=torch.float32, device=q.device)
+    lse = torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=q.device)
+    for src, blk in comm.blocks(kv):
+        rows, keys, causal = block_plan(comm.rank, src, n)
+        o, l = block_forward(q[:, :, rows], blk[0][:, :, keys], blk[1][:, :, keys], causal, scale, fused)
+        _merge(out, lse, o, l, rows)
+    return out, lse
+
+
+class _ContextAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, comm: CPComm, fused: bool):
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        out32, lse = _forward_blocks(q, torch.stack([k, v]), comm, scale, fused)
+        # Laid out as [b, s, h, d] in memory: the model's transpose+reshape before wo is then a
+        # view, so the tensor saved here and wo's saved input are one buffer, not two.
+        b, h, n, d = q.shape
+        out = torch.empty((b, n, h, d), dtype=q.dtype, device=q.device).transpose(1, 2).copy_(out32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm, ctx.scale, ctx.fused = comm, scale, fused
+        return out
+
+    @staticmethod
+    def backward(ctx, go):
+        q, k, v, out, lse = ctx.saved_tensors
+        comm, scale, fused = ctx.comm, ctx.scale, ctx.fused
+        go = go.contiguous()
+        n = q.shape[2]
+        kv = torch.stack([k, v])
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dkv = _DKVReturn(comm, kv)
+        for src, blk in comm.blocks(kv):
+            rows, keys, causal = block_plan(comm.rank, src, n)
+            gq, gk, gv = block_backward(go[:, :, rows], q[:, :, rows], blk[0][:, :, keys], blk[1][:, :, keys],
+                                        out[:, :, rows], lse[:, :, rows], causal, scale, fused)
+            dq[:, :, rows] += gq
+            part = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            part[0][:, :, keys] = gk
+            part[1][:, :, keys] = gv
+            dkv.add(src, part)
+        own = dkv.result()
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None
+
+
+def context_attention(q, k, v, comm: CPComm, fused: bool = True) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole cp-sharded sequence.
+    q, k, v: [b, h, s_local, d] in the load-balanced layout, k/v with q's number of heads."""
+    if q.shape[2] % 2:
+        raise ValueError(f"context-parallel attention needs an even local sequence (two chunks), got {q.shape[2]}")
+    return _ContextAttention.apply(q, k, v, comm, fused)
