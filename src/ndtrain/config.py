@@ -62,6 +62,9 @@ class ParallelConfig:
     pp_virtual_stages: int = 1
     pp_microbatches: int = 0  # 0 = one per micro-batch of the accumulation
     layers_per_stage: list[int] = field(default_factory=list)
+    # How layers are split when layers_per_stage is empty: balanced (FLOPs + parameters) | uniform
+    # | llama3 (even, one layer fewer on the first and last stage).
+    pp_split: str = "balanced"
     auto: bool = False  # let the planner choose the degrees for this world size
 
 
@@ -82,6 +85,8 @@ class TrainConfig:
     timeout_s: float = 300.0  # collective timeout
     step_deadline_s: float = 0.0  # watchdog: abort a rank whose step exceeds this (0 = off)
     nonfinite_skip: int = 3  # consecutive non-finite steps tolerated before rolling back
+    straggler_threshold: float = 0.25  # name a rank this much slower than the median (0 = off)
+    straggler_window: int = 20  # steps per straggler comparison (3 slow windows in a row name a rank)
     sample_prompt: str = "def "
     sample_tokens: int = 200
 
@@ -267,6 +272,10 @@ def validate(cfg: JobConfig) -> None:
         ("train.val_batches", t.val_batches >= 0, f"must be >= 0, got {t.val_batches}"),
         ("train.log_interval", t.log_interval > 0, f"must be positive, got {t.log_interval}"),
         ("train.timeout_s", t.timeout_s > 0, f"must be positive, got {t.timeout_s}"),
+        ("train.step_deadline_s", t.step_deadline_s >= 0, f"must be >= 0 (0 disables the watchdog), got {t.step_deadline_s}"),
+        ("train.nonfinite_skip", t.nonfinite_skip >= 1, f"must be >= 1, got {t.nonfinite_skip}"),
+        ("train.straggler_threshold", t.straggler_threshold >= 0, f"must be >= 0 (0 disables), got {t.straggler_threshold}"),
+        ("train.straggler_window", t.straggler_window >= 1, f"must be >= 1, got {t.straggler_window}"),
         ("train.batch_ramp", all(len(r) == 2 and r[0] >= 0 and r[1] > 0 for r in t.batch_ramp), "must be a list of [tokens_seen, global_batch] pairs"),
         ("parallel.zero", p.zero in (2, 3), f"must be 2 or 3, got {p.zero}"),
         ("parallel.mixed_precision", p.mixed_precision in ("fp32", "bf16"), f"must be fp32 or bf16, got {p.mixed_precision!r}"),
@@ -275,6 +284,7 @@ def validate(cfg: JobConfig) -> None:
         ("parallel.cp_attention", p.cp_attention in ("ring", "allgather"), f"must be ring or allgather, got {p.cp_attention!r}"),
         ("parallel.pp_virtual_stages", p.pp_virtual_stages > 0, f"must be positive, got {p.pp_virtual_stages}"),
         ("parallel.pp_microbatches", p.pp_microbatches >= 0, f"must be >= 0, got {p.pp_microbatches}"),
+        ("parallel.pp_split", p.pp_split in ("balanced", "uniform", "llama3"), f"must be balanced, uniform or llama3, got {p.pp_split!r}"),
         ("checkpoint.interval_steps", c.interval_steps >= 0, f"must be >= 0, got {c.interval_steps}"),
         ("checkpoint.keep_last", c.keep_last >= 1, f"must be >= 1 (the newest checkpoint is always kept), got {c.keep_last}"),
         ("checkpoint.keep_every", c.keep_every >= 0, f"must be >= 0, got {c.keep_every}"),

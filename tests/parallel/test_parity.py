@@ -20,8 +20,9 @@ BF16 = ["mp=bf16", "dp_shard=2 mp=bf16", "dp_shard=2 tp=2 mp=bf16"]
 
 
 def _check(results, tol):
-    failures = [r for r in results if not (r.d_loss <= tol and r.d_weight <= tol)]
-    assert not failures, "\n".join(f"{r.layout}: Δloss {r.d_loss:.2e} Δweight {r.d_weight:.2e}" for r in failures)
+    failures = [r for r in results if not (r.d_loss <= tol and r.d_weight <= tol and r.d_grad_norm <= tol and r.passed)]
+    assert not failures, "\n".join(f"{r.layout}: Δloss {r.d_loss:.2e} Δweight {r.d_weight:.2e} "
+                                    f"grad-norm {r.d_grad_norm:.1e}" for r in failures)
 
 
 @pytest.mark.timeout(600)

@@ -34,6 +34,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, par, mesh=None) -> nn.Modu
         from ndtrain.parallel.expert import apply_expert_parallel
 
         apply_expert_parallel(model, mesh, dims)
+    if dims.cp > 1 and model.cfg.is_moe:
+        from ndtrain.parallel.expert import moe_context_parallel
+
+        moe_context_parallel(model, mesh["cp"])
     apply_activation_checkpointing(model, par.activation_checkpoint, par.ac_every)
     if par.compile:
         for block in model.layers.values():

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from ndtrain.parallel.expert import shard_experts
+
 
 def apply_fsdp(model: nn.Module, dp_mesh, zero: int, mixed_precision: str, cpu_offload: bool) -> None:
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
@@ -26,5 +28,8 @@ def apply_fsdp(model: nn.Module, dp_mesh, zero: int, mixed_precision: str, cpu_o
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again first in backward: keep them gathered.
-        fully_shard(block, reshard_after_forward=(zero == 3 and i < len(blocks) - 1), **kwargs)
+        reshard = zero == 3 and i < len(blocks) - 1
+        # Expert-parallel weights first: they live on their own (smaller) mesh.
+        shard_experts(block, kwargs, reshard)
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)

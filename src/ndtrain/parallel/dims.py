@@ -42,8 +42,9 @@ class ParallelDims:
         return " x ".join(parts) if parts else "single"
 
 
-def resolve(par, world_size: int, model: ModelConfig, seq_len: int = 0) -> ParallelDims:
-    """Turn `[parallel]` settings (with at most one -1) into validated degrees for `world_size`."""
+def resolve(par, world_size: int, model: ModelConfig, seq_len: int = 0, train=None) -> ParallelDims:
+    """Turn `[parallel]` settings (with at most one -1) into validated degrees for `world_size`.
+    With `train` (the [train] section) pipeline micro-batch counts are checked too."""
     degrees = {d: getattr(par, d) for d in MESH_ORDER}
     free = [d for d, v in degrees.items() if v == -1]
     fixed = 1
@@ -63,11 +64,11 @@ def resolve(par, world_size: int, model: ModelConfig, seq_len: int = 0) -> Paral
             f"({' x '.join(f'{d}={v}' for d, v in degrees.items())}) but the world size is {world_size}; "
             f"set one degree to -1 or launch {fixed} processes")
     dims = ParallelDims(ep=par.ep, **degrees)
-    validate(dims, par, model, seq_len)
+    validate(dims, par, model, seq_len, train)
     return dims
 
 
-def validate(dims: ParallelDims, par, model: ModelConfig, seq_len: int = 0) -> None:
+def validate(dims: ParallelDims, par, model: ModelConfig, seq_len: int = 0, train=None) -> None:
     tp, pp, cp, ep = dims.tp, dims.pp, dims.cp, dims.ep
     if model.n_heads % tp:
         raise ConfigError("parallel.tp", f"model.n_heads={model.n_heads} is not divisible by tp={tp}")
@@ -80,6 +81,10 @@ def validate(dims: ParallelDims, par, model: ModelConfig, seq_len: int = 0) -> N
         raise ConfigError("parallel.tp", f"model.vocab_size={model.vocab_size} is not divisible by tp={tp}")
     if model.is_moe and model.expert_ffn_dim % tp:
         raise ConfigError("parallel.tp", f"model.expert_ffn_dim={model.expert_ffn_dim} is not divisible by tp={tp}")
+    if cp > 1 and pp > 1:
+        # Pipeline stages are called with hidden states only; without the cp shard's global
+        # positions RoPE would be silently wrong.
+        raise ConfigError("parallel.cp", "context parallel does not combine with pipeline parallel (pp > 1) yet")
     if pp > 1:
         stages = pp * par.pp_virtual_stages
         if par.pp_schedule not in PP_SCHEDULES:
@@ -93,6 +98,11 @@ def validate(dims: ParallelDims, par, model: ModelConfig, seq_len: int = 0) -> N
             raise ConfigError("parallel.pp", f"model.n_layers={model.n_layers} is fewer than the {stages} pipeline stages")
         if model.tie_embeddings:
             raise ConfigError("model.tie_embeddings", "tied embeddings span the first and last pipeline stage; untie them for pp > 1")
+        from ndtrain.parallel.pipeline_schedule import pipeline_problem
+
+        problem = pipeline_problem(dims, par, model, train)
+        if problem:
+            raise ConfigError(*problem)
     elif par.pp_virtual_stages != 1:
         raise ConfigError("parallel.pp_virtual_stages", "virtual stages need pp > 1")
     if cp > 1 and seq_len and seq_len % (2 * cp):
@@ -104,6 +114,12 @@ def validate(dims: ParallelDims, par, model: ModelConfig, seq_len: int = 0) -> N
             raise ConfigError("parallel.ep", f"model.n_experts={model.n_experts} is not divisible by ep={ep}")
         if (dims.dp_shard * cp) % ep:
             raise ConfigError("parallel.ep", f"ep={ep} must divide dp_shard*cp={dims.dp_shard * cp} (experts are sharded over data-parallel ranks)")
+        if par.activation_checkpoint == "selective":
+            # The experts' own FSDP hooks run inside the checkpointed block, and selective
+            # recompute demands the exact op sequence of the forward, which they change.
+            raise ConfigError("parallel.activation_checkpoint", "selective checkpointing does not combine with ep > 1; use full or every_n")
+    if cp > 1 and model.is_moe and model.capacity_factor > 0:
+        raise ConfigError("model.capacity_factor", "capacity is per sequence, and cp > 1 splits sequences over ranks; set it to 0 (no dropping) for context parallel")
     if par.cpu_offload and dims.dp == 1 and dims.world_size == 1:
         raise ConfigError("parallel.cpu_offload", "CPU offload shards with FSDP; it needs at least 2 processes")
 
@@ -142,4 +158,11 @@ def build_mesh(dims: ParallelDims, device_type: str) -> Meshes:
         "dp_shard_cp": root["dp_shard", "cp"]._flatten("dp_shard_cp"),
         "dp_cp": root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
     }
+    if dims.ep > 1:
+        # Expert parallel: the same dp x cp ranks seen as (dp_replicate, dp_shard_cp / ep, ep);
+        # 'ep' splits experts, 'ep_fsdp' shards them (one root, so FSDP can combine the two).
+        edp = flat["dp_cp"]._unflatten(0, (dims.dp_replicate, dims.dp_shard * dims.cp // dims.ep, dims.ep),
+                                       ("ep_replicate", "ep_shard", "ep"))
+        flat["ep"] = edp["ep"]
+        flat["ep_fsdp"] = edp["ep_replicate", "ep_shard"]
     return Meshes(root, flat)

@@ -51,4 +51,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool) ->
                 "feed_forward.w2": RowwiseParallel(output_layouts=seq),
                 "feed_forward.w3": ColwiseParallel(),
             })
+        else:  # MoE: replicated over tp, see parallel/expert.py
+            from ndtrain.parallel.expert import moe_tensor_parallel
+
+            moe_tensor_parallel(ff, tp_mesh, seq)
         parallelize_module(block, tp_mesh, plan)

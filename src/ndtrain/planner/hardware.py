@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,22 @@ class Hardware:
     # present they replace the link model for groups inside one node.
     collectives: dict = field(default_factory=dict, compare=False, hash=False)
     source: str = ""
+    # CPU ranks only (all 0 for accelerators, whose predictions these never touch):
+    # cores the ranks share; above one rank per core a step is bound by the total work / cores.
+    cores: int = 0
+    # {precision: {seq: FLOP/s}}: causal attention, forward + backward, counted as the time model
+    # counts it; CPU SDPA kernels reach a fraction of the matmul rate, less at short sequences.
+    attn_flops: dict = field(default_factory=dict, compare=False, hash=False)
+    # host seconds of a training micro-batch in one process, forward + backward: per decoder layer
+    # and for embedding, head and loss (measured; they replace the per-op figure)
+    layer_overhead_s: float = 0.0
+    head_overhead_s: float = 0.0
+    # {world: {tp: {"layer": s, "head": s}}}: a TP(+SP) micro-batch's cost beyond FLOPs and bytes
+    # (DTensor dispatch, collectives at their latency) with `world` ranks busy on the machine
+    tp_host_s: dict = field(default_factory=dict, compare=False, hash=False)
+    # {world: {collective: fit}}: Gloo fits measured with that many ranks on the machine; the
+    # cost of a collective depends on how many ranks share the cores, not only on its group
+    collectives_by_world: dict = field(default_factory=dict, compare=False, hash=False)
 
     def peak(self, precision: str) -> float:
         if precision == "fp8":
@@ -72,6 +89,39 @@ class Hardware:
         if precision == "fp32":
             return self.peak_fp32 or self.peak_bf16 / 2
         return self.peak_bf16
+
+    def attention_rate(self, precision: str, seq: int) -> float:
+        """Measured rate at `seq`, interpolated in log(seq) between measured lengths; the
+        matmul rate where nothing was measured."""
+        table = sorted((int(s), r) for s, r in self.attn_flops.get(precision, {}).items())
+        if not table:
+            return self.peak(precision) * self.mm_eff
+        if seq <= table[0][0]:
+            return table[0][1]
+        for (s0, r0), (s1, r1) in zip(table, table[1:]):
+            if seq <= s1:
+                return r0 + (r1 - r0) * math.log(seq / s0) / math.log(s1 / s0)
+        return table[-1][1]
+
+    def for_world(self, world: int) -> "Hardware":
+        """The collective fits measured with `world` ranks (the nearest measured world at or above
+        it, else the largest), for CPU ranks sharing cores; unchanged elsewhere."""
+        if not self.collectives_by_world:
+            return self
+        worlds = sorted(int(w) for w in self.collectives_by_world)
+        pick = next((w for w in worlds if w >= world), worlds[-1])
+        fits = {**self.collectives, **self.collectives_by_world[str(pick)]}
+        return dataclasses.replace(self, collectives=fits)
+
+    def tp_host_seconds(self, world: int, tp: int) -> dict | None:
+        """Measured TP host costs {"layer": s, "head": s} for `world` ranks (the nearest measured
+        world at or above, else the largest) and degree `tp` (the nearest measured degree); None
+        where nothing was measured."""
+        if not self.tp_host_s:
+            return None
+        worlds = sorted(int(w) for w in self.tp_host_s)
+        table = self.tp_host_s[str(next((w for w in worlds if w >= world), worlds[-1]))]
+        return table[str(min((int(t) for t in table), key=lambda t: (abs(math.log(t / tp)), -t)))]
 
     @property
     def intra_bw(self) -> float:
@@ -130,8 +180,14 @@ def this_machine(profile: str | os.PathLike | None = None) -> Hardware:
     fp32 = matmul.get("fp32_1thread", 20e9)
     bf16 = matmul.get("bf16_1thread", fp32 / 4)
     default_fit = {"alpha": 100e-6, "beta": 1e9}
+    names = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
     fits = {name: {k: colls[name][k] for k in ("alpha", "beta")} if name in colls else default_fit
-            for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}
+            for name in names}
+    by_world: dict = {}
+    for name in names:
+        for world, fit in colls.get(name, {}).get("by_world", {}).items():
+            by_world.setdefault(str(world), {})[name] = {"alpha": fit["alpha"], "beta": fit["beta"]}
+    attn = data.get("attention", {})
     return Hardware(
         name="this-machine",
         description=data.get("description", "this machine (uncalibrated defaults)" if not data else "this machine"),
@@ -144,6 +200,13 @@ def this_machine(profile: str | os.PathLike | None = None) -> Hardware:
         # are slower relative to memory bandwidth than fused GPU kernels.
         mm_eff=1.0, kappa=A100_KAPPA, overhead_bytes=0.3 * GiB, op_overhead_s=data.get("op_overhead_s", 30e-6), alpha_intra=fits["all_gather"]["alpha"],
         alpha_inter=fits["all_gather"]["alpha"], collectives=fits, source=str(path) if data else "defaults",
+        cores=int(data.get("cores") or os.cpu_count() or 1),
+        attn_flops={k: {str(n): float(r) for n, r in attn[k].items()} for k in ("fp32", "bf16") if attn.get(k)},
+        layer_overhead_s=float(data.get("host_s", {}).get("layer", 0.0)),
+        head_overhead_s=float(data.get("host_s", {}).get("head", 0.0)),
+        tp_host_s={str(w): {str(t): {k: float(v[k]) for k in ("layer", "head")} for t, v in by_tp.items()}
+                   for w, by_tp in data.get("tp_host_s", {}).items()},
+        collectives_by_world=by_world,
     )
 
 

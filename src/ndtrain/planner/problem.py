@@ -45,7 +45,7 @@ def make_problem(cfg: ModelConfig, seq: int, global_batch: int, world: int, hard
     st = stack if isinstance(stack, Stack) else STACKS.get(stack)
     if st is None:
         raise NdtrainError(f"unknown stack {stack!r}; choose one of {', '.join(STACKS)}")
-    hw = get_hardware(hardware, profile)
+    hw = get_hardware(hardware, profile).for_world(world)
     hw.peak(precision)  # raises for fp8 on hardware without it
     return Problem(cfg=cfg, shape=shape_of(cfg), seq=seq, global_batch=global_batch, world=world, hw=hw,
                    stack=st, precision=precision, strict=strict)

@@ -38,11 +38,11 @@ def layer_costs(pb: Problem, lay: Layout) -> dict:
     rate = hw.peak(pb.precision) * hw.mm_eff
     mm = 2 * tok * sh.mm_params_layer / t / rate
     # fp8 recipes (DeepSeek-V3, Transformer Engine) keep attention in bf16
-    attn_rate = hw.peak("bf16" if pb.precision == "fp8" else pb.precision) * hw.mm_eff
+    attn_rate = hw.attention_rate("bf16" if pb.precision == "fp8" else pb.precision, pb.seq)
     attn = 4 * tok * pb.seq * sh.heads * sh.head_dim / t / attn_rate * (0.5 if st.flash_attention else 1.0)
     a_none = activation_bytes(sh, st, pb.seq, b, t, sp, c, "none", elt)
     elem = hw.kappa * a_none / hw.hbm_bw
-    elem += OPS_PER_LAYER * hw.op_overhead_s
+    elem += hw.layer_overhead_s or OPS_PER_LAYER * hw.op_overhead_s
     fwd = mm + attn + elem / 3
     rec = 0.0
     if lay.ac == "full":
@@ -54,7 +54,7 @@ def layer_costs(pb: Problem, lay: Layout) -> dict:
     tp = cp = ep = 0.0
     n_rec = 1 if lay.ac == "full" else 0
     if t > 1:
-        ar = coll(hw, "all_reduce", t, 1, tok * sh.dim * elt)  # = all-gather + reduce-scatter with SP
+        ar = tp_all_reduce(pb, t, tok * sh.dim * elt)  # = all-gather + reduce-scatter with SP
         tp = ar * (4 + 2 * n_rec)
         comm_f += 2 * ar
         comm_b += 2 * ar * (1 + n_rec)
@@ -81,13 +81,33 @@ def layer_costs(pb: Problem, lay: Layout) -> dict:
             "head": head_cost(pb, lay)}
 
 
+def tp_all_reduce(pb: Problem, t: int, nbytes: float) -> float:
+    """One of a TP layer's four all-reduces (or all-gather + reduce-scatter pairs). Where the
+    machine measured what a TP layer costs beyond its FLOPs and bytes (CPU ranks: DTensor dispatch
+    and collective latency dominate), a quarter of that plus the bytes at the measured bandwidth;
+    else the alpha-beta collective."""
+    hw = pb.hw
+    host = hw.tp_host_seconds(pb.world, t)
+    if host is None:
+        return coll(hw, "all_reduce", t, 1, nbytes)
+    beta = hw.collectives.get("all_reduce", {}).get("beta") or hw.intra_bw
+    return max(0.0, host["layer"] - hw.layer_overhead_s) / 4 + 2 * (t - 1) / t * nbytes / beta
+
+
+def tp_head(pb: Problem, t: int) -> float:
+    """What embedding, head and vocab-parallel loss cost a TP micro-batch beyond the plain ones,
+    where measured (CPU ranks); 0 elsewhere."""
+    host = pb.hw.tp_host_seconds(pb.world, t) if t > 1 else None
+    return max(0.0, host["head"] - pb.hw.head_overhead_s) if host else 0.0
+
+
 def head_cost(pb: Problem, lay: Layout) -> float:
     """Output layer + loss per micro-batch, forward and backward (never recomputed)."""
     sh, hw, elt = pb.shape, pb.hw, pb.act_bytes
     tok = lay.mb * pb.seq / lay.cp
     gemm = 6 * tok * sh.dim * sh.vocab / lay.tp / (hw.peak(pb.precision) * hw.mm_eff)
     loss = 2 * (elt + 8) * tok * sh.vocab / lay.tp / hw.hbm_bw  # fp32 softmax over the logits
-    return gemm + loss + OPS_HEAD * hw.op_overhead_s
+    return gemm + loss + (hw.head_overhead_s or OPS_HEAD * hw.op_overhead_s) + tp_head(pb, lay.tp)
 
 
 def stage_split(pb: Problem, lay: Layout, lc: dict | None = None) -> tuple[int, int] | None:
@@ -139,6 +159,21 @@ def dp_comm(pb: Problem, lay: Layout, layers_on_device: int) -> tuple[float, flo
     return ag, ag + rs, rep, 0.0
 
 
+def cores_shared(pb: Problem) -> float:
+    """Ranks per core when CPU ranks outnumber the machine's cores (1 on accelerators)."""
+    cores = pb.hw.cores
+    return pb.world / cores if cores and pb.world > cores else 1.0
+
+
+def dp_overlaps(pb: Problem) -> bool:
+    """Whether data-parallel traffic hides behind compute. On CPU ranks a Gloo collective is work
+    for a core (copies through the loopback, reductions): it overlaps only where every rank has a
+    spare core for it."""
+    if pb.hw.cores and 2 * pb.world > pb.hw.cores:
+        return False
+    return pb.stack.dp_overlap
+
+
 def _memo(cache: dict | None, key, fn, *args):
     if cache is None:
         return fn(*args)
@@ -183,7 +218,7 @@ def step_breakdown(pb: Problem, lay: Layout, lc: dict | None = None, split: tupl
 
     key = ("dp", lay.tp, lay.cp, lay.ep, lay.eff_zero, lay.shard_degree, lay.dp_replicate, p, n_dev)
     mb_f, mb_b, grad_c, param_c = _memo(cache, key, dp_comm, pb, lay, n_dev)
-    if pb.stack.dp_overlap:
+    if dp_overlaps(pb):
         # gathers hide behind the forward, gradient reductions behind the backward that produces
         # them; what the last micro-batch leaves of its windows hides the once-per-step traffic
         dp = m * (max(0.0, mb_f - f) + max(0.0, mb_b - (b + w)) + (mb_f + mb_b) / n_dev)
@@ -199,11 +234,24 @@ def step_breakdown(pb: Problem, lay: Layout, lc: dict | None = None, split: tupl
     comm_share = (lc["tp"] + lc["cp"] + lc["ep"]) / per_layer
     busy = m * dev
     inner = busy * comm_share
+    head_here = p == 1 or split[1] * per_layer + lc["head"] >= split[0] * per_layer
+    tp_fixed = m * tp_head(pb, lay.tp) if head_here else 0.0  # in lc["head"], so in busy: move it to comm
+    inner += tp_fixed
+    compute, recompute = busy - inner, m * scale * lc["recompute"]
     total = busy + bubble + pp + dp + optimizer
+    share = cores_shared(pb)
+    if share > 1:
+        # More ranks than cores: each rank computes `share` times slower, and ranks idling in a
+        # bubble lend their core to the others, so the step is the larger of the critical path
+        # (at full speed) and the work per core. Collectives are costed with fits measured at this
+        # rank count (Hardware.for_world), which already include the sharing.
+        compute, recompute, optimizer = share * compute, share * recompute, share * optimizer
+        total = max(total, compute + inner + pp + dp + optimizer)
+        bubble = total - (compute + inner + pp + dp + optimizer)
     return {
-        "total": total, "compute": busy - inner, "recompute": m * scale * lc["recompute"],
+        "total": total, "compute": compute, "recompute": recompute,
         "exposed_comm": inner + pp + dp, "bubble": bubble, "optimizer": optimizer,
-        "comm": {"tp": busy * lc["tp"] / per_layer, "cp": busy * lc["cp"] / per_layer,
+        "comm": {"tp": busy * lc["tp"] / per_layer + tp_fixed, "cp": busy * lc["cp"] / per_layer,
                  "ep": busy * lc["ep"] / per_layer, "pp": pp, "dp": dp},
         "micro_batches": m, "stage_layers": list(split) if p > 1 else [pb.shape.layers],
     }

@@ -39,7 +39,8 @@ def main(argv: list[str]) -> int:
                                 epilog="Any --section.key=value overrides the config file.")
     p.add_argument("--config", help="TOML config (default: built-in debug defaults)")
     p.add_argument("--nproc", type=int, default=0, help="launch N local processes (torchrun)")
-    p.add_argument("--max-restarts", type=int, default=0, help="restart the group after a crash, up to K times")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the group after a crash or hang, up to K times, from the last checkpoint")
     args, overrides = p.parse_known_args(argv)
     cfg = load_config(args.config, overrides)  # fails here, before any process starts
 
@@ -49,7 +50,10 @@ def main(argv: list[str]) -> int:
         from ndtrain.parallel.dims import resolve
         from ndtrain.train.trainer import default_run_dir
 
-        resolve(cfg.parallel, args.nproc, cfg.model, cfg.data.seq_len)  # layout errors before spawning
+        from ndtrain.train.recovery import check_global_batch
+
+        dims = resolve(cfg.parallel, args.nproc, cfg.model, cfg.data.seq_len, cfg.train)  # errors before spawning
+        check_global_batch(cfg, dims.dp)
         # One run directory for every rank and every restart attempt.
         forwarded = [a for a in argv]
         for flag in ("--nproc", "--max-restarts"):
@@ -61,7 +65,13 @@ def main(argv: list[str]) -> int:
     from ndtrain.train.trainer import train
 
     summary = train(cfg)
-    return 0 if summary is not None else 1
+    if summary is None:
+        return 1
+    if summary.get("preempted"):
+        from ndtrain.train.recovery import EXIT_PREEMPTED
+
+        return EXIT_PREEMPTED  # saved and stopped on a signal: nonzero so schedulers run it again
+    return 0
 
 
 def _drop_flag(argv: list[str], flag: str) -> list[str]:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from ndtrain.config import from_dict
 from ndtrain.data.tokenizer import load_tokenizer
@@ -36,9 +34,9 @@ def load_model(path: str | Path) -> tuple[Transformer, object]:
     cfg = from_dict(read_train_state(ckpt)["config"])
     model = build_model(cfg.model, "cpu")
     state = {"model": model.state_dict()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP warns when loading without a process group
-        dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    from ndtrain.train.ckpt_store import dcp_load  # reads DCP metadata without unpickling arbitrary objects
+
+    dcp_load(state, ckpt, no_dist=True)
     model.load_state_dict(state["model"])
     model.eval()
     return model, cfg

@@ -19,6 +19,7 @@ from ndtrain.data.loader import StatefulLoader, TokenDataset, validation_batches
 from ndtrain.errors import NdtrainError
 from ndtrain.model.config import flops_per_token, num_params
 from ndtrain.model.init import canonical_name, materialize
+from ndtrain.model.moe import end_step as moe_end_step, moe_layers, set_aux_scale
 from ndtrain.model.llama import build_model
 from ndtrain.parallel import dims as pdims
 from ndtrain.parallel.compose import parallelize
@@ -61,7 +62,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig, run_dir: Path | None = None, log: bool = True):
         self.cfg = cfg
         self.rt = distributed.setup(cfg.train)
-        self.dims = pdims.resolve(cfg.parallel, self.rt.world_size, cfg.model, cfg.data.seq_len)
+        self.dims = pdims.resolve(cfg.parallel, self.rt.world_size, cfg.model, cfg.data.seq_len, cfg.train)
         self.mesh = pdims.build_mesh(self.dims, self.rt.device.type) if self.rt.world_size > 1 else None
         self.run_dir = run_dir
         torch.manual_seed(cfg.train.seed)
@@ -73,17 +74,37 @@ class Trainer:
         self.dp_rank, self.dp_size = self._dp_coords()
         self.loader = StatefulLoader(self.train_set, cfg.data.seq_len, cfg.train.seed, self.dp_rank, self.dp_size)
 
-        self.model = build_model(cfg.model, "meta")
-        self.model = parallelize(self.model, self.dims, cfg.parallel, self.mesh)
-        materialize(self.model, cfg.train.seed, self.rt.device)
-        # A pipeline rank may own several stages (virtual stages); everything else sees one part.
-        self.model_parts = [self.model]
+        # A pipeline rank builds only its own stage(s), several with virtual stages; every other
+        # layout sees one part, the whole model.
+        self.pipeline = None
+        if self.dims.pp > 1:
+            from ndtrain.parallel.pipeline import build_pipeline
+
+            self.pipeline = build_pipeline(cfg, self.dims, self.mesh, self.rt.device)
+            self.model_parts = self.pipeline.parts
+            self.model = self.model_parts[0]
+        else:
+            self.model = build_model(cfg.model, "meta")
+            self.model = parallelize(self.model, self.dims, cfg.parallel, self.mesh)
+            materialize(self.model, cfg.train.seed, self.rt.device)
+            self.model_parts = [self.model]
         self.fsdp = hasattr(self.model, "set_requires_gradient_sync")
         self.params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
+        # MoE routing statistics are summed over the ranks that saw different tokens (dp x cp).
+        self.moe = moe_layers(self.model_parts)
+        self.moe_group = self.mesh["dp_cp"].get_group() if self.mesh is not None and self.moe else None
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
         # bf16 without FSDP (one process, or TP alone) runs under autocast instead of FSDP's policy.
         self.autocast = (cfg.parallel.mixed_precision == "bf16" and not self.fsdp) or cfg.train.autocast_bf16
         self.tp_rank = self.mesh["tp"].get_local_rank() if self.mesh is not None else 0
+        # Context parallel: this rank holds a load-balanced share of each sequence, and the model
+        # needs those tokens' global positions for RoPE (None = 0..s-1, the whole sequence).
+        self.cp_rank = self.mesh["cp"].get_local_rank() if self.mesh is not None else 0
+        self.cp_positions = None
+        if self.dims.cp > 1:
+            from ndtrain.parallel.context import cp_positions
+
+            self.cp_positions = cp_positions(cfg.data.seq_len, self.dims.cp, self.cp_rank, self.rt.device)
 
         self.step = 0
         self.tokens_seen = 0
@@ -116,8 +137,16 @@ class Trainer:
 
     def _loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self._autocast():
-            logits = self.model(inputs)
+            logits = self.model(inputs, positions=self.cp_positions)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+    def _cp_shard(self, t: torch.Tensor) -> torch.Tensor:
+        """This cp rank's tokens of [batch, seq] inputs or targets."""
+        if self.dims.cp == 1:
+            return t
+        from ndtrain.parallel.context import shard_sequence
+
+        return shard_sequence(t, self.dims.cp, self.cp_rank)
 
     @staticmethod
     def _value(t: torch.Tensor) -> float:
@@ -128,6 +157,11 @@ class Trainer:
     # ---- one optimizer step ---------------------------------------------------------------
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, micro: int) -> float:
         """Runs all micro-batches of this rank's share; returns the summed (unnormalised) loss."""
+        if self.pipeline is not None:
+            # The schedule runs the micro-batches; its loss normalises exactly as below and the
+            # sum comes back on the last stage only (0.0 elsewhere), so train_step counts it once.
+            with self._loss_context(), self._autocast():
+                return self.pipeline.run(inputs.to(self.rt.device), targets.to(self.rt.device), micro)
         tokens_here = targets.numel()
         total = 0.0
         slices = split_micro(inputs.shape[0], micro)
@@ -152,9 +186,17 @@ class Trainer:
         batch = self.loader.next_batch(gb)
         lr = lr_at(self.step, cfg.optimizer, cfg.train.steps)
         set_lr(self.optimizer, lr)
-        loss_sum = self.forward_backward(batch.inputs, batch.targets, cfg.train.micro_batch)
+        # The MoE aux loss is a mean over sequences: each of this rank's sequences weighs 1/n here,
+        # and FSDP's average over ranks completes the global mean (as for the token loss).
+        set_aux_scale(self.moe, 1.0 / batch.inputs.shape[0])
+        # Under cp, each rank normalises by its own tokens (forward_backward); FSDP averages
+        # over dp x cp ranks, which makes that the global token mean.
+        loss_sum = self.forward_backward(self._cp_shard(batch.inputs), self._cp_shard(batch.targets),
+                                         cfg.train.micro_batch)
         reduce_partial_grads(self.params)
-        contributes = self.tp_rank == 0  # tp ranks hold the same loss; count it once
+        # tp ranks hold the same loss; count it once. cp ranks hold disjoint tokens: sum them.
+        # Pipeline ranks without the last stage return 0.0, so each loss is still counted once.
+        contributes = self.tp_rank == 0
         ranks_per_stage = self.rt.world_size // self.dims.pp
         loss_total, grad_sq = all_reduce_sum(
             [loss_sum if contributes else 0.0, float(local_grad_sq(self.params, ranks_per_stage))], self.rt.device)
@@ -168,9 +210,12 @@ class Trainer:
                 scale_grads(self.params, coef)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        # After the step, from the step's global load: aux-loss-free bias update and MoE metrics.
+        reduce = (lambda t: torch.distributed.all_reduce(t, group=self.moe_group)) if self.moe_group else None
+        extra = moe_end_step(self.moe, reduce, update_bias=not skipped)
         self.step += 1
         self.tokens_seen += global_tokens
-        return StepResult(self.step, loss, grad_norm, lr, global_tokens, time.perf_counter() - t0, skipped)
+        return StepResult(self.step, loss, grad_norm, lr, global_tokens, time.perf_counter() - t0, skipped, extra)
 
     @torch.no_grad()
     def validate(self) -> float:
@@ -179,12 +224,18 @@ class Trainer:
             # A fixed set of validation samples (val_batches x global_batch) whatever the layout,
             # so validation losses compare across runs.
             val_set = TokenDataset(cfg.data.path, "val")
-            self.val_data = validation_batches(val_set, cfg.data.seq_len, cfg.train.global_batch,
-                                               cfg.train.val_batches, self.dp_rank, self.dp_size)
+            self.val_data = [(self._cp_shard(i), self._cp_shard(t)) for i, t in validation_batches(
+                val_set, cfg.data.seq_len, cfg.train.global_batch, cfg.train.val_batches, self.dp_rank, self.dp_size)]
         for part in self.model_parts:
             part.eval()
         total, tokens = 0.0, 0
         for inputs, targets in self.val_data:
+            if self.pipeline is not None:  # forward-only schedule; the loss exists on the last stage
+                with self._loss_context(), self._autocast():
+                    total += self.pipeline.run(inputs.to(self.rt.device), targets.to(self.rt.device),
+                                               cfg.train.micro_batch, train=False)
+                tokens += targets.numel() if self.pipeline.has_last else 0
+                continue
             for a, b in split_micro(inputs.shape[0], cfg.train.micro_batch):
                 with self._loss_context():
                     loss = self._loss_sum(inputs[a:b].to(self.rt.device), targets[a:b].to(self.rt.device))
@@ -227,9 +278,11 @@ def default_run_dir(cfg: JobConfig) -> Path:
 
 def train(cfg: JobConfig) -> dict:
     """Run a whole job: train, validate, checkpoint, sample. Returns a summary (rank 0's view)."""
+    from ndtrain.train import recovery
     from ndtrain.train.checkpoint import Checkpointer
 
-    run_dir = default_run_dir(cfg)
+    # Under torchrun the run id is stable across restarts, so a restarted group finds its checkpoints.
+    run_dir = recovery.launcher_run_dir(cfg) or default_run_dir(cfg)
     if env_world_size() > 1 and not cfg.train.output_dir:
         # Ranks started by plain torchrun would each pick their own timestamp: agree on rank 0's.
         distributed.setup(cfg.train)
@@ -242,27 +295,44 @@ def train(cfg: JobConfig) -> dict:
     if rt.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(cfg))
-    if cfg.checkpoint.resume:
-        ckpt.resume(cfg.checkpoint.resume)
+    for spec in recovery.resume_specs(cfg):  # a torchrun restart tries "auto" first
+        if ckpt.resume(spec) is not None:
+            break
+    recovery.check_global_batch(cfg, trainer.dp_size, trainer.tokens_seen)
     log.info(f"ndtrain: {cfg.model.preset} model, {num_params(cfg.model) / 1e6:.2f}M parameters, "
              f"layout {trainer.dims.describe()} on {rt.world_size} x {rt.device.type}, "
              f"peak {trainer.peak_flops_total / 1e9:.1f} GFLOP/s ({trainer.peak_source}); run dir {run_dir}")
-    last_val = None
-    while trainer.step < cfg.train.steps:
-        result = trainer.train_step()
-        if result.step % cfg.train.log_interval == 0 or result.step == cfg.train.steps:
-            row = trainer.metrics_row(result)
-            row["last"] = result.step == cfg.train.steps
-            log.log(row)
-        if cfg.train.val_interval and (result.step % cfg.train.val_interval == 0 or result.step == cfg.train.steps):
-            last_val = trainer.validate()
-            log.log({"step": result.step, "val_loss": last_val})
-        if ckpt.due(result.step):
-            ckpt.save()
-    path = ckpt.save(final=True)
-    ckpt.finish()
-    summary = {"run_dir": str(run_dir), "steps": trainer.step, "val_loss": last_val, "checkpoint": str(path)}
-    if rt.is_main and cfg.train.sample_tokens > 0 and path is not None:
+    last_val, preempted = None, False
+    guard = recovery.Recovery(cfg, trainer, ckpt, run_dir)  # watchdog, non-finite rollback, stragglers
+    try:
+        while trainer.step < cfg.train.steps:
+            guard.before_step()
+            result = trainer.train_step()
+            action = guard.after_step(result)
+            if action == "rollback":
+                continue
+            if result.step % cfg.train.log_interval == 0 or result.step == cfg.train.steps:
+                row = trainer.metrics_row(result)
+                row["last"] = result.step == cfg.train.steps
+                row["time"] = time.time()
+                log.log(row)
+            if cfg.train.val_interval and (result.step % cfg.train.val_interval == 0 or result.step == cfg.train.steps):
+                last_val = trainer.validate()
+                log.log({"step": result.step, "val_loss": last_val})
+            if action == "stop":
+                preempted = True
+                log.info(f"stop requested (SIGTERM/SIGUSR1) at step {trainer.step}: saving, then exiting; "
+                         f"continue with --checkpoint.resume=auto")
+                break
+            if ckpt.due(result.step):
+                ckpt.save()
+        path = ckpt.save(final=True)
+        ckpt.finish()
+    finally:
+        guard.close()
+    summary = {"run_dir": str(run_dir), "steps": trainer.step, "val_loss": last_val, "checkpoint": str(path),
+               "preempted": preempted}
+    if rt.is_main and cfg.train.sample_tokens > 0 and path is not None and not preempted:
         from ndtrain.train.generate import generate_from_checkpoint
 
         text = generate_from_checkpoint(path, cfg.train.sample_prompt, cfg.train.sample_tokens, seed=cfg.train.seed)

@@ -1,0 +1,355 @@
+"""Keeping a run alive: restart semantics, hang watchdog, non-finite rollback, straggler report,
+graceful preemption, and fault injection for the chaos tests.
+
+Everything here is per-run state owned by a `Recovery` object that train() creates; nothing is
+global. Decisions that every rank must take together (roll back, stop) derive from values that
+are already all-reduced (loss, grad norm) or are agreed with one small all-reduce.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import math
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ndtrain.errors import NdtrainError
+
+EXIT_HANG = 70  # a watchdog abort: nonzero, so torchrun restarts the group
+EXIT_PREEMPTED = 143  # 128 + SIGTERM: the job was told to stop and saved; schedulers retry nonzero exits
+FAULTS_ENV = "NDTRAIN_FAULTS"
+MAX_ROLLBACKS = 5  # more than this and the problem is the run, not a few batches
+
+
+def restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def launcher_run_dir(cfg) -> Path | None:
+    """runs/<name>-<rdzv id> under torchrun with a run id: the same directory on every restart
+    attempt (a timestamp would give each attempt a new one, with no checkpoint to resume)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if cfg.train.output_dir or not run_id or run_id == "none":
+        return None
+    return Path("runs") / f"{cfg.name}-{run_id}"
+
+
+def resume_specs(cfg) -> list[str]:
+    """What to try, in order. A torchrun restart always continues from the newest checkpoint of
+    this run, falling back to the configured path (e.g. the checkpoint a fine-tune started from)."""
+    spec = cfg.checkpoint.resume
+    if restart_count() > 0 and spec != "auto":
+        return ["auto"] + ([spec] if spec else [])
+    return [spec] if spec else []
+
+
+def check_global_batch(cfg, dp_size: int, tokens_seen: int = 0) -> None:
+    """The global batch is a property of the run, not of the layout: a smaller world raises the
+    gradient accumulation instead. Every batch still to come must split evenly over the
+    data-parallel ranks; say so once, before any step."""
+    from ndtrain.train.trainer import global_batch_at
+
+    ramp_started = any(t <= tokens_seen for t, _ in cfg.train.batch_ramp)
+    stages = [("train.batch_ramp" if ramp_started else "train.global_batch", global_batch_at(cfg, tokens_seen))]
+    stages += [(f"train.batch_ramp (stage at {t} tokens)", b) for t, b in cfg.train.batch_ramp if t > tokens_seen]
+    for key, batch in stages:
+        if batch % dp_size:
+            fits = [d for d in range(1, batch + 1) if batch % d == 0]
+            raise NdtrainError(
+                f"global batch {batch} ({key}) cannot be split evenly over {dp_size} data-parallel ranks. The "
+                f"global batch is kept when the world changes (gradient accumulation absorbs it), so use a "
+                f"world whose data-parallel size divides {batch} (one of {fits}) or change {key.split(' ')[0]}")
+
+
+# ---- hangs ---------------------------------------------------------------------------------
+class Watchdog:
+    """Aborts this process when a step runs past its deadline, so a hang (a lost peer inside a
+    collective that never times out, a stuck device) becomes a crash that torchrun restarts."""
+
+    def __init__(self, deadline_s: float, rank: int, on_expire=None):
+        self.deadline_s = deadline_s
+        self.rank = rank
+        self.on_expire = on_expire or (lambda: os._exit(EXIT_HANG))
+        self._armed: tuple[int, float] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ndtrain-watchdog", daemon=True)
+        self._thread.start()
+
+    def arm(self, step: int) -> None:
+        self._armed = (step, time.monotonic())
+
+    def disarm(self) -> None:
+        self._armed = None
+
+    def _run(self) -> None:
+        poll = min(1.0, max(0.01, self.deadline_s / 10))
+        while not self._stop.wait(poll):
+            armed = self._armed
+            if armed is not None and time.monotonic() - armed[1] > self.deadline_s:
+                print(f"ndtrain watchdog: rank {self.rank} step {armed[0]} exceeded train.step_deadline_s="
+                      f"{self.deadline_s:g} s; aborting so the launcher restarts from the last checkpoint. "
+                      f"Stacks:", file=sys.stderr, flush=True)
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                sys.stderr.flush()
+                self._armed = None
+                self.on_expire()
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+# ---- non-finite steps ----------------------------------------------------------------------
+class NonFiniteGuard:
+    """Counts consecutive non-finite steps (the trainer already skips their update). At `limit`
+    it asks for a rollback and names the data window those steps consumed, so the replay from
+    the checkpoint skips exactly that window."""
+
+    def __init__(self, limit: int):
+        self.limit = max(1, limit)
+        self.bad = 0
+        self.window_start: int | None = None
+
+    def observe(self, skipped: bool, consumed_before: int, consumed_after: int) -> tuple[str, list[int] | None]:
+        if not skipped:
+            self.bad, self.window_start = 0, None
+            return "ok", None
+        if self.bad == 0:
+            self.window_start = consumed_before
+        self.bad += 1
+        if self.bad >= self.limit:
+            window = [self.window_start, consumed_after]
+            self.bad, self.window_start = 0, None
+            return "rollback", window
+        return "skip", None
+
+
+# ---- stragglers ----------------------------------------------------------------------------
+class StragglerMonitor:
+    """Per-rank busy time per step, compared every `window` steps. Busy time is the training
+    thread's CPU time on CPU (time blocked in a collective waiting for a slow peer is not busy,
+    so the slow rank stands out even though every rank's wall time is the same); on GPUs it is
+    wall time. A rank over the median by more than `threshold` in `persist` consecutive windows
+    is named."""
+
+    def __init__(self, threshold: float, window: int, persist: int = 3):
+        self.threshold, self.window, self.persist = threshold, max(1, window), persist
+        self.samples: list[float] = []
+        self.strikes: dict[int, int] = {}
+
+    def add(self, busy_s: float) -> bool:
+        self.samples.append(busy_s)
+        return len(self.samples) >= self.window
+
+    def take_mean(self) -> float:
+        mean = sum(self.samples) / len(self.samples)
+        self.samples.clear()
+        return mean
+
+    def judge(self, per_rank: list[float]) -> list[tuple[int, float]]:
+        """(rank, ratio to median) of ranks that are persistently slow as of this window."""
+        median = statistics.median(per_rank)
+        named = []
+        for rank, value in enumerate(per_rank):
+            ratio = value / median if median > 0 else 1.0
+            if self.threshold > 0 and ratio > 1 + self.threshold:
+                self.strikes[rank] = self.strikes.get(rank, 0) + 1
+                if self.strikes[rank] >= self.persist:
+                    named.append((rank, ratio))
+            else:
+                self.strikes.pop(rank, None)
+        return named
+
+
+# ---- preemption ----------------------------------------------------------------------------
+class Preemption:
+    """SIGTERM/SIGUSR1 set a flag (a handler must not save: it could interrupt a collective).
+    At the next step boundary all ranks agree, save and exit with EXIT_PREEMPTED. A second
+    signal gets the default behaviour."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.requested = False
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        signal.signal(signum, signal.SIG_DFL)
+
+    def agreed(self, device) -> bool:
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return self.requested
+        t = torch.tensor([1.0 if self.requested else 0.0], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
+    def close(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+# ---- fault injection -----------------------------------------------------------------------
+class FaultPlan:
+    """NDTRAIN_FAULTS="attempt:rank:step:point[:delay],..." kills (SIGKILL) or hangs this rank on
+    restart attempt `attempt`. Points: `step` (`delay` seconds after step `step` starts: inside
+    it, or in what follows if the step is shorter), `save` (right after the async save of step `step` starts writing), `publish`
+    (rank 0, manifest written, marker not yet), `rename` (marker written, not yet renamed),
+    `hang` (the step never ends: exercises the watchdog). For tests and benchmarks only."""
+
+    POINTS = ("step", "save", "publish", "rename", "hang")
+
+    def __init__(self, faults: list[tuple[int, str, float]], rank: int, log_path: Path | None = None):
+        self.faults, self.rank, self.log_path = faults, rank, log_path
+        self.timer: threading.Timer | None = None
+
+    @classmethod
+    def from_env(cls, rank: int, log_path: Path | None = None) -> FaultPlan:
+        text = os.environ.get(FAULTS_ENV, "").strip()
+        attempt = restart_count()
+        faults = []
+        for item in filter(None, (s.strip() for s in text.split(","))):
+            parts = item.split(":")
+            if len(parts) < 4 or parts[3] not in cls.POINTS:
+                raise NdtrainError(f"{FAULTS_ENV}: {item!r} is not attempt:rank:step:point[:delay] "
+                                   f"(points: {', '.join(cls.POINTS)})")
+            if int(parts[0]) == attempt and int(parts[1]) == rank:
+                faults.append((int(parts[2]), parts[3], float(parts[4]) if len(parts) > 4 else 0.0))
+        return cls(faults, rank, log_path)
+
+    def _note(self, what: str, step: int, point: str) -> None:
+        if self.log_path is not None:
+            with open(self.log_path, "a") as f:
+                f.write(f"{time.time():.6f} {what} rank={self.rank} step={step} point={point} "
+                        f"attempt={restart_count()}\n")
+
+    def _kill(self, step: int, point: str) -> None:
+        self._note("kill", step, point)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def at_step(self, step: int) -> None:
+        for at, point, delay in self.faults:
+            if at != step:
+                continue
+            if point == "step":
+                self.timer = threading.Timer(delay, self._kill, args=(step, point))
+                self.timer.daemon = True
+                self.timer.start()
+            elif point == "hang":
+                self._note("hang", step, point)
+                time.sleep(1e9)
+
+    def at_checkpoint(self, step: int, point: str) -> None:
+        if any(at == step and p == point for at, p, _ in self.faults):
+            self._kill(step, point)
+
+    def cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+
+
+# ---- the per-run coordinator ---------------------------------------------------------------
+class Recovery:
+    def __init__(self, cfg, trainer, ckpt, run_dir: Path | None):
+        self.cfg, self.trainer, self.ckpt = cfg, trainer, ckpt
+        rank = trainer.rt.rank
+        tc = cfg.train
+        self.watchdog = Watchdog(tc.step_deadline_s, rank) if tc.step_deadline_s > 0 else None
+        self.guard = NonFiniteGuard(tc.nonfinite_skip)
+        self.stragglers = StragglerMonitor(tc.straggler_threshold, tc.straggler_window)
+        self.preemption = Preemption()
+        log_path = Path(run_dir) / "faults.log" if run_dir is not None else None
+        self.faults = FaultPlan.from_env(rank, log_path)
+        ckpt.fault = lambda point, step: self.faults.at_checkpoint(step, point)
+        self.rollbacks = 0
+        self.cuda = trainer.rt.device.type == "cuda"
+        self._consumed_before = 0
+        self._t0 = (0.0, 0.0)
+
+    def _event(self, row: dict, text: str) -> None:
+        self.trainer.logger.log({"step": self.trainer.step, **row})
+        self.trainer.logger.info(text)
+
+    def before_step(self) -> None:
+        t = self.trainer
+        consumed = t.loader.consumed_samples
+        for start, end in self.ckpt.skip_windows:
+            if start <= consumed < end:
+                t.loader.consumed_samples = consumed = end
+                self._event({"event": "skip_window", "window": [start, end]},
+                            f"step {t.step + 1}: skipping samples [{start}, {end}) that gave non-finite steps")
+        self._consumed_before = consumed
+        if self.watchdog:
+            self.watchdog.arm(t.step + 1)
+        self._t0 = (time.thread_time(), time.perf_counter())
+        self.faults.at_step(t.step + 1)
+
+    def after_step(self, result) -> str:
+        """'ok', 'rollback' (the trainer was rolled back: continue the loop) or 'stop' (preempted)."""
+        t = self.trainer
+        busy = time.perf_counter() - self._t0[1] if self.cuda else time.thread_time() - self._t0[0]
+        if self.watchdog:
+            self.watchdog.disarm()
+        action, window = self.guard.observe(result.skipped, self._consumed_before, t.loader.consumed_samples)
+        if action != "ok":
+            self._event({"event": "nonfinite", "bad_loss": _num(result.loss), "bad_grad_norm": _num(result.grad_norm)},
+                        f"step {result.step}: non-finite loss {result.loss} or grad norm {result.grad_norm}; "
+                        f"update skipped ({self.guard.bad if action == 'skip' else self.guard.limit} in a row)")
+        if action == "rollback":
+            self.rollback(window)
+            return "rollback"
+        if self.stragglers.add(busy):
+            self._report_stragglers(result.step)
+        return "stop" if self.preemption.agreed(t.rt.device) else "ok"
+
+    def rollback(self, window: list[int]) -> None:
+        t, ckpt = self.trainer, self.ckpt
+        self.rollbacks += 1
+        if self.rollbacks > MAX_ROLLBACKS:
+            raise NdtrainError(f"{self.rollbacks} rollbacks for non-finite steps in one run: training diverges "
+                               f"beyond a few bad batches; lower optimizer.lr or check the data")
+        ckpt.wait()  # a save still in flight may be the checkpoint to return to
+        path = ckpt.resume("auto")
+        if path is None:
+            raise NdtrainError(f"{self.guard.limit} consecutive non-finite steps and no checkpoint to roll back to; "
+                               f"set checkpoint.interval_steps")
+        ckpt.skip_windows.append(window)
+        self._event({"event": "rollback", "to": str(path), "skip_window": window},
+                    f"rolled back to {path.name} (step {t.step}); samples [{window[0]}, {window[1]}) will be skipped")
+
+    def _report_stragglers(self, step: int) -> None:
+        t = self.trainer
+        mean = self.stragglers.take_mean()
+        world = t.rt.world_size
+        if world == 1:
+            return
+        vec = torch.zeros(world, dtype=torch.float64, device=t.rt.device)
+        vec[t.rt.rank] = mean
+        dist.all_reduce(vec)
+        per_rank = vec.cpu().tolist()
+        t.logger.log({"step": step, "rank_busy_s": per_rank})
+        for rank, ratio in self.stragglers.judge(per_rank):
+            self._event({"event": "straggler", "rank": rank, "ratio": ratio},
+                        f"straggler: rank {rank} is {ratio:.2f}x the median busy time per step "
+                        f"({per_rank[rank]:.3f} s vs {statistics.median(per_rank):.3f} s) for "
+                        f"{self.stragglers.strikes[rank]} windows of {self.stragglers.window} steps")
+
+    def close(self) -> None:
+        if self.watchdog:
+            self.watchdog.close()
+        self.faults.cancel()
+        self.preemption.close()
+
+
+def _num(x: float):
+    return x if math.isfinite(x) else str(x)

@@ -1,0 +1,76 @@
+"""Recovery building blocks in isolation: watchdog, non-finite guard, straggler judgement, restart
+semantics, fault-plan parsing."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from ckpt_helpers import cfg_of, job
+
+from ndtrain.errors import NdtrainError
+from ndtrain.train import recovery
+
+
+def test_watchdog_fires_only_for_a_step_past_its_deadline():
+    fired = threading.Event()
+    dog = recovery.Watchdog(0.2, rank=0, on_expire=fired.set)
+    try:
+        for step in range(3):  # fast steps: never fires
+            dog.arm(step)
+            time.sleep(0.05)
+            dog.disarm()
+        time.sleep(0.4)  # disarmed (e.g. a long checkpoint or validation): never fires
+        assert not fired.is_set()
+        dog.arm(4)
+        assert fired.wait(2.0)
+    finally:
+        dog.close()
+
+
+def test_nonfinite_guard_counts_consecutive_steps_and_names_the_window():
+    g = recovery.NonFiniteGuard(limit=3)
+    assert g.observe(True, 0, 8) == ("skip", None)
+    assert g.observe(False, 8, 16) == ("ok", None)  # a good step resets the count
+    assert g.observe(True, 16, 24) == ("skip", None)
+    assert g.observe(True, 24, 32) == ("skip", None)
+    assert g.observe(True, 32, 40) == ("rollback", [16, 40])
+    assert g.observe(True, 40, 48) == ("skip", None)  # counting starts afresh after a rollback
+
+
+def test_straggler_needs_persistence_and_threshold():
+    m = recovery.StragglerMonitor(threshold=0.25, window=2, persist=3)
+    assert m.judge([1.0, 1.0, 1.0, 1.6]) == []
+    assert m.judge([1.0, 1.0, 1.0, 1.6]) == []
+    assert m.judge([1.0, 1.0, 1.0, 1.1]) == []  # recovered: strikes reset
+    for _ in range(2):
+        assert m.judge([1.0, 1.0, 1.0, 1.6]) == []
+    [(rank, ratio)] = m.judge([1.0, 1.0, 1.0, 1.6])
+    assert rank == 3 and ratio == pytest.approx(1.6)
+    assert not m.add(0.1) and m.add(0.3) and m.take_mean() == pytest.approx(0.2)
+
+
+def test_restart_semantics(monkeypatch, parity_base):
+    cfg = cfg_of(job(parity_base))
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert recovery.resume_specs(cfg) == []
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert recovery.resume_specs(cfg) == ["auto"]
+    cfg.checkpoint.resume = "/pretrained/step_00000000"
+    assert recovery.resume_specs(cfg) == ["auto", "/pretrained/step_00000000"]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
+    assert recovery.launcher_run_dir(cfg) == Path("runs") / "debug-job42"
+    cfg.train.output_dir = "/out"
+    assert recovery.launcher_run_dir(cfg) is None
+
+
+def test_fault_plan_selects_this_attempt_and_rank(monkeypatch):
+    monkeypatch.setenv(recovery.FAULTS_ENV, "0:1:5:step:0.01,1:1:7:save,1:0:9:hang")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert recovery.FaultPlan.from_env(rank=1).faults == [(7, "save", 0.0)]
+    assert recovery.FaultPlan.from_env(rank=0).faults == [(9, "hang", 0.0)]
+    monkeypatch.setenv(recovery.FAULTS_ENV, "0:1:5:explode")
+    with pytest.raises(NdtrainError, match="attempt:rank:step:point"):
+        recovery.FaultPlan.from_env(rank=0)
