@@ -4,6 +4,7 @@ degrees are all 1 (no mesh, no process group)."""
 from __future__ import annotations
 
 import contextlib
+import statistics
 import logging
 import math
 import time
@@ -22,6 +23,7 @@ from ndtrain.model.init import canonical_name, materialize
 from ndtrain.model.moe import end_step as moe_end_step, moe_layers, set_aux_scale
 from ndtrain.model.llama import build_model
 from ndtrain.parallel import dims as pdims
+from ndtrain.parallel.auto import apply_auto_layout, describe as describe_auto
 from ndtrain.parallel.compose import parallelize
 from ndtrain.parallel.grad_norm import (all_reduce_sum, clip_coefficient, local_grad_sq, reduce_partial_grads,
                                         scale_grads)
@@ -62,6 +64,8 @@ class Trainer:
     def __init__(self, cfg: JobConfig, run_dir: Path | None = None, log: bool = True):
         self.cfg = cfg
         self.rt = distributed.setup(cfg.train)
+        # `[parallel] auto`: planned for the world found at every (re)start, before the mesh exists.
+        self.auto_choice = apply_auto_layout(cfg, self.rt.world_size)
         self.dims = pdims.resolve(cfg.parallel, self.rt.world_size, cfg.model, cfg.data.seq_len, cfg.train)
         self.mesh = pdims.build_mesh(self.dims, self.rt.device.type) if self.rt.world_size > 1 else None
         self.run_dir = run_dir
@@ -302,6 +306,9 @@ def train(cfg: JobConfig) -> dict:
     log.info(f"ndtrain: {cfg.model.preset} model, {num_params(cfg.model) / 1e6:.2f}M parameters, "
              f"layout {trainer.dims.describe()} on {rt.world_size} x {rt.device.type}, "
              f"peak {trainer.peak_flops_total / 1e9:.1f} GFLOP/s ({trainer.peak_source}); run dir {run_dir}")
+    if trainer.auto_choice:
+        log.info(f"auto layout (planner): {describe_auto(trainer.auto_choice)}")
+    step_times: list[float] = []
     last_val, preempted = None, False
     guard = recovery.Recovery(cfg, trainer, ckpt, run_dir)  # watchdog, non-finite rollback, stragglers
     try:
@@ -311,6 +318,7 @@ def train(cfg: JobConfig) -> dict:
             action = guard.after_step(result)
             if action == "rollback":
                 continue
+            step_times.append(result.seconds)
             if result.step % cfg.train.log_interval == 0 or result.step == cfg.train.steps:
                 row = trainer.metrics_row(result)
                 row["last"] = result.step == cfg.train.steps
@@ -330,6 +338,10 @@ def train(cfg: JobConfig) -> dict:
         ckpt.finish()
     finally:
         guard.close()
+    if trainer.auto_choice and len(step_times) > 3:
+        measured = statistics.median(step_times[3:])  # the first steps pay for warm-up
+        log.info(f"auto layout: measured {measured:.3f} s/step vs predicted "
+                 f"{trainer.auto_choice['predicted_step_time']:.3f} s/step")
     summary = {"run_dir": str(run_dir), "steps": trainer.step, "val_loss": last_val, "checkpoint": str(path),
                "preempted": preempted}
     if rt.is_main and cfg.train.sample_tokens > 0 and path is not None and not preempted:
