@@ -52,3 +52,22 @@ def test_bf16_mixed_precision(parity_base):
     _check(results, BF16_TOL)
     # bf16 really ran: it cannot match fp32 as closely as an fp32 layout does.
     assert all(r.d_weight > FP32_TOL for r in results)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_compiled_blocks_match_eager(parity_base):
+    """torch.compile per block (cold compiles take tens of seconds on 2 cores: slow suite)."""
+    _, results = verify(parity_base, ["compile=true", "dp_shard=2 compile=true ac=full"], steps=3,
+                        tol_loss=FP32_TOL, tol_weight=FP32_TOL)
+    _check(results, FP32_TOL)
+
+
+def test_compile_with_tp_is_refused_up_front(parity_base):
+    from ndtrain.config import load_config
+    from ndtrain.errors import ConfigError
+    from ndtrain.parallel.dims import resolve
+
+    cfg = load_config(None, {"parallel": {"tp": 2, "compile": True}})
+    with pytest.raises(ConfigError, match="parallel.compile"):
+        resolve(cfg.parallel, 2, cfg.model)

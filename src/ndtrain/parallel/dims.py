@@ -70,6 +70,11 @@ def resolve(par, world_size: int, model: ModelConfig, seq_len: int = 0, train=No
 
 def validate(dims: ParallelDims, par, model: ModelConfig, seq_len: int = 0, train=None) -> None:
     tp, pp, cp, ep = dims.tp, dims.pp, dims.cp, dims.ep
+    if par.compile and tp > 1:
+        # torch 2.13's compiled blocks lose DTensor's local tensor on the TP path (AttributeError
+        # '_local_tensor' inside the graph); FSDP, CP and EP blocks compile and match eager.
+        raise ConfigError("parallel.compile", "torch.compile of tensor-parallel blocks fails in torch 2.13; "
+                                              "set compile=false or tp=1")
     if model.n_heads % tp:
         raise ConfigError("parallel.tp", f"model.n_heads={model.n_heads} is not divisible by tp={tp}")
     if model.n_kv_heads % tp:
