@@ -8,7 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ndtrain.model.config import PRESETS, flops_per_token, num_params, preset
 from ndtrain.model.init import init_std, init_values, materialize
-from ndtrain.model.llama import apply_rope, build_model, rope_cos_sin
+from ndtrain.model.llama import apply_rope, build_model, expand_kv, rope_cos_sin
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -30,7 +30,9 @@ def test_published_llama3_sizes():
 
 def _explicit_attention(q, k, v):
     """Causal attention as plain matmuls: torch's FLOP counter has no formula for the CPU flash
-    kernel, and the formula's convention (full s x s scores) is exactly what this computes."""
+    kernel, and the formula's convention (full s x s scores) is exactly what this computes.
+    K/V arrive with their own (fewer) heads, as every `Attention.sdpa` receives them."""
+    k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     scores = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
     mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).triu(1)
     return torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1) @ v
@@ -103,3 +105,24 @@ def test_causal():
     a, b = model(tokens), model(changed)
     assert torch.allclose(a[0, :20], b[0, :20], atol=1e-6)
     assert not torch.allclose(a[0, 20:], b[0, 20:])
+
+
+def test_attention_kernel_receives_unexpanded_kv():
+    """`Attention.sdpa` gets K/V with n_kv_heads (what context parallel transfers), and the
+    default kernel's grouped-query expansion equals torch's own GQA attention."""
+    cfg = preset("debug")
+    assert cfg.n_kv_heads < cfg.n_heads
+    model = materialize(build_model(cfg), seed=0)
+    tokens = torch.randint(0, 256, (2, 32))
+    ref = model(tokens)
+    seen = []
+
+    def spy(q, k, v):
+        seen.append((q.shape[1], k.shape[1], v.shape[1]))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    for block in model.layers.values():
+        block.attention.sdpa = spy
+    out = model(tokens)
+    assert seen == [(cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads)] * cfg.n_layers
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)

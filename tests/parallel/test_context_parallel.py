@@ -96,8 +96,56 @@ def test_config_errors_name_their_key(parallel, seq_len, key):
 
 # ---- one world-4 launch: attention, long sequence, validation --------------------------------
 def _attention_inputs(seq):
+    """q, k, v, grad_out with grouped-query heads (4 query heads share 2 K/V heads), as the model
+    passes them."""
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(2, 4, seq, 16, generator=g) for _ in range(4)]  # q, k, v, grad_out
+    return [torch.randn(2, h, seq, 16, generator=g) for h in (4, 2, 2, 4)]
+
+
+class _CountingComm:
+    """Wraps a CPComm and tallies the bytes this rank puts on the wire, per message kind."""
+
+    def __init__(self, comm):
+        self._comm, self.sent = comm, {}
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def _add(self, kind, t):
+        self.sent[kind] = self.sent.get(kind, 0) + t.numel() * t.element_size()
+
+    def shift(self, t, tag):
+        from ndtrain.parallel.ring_attention import _TAG_KV
+
+        self._add("kv" if tag == _TAG_KV else "dkv", t)
+        return self._comm.shift(t, tag)
+
+    def blocks(self, kv):
+        if self._comm.mode == "allgather":
+            self._add("kv", kv)  # this rank's contribution to the all-gather
+        return type(self._comm).blocks(self, kv)  # `self`: so ring hops go through shift() above
+
+
+def _layer_bytes(group, mode, expanded):
+    """Bytes one cp rank sends for one debug-model attention layer, forward + backward, and the
+    unexpanded K/V size. `expanded` feeds K/V pre-expanded to the query heads, i.e. what the kernel
+    moved before it took grouped K/V."""
+    from ndtrain.model.config import preset
+    from ndtrain.model.llama import Attention, expand_kv
+    from ndtrain.parallel.context import ContextParallelSDPA
+
+    cfg, cp, cp_rank = preset("debug"), group.size(), group.rank()
+    s_local = 64 // cp
+    with torch.random.fork_rng():  # leave the rank's global RNG as the later checks expect it
+        torch.manual_seed(0)
+        attn = Attention(cfg)
+        x = torch.randn(2, s_local, cfg.dim)
+    sdpa = ContextParallelSDPA(group, mode)
+    sdpa.comm = counter = _CountingComm(sdpa.comm)
+    attn.sdpa = (lambda q, k, v: sdpa(q, expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1]))) if expanded else sdpa
+    attn(x, cp_positions(64, cp, cp_rank)).sum().backward()
+    kv_bytes = 2 * 2 * cfg.n_kv_heads * s_local * cfg.head_dim * 4  # k and v, fp32
+    return counter.sent, kv_bytes
 
 
 def _cfg(corpus, seq, parallel, gb=1):
@@ -146,6 +194,8 @@ def _rank_checks(corpus):
         o = context_attention(ql, kl, vl, CPComm(group, "ring"), fused=False)
         o.backward(shard_sequence(go, cp, cp_rank, dim=2))
         out["attention"][(cp, "ring-portable")] = (o.detach(), ql.grad, kl.grad, vl.grad)
+        for mode in ("ring", "allgather"):
+            out.setdefault("bytes", {})[(cp, mode)] = [_layer_bytes(group, mode, e) for e in (False, True)]
     run = _long_run(_cfg(corpus, LONG_SEQ, {"cp": 4}), budget=LONG_BUDGET)
     try:
         run["trainer"].model(torch.zeros(1, LONG_SEQ // 4, dtype=torch.long))
@@ -171,7 +221,8 @@ def cp_ranks(corpus_dir):
 @pytest.mark.parametrize("mode", ["ring", "allgather", "ring-portable"])
 def test_attention_matches_full_attention(cp_ranks, cp, mode):
     q, k, v, go = (t.requires_grad_() for t in _attention_inputs(ATTN_SEQ))
-    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    rep = q.shape[1] // k.shape[1]
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
     ref.backward(go.detach())
     expected = (ref.detach(), q.grad, k.grad, v.grad)
     for name, i in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
@@ -179,6 +230,25 @@ def test_attention_matches_full_attention(cp_ranks, cp, mode):
         for first in range(0, 4, cp):
             got = unshard_sequence([cp_ranks[r]["attention"][(cp, mode)][i] for r in range(first, first + cp)], dim=2)
             torch.testing.assert_close(got, expected[i], atol=TOL, rtol=TOL, msg=f"{name} cp={cp} {mode}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("mode", ["ring", "allgather"])
+def test_kv_traffic_is_unexpanded(cp_ranks, cp, mode):
+    """Per layer a cp rank sends exactly the grouped (n_kv_heads) K/V: ring sends its K/V block
+    cp-1 times in forward and again in backward, then cp hops of fp32 dK/dV; all-gather sends it
+    once per pass. Feeding pre-expanded K/V (the old contract) costs n_heads/n_kv_heads more."""
+    from ndtrain.model.config import preset
+
+    cfg = preset("debug")
+    for r in range(4):
+        (sent, kv), (sent_expanded, _) = cp_ranks[r]["bytes"][(cp, mode)]
+        if mode == "ring":
+            assert sent == {"kv": 2 * (cp - 1) * kv, "dkv": cp * kv}, (r, sent, kv)
+        else:
+            assert sent == {"kv": 2 * kv}, (r, sent, kv)
+        assert all(sent_expanded[k] == sent[k] * cfg.n_heads // cfg.n_kv_heads for k in sent), (sent_expanded, sent)
 
 
 @pytest.mark.timeout(300)

@@ -6,7 +6,8 @@ It knows nothing about parallelism. Three choices keep it composable with every 
 - RoPE angles are computed inside attention from explicit positions, so a sequence-sharded
   (SP/CP) or stage-split hidden state still gets its true global positions;
 - the attention kernel is an attribute (`Attention.sdpa`) so context parallelism can swap in
-  ring attention without the model importing it.
+  ring attention without the model importing it; it receives K/V with their own (fewer) heads
+  and expands them itself.
 """
 
 from __future__ import annotations
@@ -47,9 +48,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).type_as(x)
 
 
+def expand_kv(t: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """[b, h_kv, s, d] -> [b, n_heads, s, d]: each K/V head serves n_heads/h_kv consecutive query
+    heads (grouped-query attention)."""
+    rep = n_heads // t.shape[1]
+    return t.repeat_interleave(rep, dim=1) if rep > 1 else t
+
+
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q, k, v: [b, h, s, d] with k/v already expanded to q's heads."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """q: [b, h, s, d]; k, v: [b, h_kv, s, d], not expanded, so a kernel that moves K/V (context
+    parallel) moves h/h_kv times fewer bytes. Expanded here rather than with `enable_gqa=True`:
+    on CPU (torch 2.13) that path sums dK/dV in another order, so gradients would differ from the
+    expanded reference in the last bits."""
+    return F.scaled_dot_product_attention(q, expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1]), is_causal=True)
 
 
 class Attention(nn.Module):
@@ -57,7 +68,6 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.rope_theta = cfg.rope_theta
-        self.kv_repeat = cfg.n_heads // cfg.n_kv_heads
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -72,9 +82,6 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.kv_repeat > 1:
-            k = k.repeat_interleave(self.kv_repeat, dim=2)
-            v = v.repeat_interleave(self.kv_repeat, dim=2)
         out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 

@@ -56,7 +56,8 @@ def unshard_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
 
 # ---- the attention hook ----------------------------------------------------------------------
 class ContextParallelSDPA:
-    """Drop-in for `Attention.sdpa` (q, k, v: [b, h, s_local, d]). A plain object, not a module,
+    """Drop-in for `Attention.sdpa` (q: [b, h, s_local, d], k, v: [b, h_kv, s_local, d], K/V not
+    expanded to q's heads, so they travel at their own size). A plain object, not a module,
     so it adds nothing to the state dict; the process group lives inside `CPComm`."""
 
     def __init__(self, group, mode: str = "ring"):

@@ -23,6 +23,10 @@ attention kernel would), and the K/V blocks are brought round again. Each block'
 the *global* output and log-sum-exp, which makes the per-block terms sum to the exact gradient.
 Key/value gradients travel back to their owner: in the ring they follow the K/V round and
 arrive home after cp hops; with all-gather one reduce-scatter returns them.
+
+Grouped-query attention: K/V travel with their own h_kv heads, not expanded to q's h heads, so
+every transfer (K/V and their gradients) is h/h_kv times smaller. Each block is expanded only
+locally, for its compute, and its dK/dV are summed over each head group before they are sent.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from ndtrain.model.llama import expand_kv
 
 _TAG_KV, _TAG_DKV = 11, 12
 
@@ -183,13 +189,20 @@ class _DKVReturn:
 
 
 # ---- the autograd function -------------------------------------------------------------------
+def _group_sum(g: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """Inverse of `expand_kv` for gradients: [b, h, s, d] -> [b, n_kv, s, d], summing each group."""
+    b, h, s, d = g.shape
+    return g if h == n_kv else g.view(b, n_kv, h // n_kv, s, d).sum(2)
+
+
 def _forward_blocks(q, kv, comm: CPComm, scale: float, fused: bool):
     b, h, n, d = q.shape
     out = torch.zeros((b, h, n, d), dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=q.device)
     for src, blk in comm.blocks(kv):
         rows, keys, causal = block_plan(comm.rank, src, n)
-        o, l = block_forward(q[:, :, rows], blk[0][:, :, keys], blk[1][:, :, keys], causal, scale, fused)
+        k, v = expand_kv(blk[0][:, :, keys], h), expand_kv(blk[1][:, :, keys], h)
+        o, l = block_forward(q[:, :, rows], k, v, causal, scale, fused)
         _merge(out, lse, o, l, rows)
     return out, lse
 
@@ -212,18 +225,19 @@ class _ContextAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         comm, scale, fused = ctx.comm, ctx.scale, ctx.fused
         go = go.contiguous()
-        n = q.shape[2]
+        h, n, n_kv = q.shape[1], q.shape[2], k.shape[1]
         kv = torch.stack([k, v])
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = _DKVReturn(comm, kv)
         for src, blk in comm.blocks(kv):
             rows, keys, causal = block_plan(comm.rank, src, n)
-            gq, gk, gv = block_backward(go[:, :, rows], q[:, :, rows], blk[0][:, :, keys], blk[1][:, :, keys],
+            bk, bv = expand_kv(blk[0][:, :, keys], h), expand_kv(blk[1][:, :, keys], h)
+            gq, gk, gv = block_backward(go[:, :, rows], q[:, :, rows], bk, bv,
                                         out[:, :, rows], lse[:, :, rows], causal, scale, fused)
             dq[:, :, rows] += gq
             part = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            part[0][:, :, keys] = gk
-            part[1][:, :, keys] = gv
+            part[0][:, :, keys] = _group_sum(gk, n_kv)
+            part[1][:, :, keys] = _group_sum(gv, n_kv)
             dkv.add(src, part)
         own = dkv.result()
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None
@@ -231,7 +245,10 @@ class _ContextAttention(torch.autograd.Function):
 
 def context_attention(q, k, v, comm: CPComm, fused: bool = True) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole cp-sharded sequence.
-    q, k, v: [b, h, s_local, d] in the load-balanced layout, k/v with q's number of heads."""
+    q: [b, h, s_local, d], k, v: [b, h_kv, s_local, d] (h_kv divides h; not expanded, so only
+    h_kv heads travel), all in the load-balanced layout."""
     if q.shape[2] % 2:
         raise ValueError(f"context-parallel attention needs an even local sequence (two chunks), got {q.shape[2]}")
+    if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"K/V heads {k.shape[1]}/{v.shape[1]} must be equal and divide q's {q.shape[1]} heads")
     return _ContextAttention.apply(q, k, v, comm, fused)
