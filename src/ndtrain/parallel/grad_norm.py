@@ -29,7 +29,9 @@ def reduce_partial_grads(params) -> None:
 
 
 def local_grad_sq(params, ranks_per_stage: int) -> torch.Tensor:
-    total = torch.zeros((), dtype=torch.float64)
+    # Accumulate per device and copy to the host once per device: a .cpu() per parameter would
+    # be a device sync per parameter on GPUs.
+    per_device: dict[torch.device, torch.Tensor] = {}
     for p in params:
         g = p.grad
         if g is None:
@@ -44,7 +46,11 @@ def local_grad_sq(params, ranks_per_stage: int) -> torch.Tensor:
                 if placement.is_shard() or isinstance(placement, _StridedShard):
                     shards *= mesh.size(dim)
             g = g.to_local()
-        total += g.detach().double().pow(2).sum().cpu() * (shards / ranks_per_stage)
+        sq = g.detach().double().pow(2).sum() * (shards / ranks_per_stage)
+        per_device[sq.device] = per_device[sq.device] + sq if sq.device in per_device else sq
+    total = torch.zeros((), dtype=torch.float64)
+    for value in per_device.values():
+        total += value.cpu()
     return total
 
 
