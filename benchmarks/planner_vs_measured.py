@@ -5,11 +5,15 @@ the same model for a few steps with `ndtrain train --nproc W`, takes the median 
 after warm-up from metrics.jsonl, and prints a markdown table next to
 `ndtrain.planner.api.predict` for the same model, layout, sequence, batch and profile.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/planner_vs_measured.py            # calibrate + all
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/planner_vs_measured.py --quiet-cores 0.15   # calibrate + all
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/planner_vs_measured.py --profile ~/.cache/ndtrain/hardware.json \
         --only ddp2,zero3-2 --json runs/pvm.json
 
-Layouts run one after another (never two trainings at once), each rank with one thread.
+Layouts run one after another (never two trainings at once), each rank with one thread. The
+machine may be shared: the last column is the CPU (in cores) that other processes used during
+the run, from /proc/stat less this run's own; `--quiet-cores X` waits before calibrating and
+before each layout until others used under X cores over 10 s, and re-runs a layout (keeping the
+least disturbed run) when they used more than 2X during it.
 Model: the `tiny` preset (8 layers, dim 256, GQA 8/4 heads, ffn 768) with the byte vocabulary
 (256), fp32, seq 256, global batch 8, micro-batch 2 (so pp=2 gets 4 micro-batches), on uniform
 synthetic tokens.
@@ -119,8 +123,27 @@ def calibration_lines(path: Path) -> list[str]:
     lines += [f"  matmul {k}: {v / 1e9:.1f} GFLOP/s" for k, v in prof["matmul"].items()]
     lines.append(f"  copy bandwidth {prof['memory']['copy_bw'] / 1e9:.2f} GB/s, eager op + backward "
                  f"{prof['op_overhead_s'] * 1e6:.1f} us")
+    for dtype, rates in prof.get("attention", {}).items():
+        lines.append(f"  causal attention {dtype}: " + ", ".join(f"seq {s} {r / 1e9:.1f}" for s, r in rates.items())
+                     + " GFLOP/s")
+    if "host_s" in prof:
+        lines.append(f"  host per micro-batch: {prof['host_s']['layer'] * 1e3:.2f} ms per layer + "
+                     f"{prof['host_s']['head'] * 1e3:.2f} ms; grad norm + AdamW "
+                     f"{prof['optimizer_s_per_param'] * 1e9:.2f} ns per parameter")
+    for world, by_tp in prof.get("tp_host", {}).items():
+        for t, fit in by_tp.items():
+            lines.append(f"  TP tp={t} at world {world}: per layer {fit['layer']['alpha'] * 1e3:.2f} ms + "
+                         f"{fit['layer']['per_byte'] * 1e9:.2f} ns/B, per micro-batch {fit['head']['alpha'] * 1e3:.2f} ms"
+                         f" + {fit['head']['per_byte'] * 1e9:.2f} ns/B")
+    for world, fits in prof.get("dp_in_situ", {}).items():
+        lines.append(f"  FSDP/DDP in situ at world {world}: " + ", ".join(
+            f"{k} alpha {f['alpha'] * 1e6:.0f} us, beta {f['beta'] / 1e9:.2f} GB/s" for k, f in fits.items()
+            if k != "measured"))
+    if "mm_eff" in prof:
+        lines.append(f"  training GEMMs reach {prof['mm_eff']:.2f} of the square-matmul rate (mm_eff)")
     for kind, fit in prof["collectives"].items():
-        lines.append(f"  {kind}: alpha {fit['alpha'] * 1e6:.0f} us, beta {fit['beta'] / 1e9:.2f} GB/s")
+        lines.append(f"  {kind} (isolated): " + ", ".join(f"world {w}: alpha {f['alpha'] * 1e6:.0f} us, beta {f['beta'] / 1e9:.2f} GB/s"
+                                              for w, f in fit.get("by_world", {"all": fit}).items()))
     return lines
 
 
@@ -143,6 +166,9 @@ def main() -> int:
                    help="before each layout, wait until other processes use fewer cores than this over 10 s "
                         "(0 = do not wait)")
     p.add_argument("--quiet-wait-max", type=float, default=1800, help="give up waiting after this many seconds in all")
+    p.add_argument("--retries", type=int, default=2,
+                   help="with --quiet-cores: run a layout again (keeping the least disturbed run) when other "
+                        "jobs used more than twice that during it")
     args = p.parse_args()
 
     started = time.time()
@@ -179,9 +205,14 @@ def main() -> int:
         if args.predict_only:
             med, steps, others = float("nan"), [], float("nan")
         else:
-            if args.quiet_cores:
-                wait_quiet(args.quiet_cores, 10.0, started + args.quiet_wait_max)
-            med, steps, others = measure(args, key, world, par)
+            tries = []
+            for _ in range(1 + args.retries):
+                if args.quiet_cores:
+                    wait_quiet(args.quiet_cores, 10.0, started + args.quiet_wait_max)
+                tries.append(measure(args, key, world, par))
+                if not args.quiet_cores or tries[-1][2] < 2 * args.quiet_cores:
+                    break  # other jobs stayed quiet during the run
+            med, steps, others = min(tries, key=lambda x: x[2])  # the run least disturbed by other jobs
         ratio = med / pred.step_time
         rows_md.append(f"| {label} | {world} | {pred.step_time:.3f} | {parts} | {med:.3f} | {ratio:.2f} "
                        f"| {others:.2f} |")

@@ -69,6 +69,10 @@ def test_calibrate_writes_a_profile_the_catalog_loads(tmp_path, capsys):
         assert fit["alpha"] > 0 and fit["beta"] > 0
     hw = this_machine(out)
     assert hw.peak("fp32") == prof["matmul"]["fp32_1thread"] and hw.collectives["p2p"]["alpha"] > 0
+    # the CPU-rank terms: cores, attention, host and optimizer costs, in-situ TP cost, per-world fits
+    assert hw.cores >= 1 and hw.attention_rate("fp32", 256) == prof["attention"]["fp32"]["256"] > 0
+    assert hw.layer_overhead_s > 0 and hw.optimizer_s_per_param > 0
+    assert hw.tp_cost(2, 2, "layer", 1e5) > 0 and set(hw.collectives_by_world) == {"2"}
 
 
 def test_this_machine_falls_back_to_defaults(tmp_path):

@@ -17,13 +17,14 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 
 from ndtrain.errors import NdtrainError
+from ndtrain.planner.calibrate_host import (SHAPES, dp_host, fit_dp, fit_tp, optimizer_seconds_per_param, plain_host,
+                                            tp_host, typical)
 from ndtrain.planner.hardware import DEFAULT_PROFILE
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
@@ -91,107 +92,22 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], reps:
                     start = time.perf_counter()
                     op()
                     times.append(time.perf_counter() - start)
-                if rank == 0:  # the median shrugs off other jobs on a shared machine
-                    results.append((kind, world, elems * 4, statistics.median(times)))
+                if rank == 0:
+                    results.append((kind, world, elems * 4, typical(times)))
     for tp in tp_degrees:
         if world % tp == 0 and tp <= world:
-            layer, head = _tp_host_seconds(world, tp, max(3, reps))
+            measured = tp_host(world, tp, max(3, 3 * reps // 2))
             if rank == 0:
-                results.append(("tp_host", world, tp, [layer, head]))
+                results.append(("tp_host", world, tp, measured))
+    if tp_degrees:  # the same ranks measure the runtime's data parallelism in situ
+        for mode in ("zero3", "ddp"):
+            measured = dp_host(world, mode, max(3, 3 * reps // 2))
+            if rank == 0:
+                results.append(("dp_host", world, mode, measured))
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
-
-
-def _tiny_llama(layers: int):
-    from ndtrain.model.config import ModelConfig
-    from ndtrain.model.llama import build_model
-
-    cfg = ModelConfig(preset="custom", dim=64, n_layers=layers, n_heads=8, n_kv_heads=4, ffn_dim=128, vocab_size=64)
-    return build_model(cfg, "meta")
-
-
-def _host_seconds(build, reps: int, tp: bool = False, sync=None) -> tuple[float, float]:
-    """(per decoder layer, per micro-batch outside the layers) host seconds of a training micro-batch
-    of a tiny Llama, whose compute is negligible: forward, the loss as the trainer computes it
-    (vocab-parallel under TP), backward and reading the loss. The slope between 1 and 3 layers is the
-    layer; the rest (embedding, head, loss) is the intercept. `build(layers)` returns a model."""
-    import contextlib
-
-    import torch
-    import torch.nn.functional as F
-
-    per_depth = {}
-    for layers in (1, 3):
-        model = build(layers)
-        x, y = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
-
-        def step():
-            if tp:
-                from torch.distributed.tensor.parallel import loss_parallel
-
-                ctx = loss_parallel()
-            else:
-                ctx = contextlib.nullcontext()
-            with ctx:
-                loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten(), reduction="sum")
-                loss.backward()
-            float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
-
-        step()
-        times = []
-        for _ in range(reps):
-            if sync:
-                sync()
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        per_depth[layers] = statistics.median(times)
-    layer = max(1e-6, (per_depth[3] - per_depth[1]) / 2)
-    return layer, max(1e-6, per_depth[1] - layer)
-
-
-def _tp_host_seconds(world: int, tp: int, reps: int) -> tuple[float, float]:
-    """What a tensor-parallel (+SP) micro-batch costs beyond its FLOPs and bytes, as the runtime
-    runs it (DTensor dispatch, the collectives at their latency), with `world` ranks busy in groups
-    of `tp`: (per layer, per micro-batch for embedding, head and vocab-parallel loss)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from ndtrain.model.init import materialize
-    from ndtrain.parallel.tensor import apply_tensor_parallel
-
-    mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("rest", "tp"))
-
-    def build(layers):
-        model = _tiny_llama(layers)
-        apply_tensor_parallel(model, mesh["tp"], True)
-        materialize(model, 0, "cpu")
-        return model
-
-    return _host_seconds(build, reps, True, dist.barrier)
-
-
-def measure_host_overhead(reps: int = 15) -> tuple[float, float]:
-    """(per layer, per micro-batch outside the layers) host seconds of plain eager training, in
-    this process."""
-    import torch
-
-    from ndtrain.model.init import materialize
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-
-    def build(layers):
-        model = _tiny_llama(layers)
-        materialize(model, 0, "cpu")
-        return model
-
-    try:
-        return _host_seconds(build, reps)
-    finally:
-        torch.set_num_threads(old)
 
 
 def measure_attention(dtype_name: str, seqs=(256, 1024), min_time: float = 0.15) -> dict:
@@ -218,7 +134,7 @@ def measure_attention(dtype_name: str, seqs=(256, 1024), min_time: float = 0.15)
                 start = time.perf_counter()
                 step()
                 times.append(time.perf_counter() - start)
-            rates[str(seq)] = 3 * 4 * b * seq * seq * h * d * 0.5 / statistics.median(times)
+            rates[str(seq)] = 3 * 4 * b * seq * seq * h * d * 0.5 / typical(times)
     finally:
         torch.set_num_threads(old)
     return rates
@@ -227,7 +143,7 @@ def measure_attention(dtype_name: str, seqs=(256, 1024), min_time: float = 0.15)
 def measure_collectives(worlds=(2, 4), sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), reps: int = 8,
                         tp_degrees: tuple = ()) -> list:
     """(kind, world, bytes, seconds) per collective and size; with tp_degrees also
-    ("tp_host", world, tp, [per layer, per micro-batch]) from `_tp_host_seconds`."""
+    ("tp_host", world, tp, {shape: [per layer, per micro-batch]}) from calibrate_host.tp_host."""
     import torch.multiprocessing as mp
 
     samples = []
@@ -265,7 +181,7 @@ def measure_matmul(dtype_name: str, threads: int, sizes=(256, 512, 1024), min_ti
                 start = time.perf_counter()
                 a @ b
                 times.append(time.perf_counter() - start)
-            one = statistics.median(times)
+            one = typical(times)
             best = max(best, 2 * n**3 / one)
             if one > min_time / 3:  # larger sizes would only take longer
                 break
@@ -288,7 +204,7 @@ def measure_copy_bw(mbytes: int = 64, min_time: float = 0.2) -> float:
             start = time.perf_counter()
             y.copy_(x)
             times.append(time.perf_counter() - start)
-        return 2 * x.numel() * 4 / statistics.median(times)  # read + write
+        return 2 * x.numel() * 4 / typical(times)  # read + write
     finally:
         torch.set_num_threads(old)
 
@@ -307,7 +223,27 @@ def measure_op_overhead(chain: int = 200, reps: int = 15) -> float:
             y = y * 1.0001
         y.sum().backward()
         times.append((time.perf_counter() - start) / chain)
-    return statistics.median(times)
+    return typical(times)
+
+
+def fit_mm_eff(prof: dict) -> float:
+    """The fraction of the square-matmul rate that training GEMMs reach: the plain decoder layer
+    timed at the calibration's larger shape, less what the time model gives its attention,
+    elementwise and host work, leaves the GEMMs' time (the role mm_eff plays for GPUs, where it was
+    fitted on published runs)."""
+    from ndtrain.planner.calibrate_host import BATCH, _config
+    from ndtrain.planner.hardware import from_profile
+    from ndtrain.planner.layout import Layout
+    from ndtrain.planner.problem import make_problem
+    from ndtrain.planner.timing import layer_costs
+
+    dim, seq = SHAPES[-1]
+    hw = from_profile({**prof, "mm_eff": 1.0})
+    pb = make_problem(_config(4, dim), seq, BATCH, 1, hw, precision="fp32")
+    model = layer_costs(pb, Layout(dp_shard=1, mb=BATCH))["compute"]
+    gemms = 3 * 2 * BATCH * seq * pb.shape.mm_params_layer / hw.peak("fp32")
+    measured = prof["host_s"]["measured"][f"{dim},{seq}"][0]
+    return min(1.5, max(0.25, gemms / max(measured - (model - gemms), 1e-9)))
 
 
 def _cores() -> int:
@@ -323,11 +259,19 @@ def calibrate(worlds=(2, 4, 8), sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), reps
     matmul = {f"{d}_{t}thread": measure_matmul(d, t, matmul_sizes, min_time) for d in ("fp32", "bf16") for t in (1, 2)}
     attention = {d: measure_attention(d, attention_seqs, min_time) for d in ("fp32", "bf16")}
     samples = measure_collectives(worlds, sizes, reps, tp_degrees)
-    tp_host: dict = {}
-    for _, world, tp, (layer, head) in (x for x in samples if x[0] == "tp_host"):
-        tp_host.setdefault(str(world), {})[str(tp)] = {"layer": layer, "head": head}
-    samples = [x for x in samples if x[0] != "tp_host"]
-    layer, head = measure_host_overhead(overhead_reps)
+    cores = _cores()
+    plain = plain_host(overhead_reps)
+    tp_fits: dict = {}
+    for _, world, tp, measured in (x for x in samples if x[0] == "tp_host"):
+        share = world / cores if world > cores else 1.0
+        tp_fits.setdefault(str(world), {})[str(tp)] = {**fit_tp(plain, measured, tp, share), "measured": measured}
+    dp_fits: dict = {}
+    for _, world, mode, measured in (x for x in samples if x[0] == "dp_host"):
+        share = world / cores if world > cores else 1.0
+        dp_fits.setdefault(str(world), {}).update(fit_dp(plain, measured, mode, world, share))
+        dp_fits[str(world)].setdefault("measured", {})[mode] = measured
+    samples = [x for x in samples if x[0] not in ("tp_host", "dp_host")]
+    layer, head = plain[f"{SHAPES[0][0]},{SHAPES[0][1]}"]
     collectives = {}
     for kind in KINDS:
         mine = [(k, n, t) for (kd, k, n, t) in samples if kd == kind]
@@ -336,16 +280,18 @@ def calibrate(worlds=(2, 4, 8), sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), reps
             collectives[kind] = {**fit_alpha_beta(kind, mine), "by_world": by_world, "samples": [list(s) for s in mine]}
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     devices = max(worlds)
-    cores = _cores()
-    return {
+    prof = {
         "description": f"this machine ({cores} cores, calibrated {time.strftime('%Y-%m-%d')})",
         "devices_per_node": devices, "cores": cores,
         "matmul": matmul, "attention": attention,
         "memory": {"total_bytes": total, "bytes_per_device": total / devices, "copy_bw": measure_copy_bw()},
         "collectives": collectives, "op_overhead_s": measure_op_overhead(),
-        "host_s": {"layer": layer, "head": head}, "tp_host_s": tp_host,
-        "seconds": time.perf_counter() - start,
+        "host_s": {"layer": layer, "head": head, "measured": plain}, "tp_host": tp_fits, "dp_in_situ": dp_fits,
+        "optimizer_s_per_param": optimizer_seconds_per_param(),
     }
+    prof["mm_eff"] = fit_mm_eff(prof)
+    prof["seconds"] = time.perf_counter() - start
+    return prof
 
 
 def main(argv: list[str]) -> int:
@@ -375,11 +321,18 @@ def main(argv: list[str]) -> int:
     print(f"  eager op overhead     {prof['op_overhead_s'] * 1e6:8.1f} us")
     for dtype, rates in prof["attention"].items():
         print(f"  attention {dtype:<5}       " + ", ".join(f"seq {s} {r / 1e9:.1f}" for s, r in rates.items()) + " GFLOP/s")
+    print(f"  grad norm + AdamW     {prof['optimizer_s_per_param'] * 1e9:8.2f} ns per parameter")
+    print(f"  training GEMMs        {prof['mm_eff']:8.2f} of the square-matmul rate (mm_eff)")
     host = prof["host_s"]
     print(f"  host per micro-batch  {host['layer'] * 1e3:8.2f} ms per layer + {host['head'] * 1e3:.2f} ms (one process)")
-    for world, by_tp in prof["tp_host_s"].items():
-        print(f"  TP(+SP), world {world:<3}  " + ", ".join(
-            f"tp={t}: {v['layer'] * 1e3:.2f} ms per layer + {v['head'] * 1e3:.2f} ms" for t, v in by_tp.items()))
+    for world, by_tp in prof["tp_host"].items():
+        for t, fit in by_tp.items():
+            print(f"  TP(+SP) tp={t}, world {world}: per layer {fit['layer']['alpha'] * 1e3:.2f} ms + "
+                  f"{fit['layer']['per_byte'] * 1e9:.2f} ns/byte, per micro-batch {fit['head']['alpha'] * 1e3:.2f} ms"
+                  f" + {fit['head']['per_byte'] * 1e9:.2f} ns/byte (bytes: one activation)")
+    for world, fits in prof["dp_in_situ"].items():
+        print(f"  FSDP/DDP in situ, world {world}: " + ", ".join(
+            f"{k} alpha {f['alpha'] * 1e6:.0f} us beta {f['beta'] / 1e9:.2f} GB/s" for k, f in fits.items() if k != "measured"))
     for kind, fit in prof["collectives"].items():
         print(f"  {kind:<14} alpha {fit['alpha'] * 1e6:8.1f} us   beta {fit['beta'] / 1e9:6.2f} GB/s   " + "   ".join(
             f"w{w}: {f['alpha'] * 1e6:.0f} us {f['beta'] / 1e9:.2f} GB/s" for w, f in fit["by_world"].items()))

@@ -74,9 +74,12 @@ class Hardware:
     # and for embedding, head and loss (measured; they replace the per-op figure)
     layer_overhead_s: float = 0.0
     head_overhead_s: float = 0.0
-    # {world: {tp: {"layer": s, "head": s}}}: a TP(+SP) micro-batch's cost beyond FLOPs and bytes
-    # (DTensor dispatch, collectives at their latency) with `world` ranks busy on the machine
-    tp_host_s: dict = field(default_factory=dict, compare=False, hash=False)
+    # {world: {tp: {"layer"|"head": {"alpha": s, "per_byte": s/byte}}}}: what a TP(+SP) micro-batch
+    # costs beyond its share of compute (DTensor dispatch, the collectives as the runtime issues
+    # them), measured in situ with `world` ranks busy; bytes = one micro-batch's activation
+    tp_host: dict = field(default_factory=dict, compare=False, hash=False)
+    # seconds per local parameter per step (gradient norm + AdamW), measured; 0 = HBM traffic model
+    optimizer_s_per_param: float = 0.0
     # {world: {collective: fit}}: Gloo fits measured with that many ranks on the machine; the
     # cost of a collective depends on how many ranks share the cores, not only on its group
     collectives_by_world: dict = field(default_factory=dict, compare=False, hash=False)
@@ -113,15 +116,16 @@ class Hardware:
         fits = {**self.collectives, **self.collectives_by_world[str(pick)]}
         return dataclasses.replace(self, collectives=fits)
 
-    def tp_host_seconds(self, world: int, tp: int) -> dict | None:
-        """Measured TP host costs {"layer": s, "head": s} for `world` ranks (the nearest measured
-        world at or above, else the largest) and degree `tp` (the nearest measured degree); None
-        where nothing was measured."""
-        if not self.tp_host_s:
+    def tp_cost(self, world: int, tp: int, part: str, nbytes: float) -> float | None:
+        """Measured TP cost of one micro-batch's `part` ("layer" or "head") moving an activation
+        of `nbytes`, for `world` ranks (the nearest measured world at or above, else the largest)
+        and degree `tp` (the nearest measured degree); None where nothing was measured."""
+        if not self.tp_host:
             return None
-        worlds = sorted(int(w) for w in self.tp_host_s)
-        table = self.tp_host_s[str(next((w for w in worlds if w >= world), worlds[-1]))]
-        return table[str(min((int(t) for t in table), key=lambda t: (abs(math.log(t / tp)), -t)))]
+        worlds = sorted(int(w) for w in self.tp_host)
+        table = self.tp_host[str(next((w for w in worlds if w >= world), worlds[-1]))]
+        fit = table[str(min((int(t) for t in table), key=lambda t: (abs(math.log(t / tp)), -t)))][part]
+        return fit["alpha"] + fit["per_byte"] * nbytes
 
     @property
     def intra_bw(self) -> float:
@@ -173,6 +177,11 @@ def this_machine(profile: str | os.PathLike | None = None) -> Hardware:
             raise NdtrainError(f"cannot read hardware profile {path}: {exc}") from exc
     elif profile:
         raise NdtrainError(f"hardware profile {path} does not exist (run `ndtrain calibrate --out {path}`)")
+    return from_profile(data, str(path) if data else "defaults")
+
+
+def from_profile(data: dict, source: str = "") -> Hardware:
+    """The "this-machine" entry from a calibration profile (a dict as `ndtrain calibrate` writes)."""
     matmul = data.get("matmul", {})
     mem = data.get("memory", {})
     colls = data.get("collectives", {})
@@ -187,6 +196,12 @@ def this_machine(profile: str | os.PathLike | None = None) -> Hardware:
     for name in names:
         for world, fit in colls.get(name, {}).get("by_world", {}).items():
             by_world.setdefault(str(world), {})[name] = {"alpha": fit["alpha"], "beta": fit["beta"]}
+    # Where the runtime's FSDP/DDP were timed in situ, their collectives cost what training saw
+    # (cold buffers, copies, a Gloo thread sharing the core with compute), not what an idle loop does.
+    for world, in_situ in data.get("dp_in_situ", {}).items():
+        for name, fit in in_situ.items():
+            if name in names:
+                by_world.setdefault(str(world), {})[name] = {"alpha": fit["alpha"], "beta": fit["beta"]}
     attn = data.get("attention", {})
     return Hardware(
         name="this-machine",
@@ -196,16 +211,18 @@ def this_machine(profile: str | os.PathLike | None = None) -> Hardware:
         hbm_bw=mem.get("copy_bw", 5e9), nvlink_bw=2 * fits["all_gather"]["beta"] / NVLINK_EFF,
         nic_bw=fits["all_gather"]["beta"] / NIC_EFF, gpus_per_node=int(data.get("devices_per_node", 4)),
         tdp_w=float(data.get("watts_per_device", 15.0)),
-        # Calibration measures what matmuls achieve, so no further derating; CPU elementwise ops
-        # are slower relative to memory bandwidth than fused GPU kernels.
-        mm_eff=1.0, kappa=A100_KAPPA, overhead_bytes=0.3 * GiB, op_overhead_s=data.get("op_overhead_s", 30e-6), alpha_intra=fits["all_gather"]["alpha"],
-        alpha_inter=fits["all_gather"]["alpha"], collectives=fits, source=str(path) if data else "defaults",
+        # mm_eff: what a plain decoder layer measured at calibration says GEMMs of training shapes
+        # reach of the square-matmul rate (1 where not measured).
+        mm_eff=float(data.get("mm_eff", 1.0)), kappa=A100_KAPPA, overhead_bytes=0.3 * GiB,
+        op_overhead_s=data.get("op_overhead_s", 30e-6), alpha_intra=fits["all_gather"]["alpha"],
+        alpha_inter=fits["all_gather"]["alpha"], collectives=fits, source=source,
         cores=int(data.get("cores") or os.cpu_count() or 1),
         attn_flops={k: {str(n): float(r) for n, r in attn[k].items()} for k in ("fp32", "bf16") if attn.get(k)},
         layer_overhead_s=float(data.get("host_s", {}).get("layer", 0.0)),
         head_overhead_s=float(data.get("host_s", {}).get("head", 0.0)),
-        tp_host_s={str(w): {str(t): {k: float(v[k]) for k in ("layer", "head")} for t, v in by_tp.items()}
-                   for w, by_tp in data.get("tp_host_s", {}).items()},
+        tp_host={str(w): {str(t): {k: {f: float(v[k][f]) for f in ("alpha", "per_byte")} for k in ("layer", "head")}
+                          for t, v in by_tp.items()} for w, by_tp in data.get("tp_host", {}).items()},
+        optimizer_s_per_param=float(data.get("optimizer_s_per_param", 0.0)),
         collectives_by_world=by_world,
     )
 

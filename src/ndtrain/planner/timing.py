@@ -82,23 +82,23 @@ def layer_costs(pb: Problem, lay: Layout) -> dict:
 
 
 def tp_all_reduce(pb: Problem, t: int, nbytes: float) -> float:
-    """One of a TP layer's four all-reduces (or all-gather + reduce-scatter pairs). Where the
-    machine measured what a TP layer costs beyond its FLOPs and bytes (CPU ranks: DTensor dispatch
-    and collective latency dominate), a quarter of that plus the bytes at the measured bandwidth;
-    else the alpha-beta collective."""
+    """One of a TP layer's four all-reduces (or all-gather + reduce-scatter pairs) of `nbytes`.
+    Where the machine measured what a TP layer costs beyond its share of compute (CPU ranks, where
+    DTensor dispatch and Gloo latency dominate), a quarter of that; else the alpha-beta collective."""
     hw = pb.hw
-    host = hw.tp_host_seconds(pb.world, t)
-    if host is None:
+    measured = hw.tp_cost(pb.world, t, "layer", nbytes)
+    if measured is None:
         return coll(hw, "all_reduce", t, 1, nbytes)
-    beta = hw.collectives.get("all_reduce", {}).get("beta") or hw.intra_bw
-    return max(0.0, host["layer"] - hw.layer_overhead_s) / 4 + 2 * (t - 1) / t * nbytes / beta
+    return measured / 4
 
 
-def tp_head(pb: Problem, t: int) -> float:
-    """What embedding, head and vocab-parallel loss cost a TP micro-batch beyond the plain ones,
-    where measured (CPU ranks); 0 elsewhere."""
-    host = pb.hw.tp_host_seconds(pb.world, t) if t > 1 else None
-    return max(0.0, host["head"] - pb.hw.head_overhead_s) if host else 0.0
+def tp_head(pb: Problem, lay: Layout) -> float:
+    """What embedding, head and vocab-parallel loss cost a TP micro-batch beyond its share of
+    compute, where measured (CPU ranks); 0 elsewhere."""
+    if lay.tp == 1:
+        return 0.0
+    nbytes = lay.mb * pb.seq / lay.cp * pb.shape.dim * pb.act_bytes
+    return pb.hw.tp_cost(pb.world, lay.tp, "head", nbytes) or 0.0
 
 
 def head_cost(pb: Problem, lay: Layout) -> float:
@@ -107,7 +107,7 @@ def head_cost(pb: Problem, lay: Layout) -> float:
     tok = lay.mb * pb.seq / lay.cp
     gemm = 6 * tok * sh.dim * sh.vocab / lay.tp / (hw.peak(pb.precision) * hw.mm_eff)
     loss = 2 * (elt + 8) * tok * sh.vocab / lay.tp / hw.hbm_bw  # fp32 softmax over the logits
-    return gemm + loss + (hw.head_overhead_s or OPS_HEAD * hw.op_overhead_s) + tp_head(pb, lay.tp)
+    return gemm + loss + (hw.head_overhead_s or OPS_HEAD * hw.op_overhead_s) + tp_head(pb, lay)
 
 
 def stage_split(pb: Problem, lay: Layout, lc: dict | None = None) -> tuple[int, int] | None:
@@ -229,29 +229,34 @@ def step_breakdown(pb: Problem, lay: Layout, lc: dict | None = None, split: tupl
 
     dense, expert = device_params(pb.shape, lay, n_dev, True, p == 1)
     local = (dense + expert) / (lay.shard_degree if lay.eff_zero else 1)
-    optimizer = OPTIMIZER_BYTES_PER_PARAM * local / pb.hw.hbm_bw
+    optimizer = local * pb.hw.optimizer_s_per_param or OPTIMIZER_BYTES_PER_PARAM * local / pb.hw.hbm_bw
 
-    comm_share = (lc["tp"] + lc["cp"] + lc["ep"]) / per_layer
     busy = m * dev
-    inner = busy * comm_share
     head_here = p == 1 or split[1] * per_layer + lc["head"] >= split[0] * per_layer
-    tp_fixed = m * tp_head(pb, lay.tp) if head_here else 0.0  # in lc["head"], so in busy: move it to comm
-    inner += tp_fixed
+    tp_fixed = m * tp_head(pb, lay) if head_here else 0.0  # in lc["head"], so in busy: move it to comm
+    # Layer communication as a share of the busy time (the head counted as layer-equivalents:
+    # the accelerator fits were made so); CPU ranks, whose compute is stretched apart from their
+    # comm, count exactly the layers on the device.
+    layers_here = (dev - lc["head"] * head_here) / per_layer if pb.hw.cores else scale
+    comm = {k: m * layers_here * lc[k] for k in ("tp", "cp", "ep")}
+    comm["tp"] += tp_fixed
+    inner = sum(comm.values())
     compute, recompute = busy - inner, m * scale * lc["recompute"]
     total = busy + bubble + pp + dp + optimizer
     share = cores_shared(pb)
     if share > 1:
-        # More ranks than cores: each rank computes `share` times slower, and ranks idling in a
-        # bubble lend their core to the others, so the step is the larger of the critical path
-        # (at full speed) and the work per core. Collectives are costed with fits measured at this
-        # rank count (Hardware.for_world), which already include the sharing.
+        # More ranks than cores: each rank computes `share` times slower while all are busy. In a
+        # pipeline's fill and drain only a fraction f of the stages work, at max(1, f x share)
+        # times their full speed; over the ramps (f from 0 to 1) that leaves bubble / share of the
+        # bubble, the rest being filled by other ranks. The step is never below the critical path
+        # at full speed. Collectives are costed with fits measured at this rank count
+        # (Hardware.for_world), which already include the sharing.
         compute, recompute, optimizer = share * compute, share * recompute, share * optimizer
-        total = max(total, compute + inner + pp + dp + optimizer)
+        total = max(total, compute + inner + pp + dp + optimizer + bubble / share)
         bubble = total - (compute + inner + pp + dp + optimizer)
     return {
         "total": total, "compute": compute, "recompute": recompute,
         "exposed_comm": inner + pp + dp, "bubble": bubble, "optimizer": optimizer,
-        "comm": {"tp": busy * lc["tp"] / per_layer + tp_fixed, "cp": busy * lc["cp"] / per_layer,
-                 "ep": busy * lc["ep"] / per_layer, "pp": pp, "dp": dp},
+        "comm": {**comm, "pp": pp, "dp": dp},
         "micro_batches": m, "stage_layers": list(split) if p > 1 else [pb.shape.layers],
     }

@@ -1,0 +1,208 @@
+"""Calibration of what eager training costs on CPU ranks beyond FLOPs and bytes: the host time of a
+plain micro-batch, and the in-situ cost of a tensor-parallel one (imports torch; used only by
+`ndtrain calibrate`).
+
+A micro-batch (forward, the loss as the trainer computes it, backward, reading the loss) is timed
+with 1 and 4 decoder layers: the slope is one layer, the intercept the embedding, head and loss.
+At a tiny width the compute is negligible and this is pure host overhead. Tensor parallelism is
+measured the way the runtime runs it (DTensor + sequence parallel, vocab-parallel loss) at two
+widths with `world` ranks busy in groups of `tp`; what it costs beyond the plain layer's share of
+compute is fitted as alpha + bytes x per_byte, bytes being one micro-batch's activation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+# (dim, seq) of the two measured shapes: host overhead only, and layers of a few MB whose
+# collectives show their per-byte cost
+SHAPES = ((64, 8), (320, 128))
+BATCH = 2
+DEPTHS = (1, 4)
+
+
+def typical(times: list[float]) -> float:
+    """The lower quartile of repeated timings: on a shared machine other jobs only ever add time,
+    so the low end estimates the undisturbed cost better than the median."""
+    ordered = sorted(times)
+    return ordered[(len(ordered) - 1) // 4]
+
+
+def _config(layers: int, dim: int):
+    from ndtrain.model.config import ModelConfig
+
+    return ModelConfig(preset="custom", dim=dim, n_layers=layers, n_heads=8, n_kv_heads=4, ffn_dim=2 * dim,
+                       vocab_size=64, max_seq_len=max(256, SHAPES[-1][1]))
+
+
+def _llama(layers: int, dim: int):
+    from ndtrain.model.llama import build_model
+
+    return build_model(_config(layers, dim), "meta")
+
+
+def micro_batch_seconds(build, dim: int, seq: int, reps: int, tp: bool = False, sync=None) -> tuple[float, float]:
+    """(per layer, per micro-batch outside the layers) seconds; `build(layers, dim)` gives a model."""
+    import torch
+    import torch.nn.functional as F
+
+    x, y = torch.randint(0, 64, (BATCH, seq)), torch.randint(0, 64, (BATCH, seq))
+
+    def step(model):
+        if tp:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            ctx = loss_parallel()
+        else:
+            ctx = contextlib.nullcontext()
+        with ctx:
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten(), reduction="sum")
+            loss.backward()
+        loss = loss.detach()
+        float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+
+    models = {layers: build(layers, dim) for layers in DEPTHS}
+    times: dict = {layers: [] for layers in DEPTHS}
+    for rep in range(reps + 1):
+        for layers, model in models.items():  # interleaved, so a busy spell hits both depths alike
+            if sync:
+                sync()
+            start = time.perf_counter()
+            step(model)
+            if rep:  # the first is warm-up
+                times[layers].append(time.perf_counter() - start)
+    per_depth = {layers: typical(t) for layers, t in times.items()}
+    lo, hi = DEPTHS
+    layer = max(1e-7, (per_depth[hi] - per_depth[lo]) / (hi - lo))
+    return layer, max(1e-7, per_depth[lo] - lo * layer)
+
+
+def plain_host(reps: int) -> dict:
+    """{"dim,seq": [layer, head]} for SHAPES, one thread, in this process."""
+    import torch
+
+    from ndtrain.model.init import materialize
+
+    def build(layers, dim):
+        model = _llama(layers, dim)
+        materialize(model, 0, "cpu")
+        return model
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {f"{d},{s}": list(micro_batch_seconds(build, d, s, reps)) for d, s in SHAPES}
+    finally:
+        torch.set_num_threads(old)
+
+
+def tp_host(world: int, tp: int, reps: int) -> dict:
+    """{"dim,seq": [layer, head]} under TP(+SP) on this rank of a `world`-rank process group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ndtrain.model.init import materialize
+    from ndtrain.parallel.tensor import apply_tensor_parallel
+
+    mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("rest", "tp"))
+
+    def build(layers, dim):
+        model = _llama(layers, dim)
+        apply_tensor_parallel(model, mesh["tp"], True)
+        materialize(model, 0, "cpu")
+        return model
+
+    return {f"{d},{s}": list(micro_batch_seconds(build, d, s, reps, True, dist.barrier)) for d, s in SHAPES}
+
+
+def dp_host(world: int, mode: str, reps: int) -> dict:
+    """{"dim,seq": [layer, head]} of a training micro-batch (gradients reduced) under the runtime's
+    data parallelism over all `world` ranks: mode "zero3" (dp_shard) or "ddp" (dp_replicate)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ndtrain.model.init import materialize
+    from ndtrain.parallel.data_parallel import apply_fsdp
+
+    shape = (1, world) if mode == "zero3" else (world, 1)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard"))
+
+    def build(layers, dim):
+        model = _llama(layers, dim)
+        apply_fsdp(model, mesh, 3, "fp32", False)
+        materialize(model, 0, "cpu")
+        return model
+
+    return {f"{d},{s}": list(micro_batch_seconds(build, d, s, reps, False, dist.barrier)) for d, s in SHAPES}
+
+
+def layer_param_bytes(dim: int) -> int:
+    """fp32 bytes of one decoder layer of the calibration model."""
+    from ndtrain.model.config import layer_params
+
+    return 4 * layer_params(_config(1, dim), 0)
+
+
+def fit_dp(plain: dict, measured: dict, mode: str, world: int, share: float) -> dict:
+    """In-situ collective fits {kind: {"alpha", "beta"}} in comm.py's ring terms for a group of
+    `world`: what the runtime's gradient reduction (and ZeRO-3 gathers) add to a layer beyond its
+    compute, split over the collectives it issues (ZeRO-3: two all-gathers and a reduce-scatter of
+    the layer per step; DDP: one all-reduce)."""
+    pts = []
+    for d, s in SHAPES:
+        key = f"{d},{s}"
+        extra = max(0.0, measured[key][0] - share * plain[key][0])
+        pts.append((layer_param_bytes(d), extra / (3 if mode == "zero3" else 1)))
+    (n0, e0), (n1, e1) = pts
+    per_byte = max(1e-12, (e1 - e0) / (n1 - n0))
+    alpha = max(1e-7, e0 - per_byte * n0)
+    k = world
+    if mode == "zero3":  # (k-1) alpha + (k-1)/k n / beta
+        fit = {"alpha": alpha / (k - 1), "beta": (k - 1) / k / per_byte}
+        return {"all_gather": fit, "reduce_scatter": fit}
+    return {"all_reduce": {"alpha": alpha / (2 * (k - 1)), "beta": 2 * (k - 1) / k / per_byte}}
+
+
+def fit_tp(plain: dict, measured: dict, tp: int, share: float) -> dict:
+    """{"layer"|"head": {"alpha": s, "per_byte": s/byte}}: the TP micro-batch's cost beyond its
+    share of the plain compute (1/tp of it, `share` times slower when ranks outnumber cores)."""
+    out = {}
+    for i, part in enumerate(("layer", "head")):
+        pts = []
+        for d, s in SHAPES:
+            key = f"{d},{s}"
+            extra = max(0.0, measured[key][i] - share * plain[key][i] / tp)
+            pts.append((BATCH * s * d * 4, extra))
+        (n0, e0), (n1, e1) = pts
+        per_byte = max(0.0, (e1 - e0) / (n1 - n0))
+        out[part] = {"alpha": max(0.0, e0 - per_byte * n0), "per_byte": per_byte}
+    return out
+
+
+def optimizer_seconds_per_param(params: int = 1 << 22, tensors: int = 16, reps: int = 5) -> float:
+    """One thread's seconds per parameter of what the trainer does to every parameter each step:
+    the gradient norm and a foreach AdamW step (fp32)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ps = [torch.zeros(params // tensors, requires_grad=True) for _ in range(tensors)]
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(ps, lr=1e-3, foreach=True)
+
+        def step():
+            torch._foreach_norm([p.grad for p in ps])
+            opt.step()
+
+        step()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        return typical(times) / params
+    finally:
+        torch.set_num_threads(old)

@@ -1,0 +1,96 @@
+"""The "this-machine" (CPU ranks) parts of the time model: ranks sharing cores, comm that cannot
+hide without a spare core, measured attention, host and TP costs, per-world collective fits.
+None of them may move an accelerator's prediction."""
+
+import dataclasses
+import json
+
+import pytest
+
+from ndtrain.model.config import preset
+from ndtrain.planner.api import predict
+from ndtrain.planner.hardware import CATALOG, this_machine
+from ndtrain.planner.layout import Layout
+from ndtrain.planner.problem import make_problem
+from ndtrain.planner.timing import step_breakdown
+
+FIT = {"alpha": 1e-4, "beta": 1e9}
+
+
+def _profile(tmp_path, **extra):
+    prof = {
+        "cores": 2, "devices_per_node": 8, "matmul": {"fp32_1thread": 1e11}, "memory": {"total_bytes": 64 * 2**30, "copy_bw": 2e10},
+        "collectives": {k: {**FIT, "by_world": {"2": FIT, "4": {"alpha": 1e-3, "beta": 5e8}}}
+                        for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")},
+        "op_overhead_s": 1e-5, **extra,
+    }
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(prof))
+    return this_machine(path)
+
+
+def test_accelerators_carry_no_cpu_terms():
+    for hw in CATALOG.values():
+        assert hw.cores == 0 and not hw.attn_flops and not hw.tp_host and not hw.collectives_by_world
+        assert hw.for_world(64) is hw
+
+
+def test_ranks_beyond_the_cores_share_them(tmp_path):
+    hw = _profile(tmp_path)
+    cfg = preset("tiny", vocab_size=256)
+    lay = Layout(dp_shard=4, mb=2)
+    shared = step_breakdown(make_problem(cfg, 256, 8, 4, hw, precision="fp32"), lay)
+    alone = step_breakdown(make_problem(cfg, 256, 8, 4, dataclasses.replace(hw, cores=4), precision="fp32"), lay)
+    assert shared["compute"] == pytest.approx(2 * alone["compute"])
+    assert shared["optimizer"] == pytest.approx(2 * alone["optimizer"])
+    for t in (shared, alone):
+        assert t["total"] == pytest.approx(t["compute"] + t["exposed_comm"] + t["bubble"] + t["optimizer"])
+    # a pipeline's idle ranks lend their cores: the bubble shrinks, the step never beats the critical path
+    pp = Layout(dp_shard=1, pp=4, mb=2)
+    pb = make_problem(cfg, 256, 8, 4, hw, precision="fp32")
+    full_speed = step_breakdown(make_problem(cfg, 256, 8, 4, dataclasses.replace(hw, cores=4), precision="fp32"), pp)
+    t = step_breakdown(pb, pp)
+    assert full_speed["total"] <= t["total"] < full_speed["total"] + full_speed["compute"] + full_speed["optimizer"]
+    assert t["bubble"] < full_speed["bubble"]
+
+
+def test_dp_comm_hides_only_with_a_spare_core(tmp_path):
+    hw = _profile(tmp_path)
+    cfg = preset("tiny", vocab_size=256)
+    lay = Layout(dp_replicate=2, dp_shard=1, mb=2)
+    busy = step_breakdown(make_problem(cfg, 256, 8, 2, hw, precision="fp32"), lay)
+    spare = step_breakdown(make_problem(cfg, 256, 8, 2, dataclasses.replace(hw, cores=4), precision="fp32"), lay)
+    assert busy["comm"]["dp"] > spare["comm"]["dp"]
+
+
+def test_collective_fits_follow_the_rank_count(tmp_path):
+    hw = _profile(tmp_path)
+    assert hw.for_world(2).collectives["all_gather"] == FIT
+    assert hw.for_world(3).collectives["all_gather"]["alpha"] == 1e-3  # nearest measured at or above
+    assert hw.for_world(16).collectives["all_gather"]["alpha"] == 1e-3  # else the largest
+    assert make_problem(preset("debug"), 64, 8, 4, hw, precision="fp32").hw.collectives["p2p"]["beta"] == 5e8
+
+
+def test_measured_attention_host_and_optimizer_costs_are_used(tmp_path):
+    base = _profile(tmp_path)
+    hw = _profile(tmp_path, attention={"fp32": {"256": 2e10, "1024": 4e10}}, host_s={"layer": 1e-3, "head": 2e-3},
+                  optimizer_s_per_param=1e-8)
+    assert hw.attention_rate("fp32", 128) == 2e10 and hw.attention_rate("fp32", 4096) == 4e10
+    assert hw.attention_rate("fp32", 512) == pytest.approx(3e10)  # halfway in log(seq)
+    assert hw.attention_rate("bf16", 512) == hw.peak("bf16")  # not measured: the matmul rate
+    cfg = preset("tiny", vocab_size=256)
+    slow, fast = (predict(cfg, {"dp_shard": 1, "mb": 2}, 256, 8, h, world=1, precision="fp32") for h in (hw, base))
+    assert slow.time["compute"] > fast.time["compute"]
+    assert slow.time["optimizer"] == pytest.approx(1e-8 * 6.4e6, rel=0.05)
+
+
+def test_measured_tp_cost_replaces_the_collective_model(tmp_path):
+    fit = {"layer": {"alpha": 1e-2, "per_byte": 1e-8}, "head": {"alpha": 5e-2, "per_byte": 0.0}}
+    hw = _profile(tmp_path, tp_host={"2": {"2": fit}, "4": {"2": fit, "4": fit}})
+    assert hw.tp_cost(2, 2, "layer", 1e6) == pytest.approx(2e-2)
+    assert hw.tp_cost(8, 8, "head", 0) == 5e-2  # largest measured world, nearest degree
+    cfg = preset("tiny", vocab_size=256)
+    p = predict(cfg, {"dp_shard": 1, "tp": 2, "mb": 2}, 256, 8, hw, world=2, precision="fp32")
+    act = 2 * 256 * 256 * 4
+    per_mb = 8 * (1e-2 + 1e-8 * act) + 5e-2
+    assert p.time["comm"]["tp"] == pytest.approx(4 * per_mb)  # 4 micro-batches
