@@ -108,6 +108,8 @@ def measure(args, key: str, world: int, par: dict) -> tuple[float, list[float], 
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step_time_s"] for r in rows if "step_time_s" in r and r["step"] > args.warmup]
+    if not args.keep_runs:
+        shutil.rmtree(out, ignore_errors=True)  # the final checkpoint is ~75 MB per run
     return statistics.median(steps), steps, others
 
 
@@ -162,6 +164,7 @@ def main() -> int:
     p.add_argument("--predict-only", action="store_true", help="print the predictions, train nothing")
     p.add_argument("--json", help="also write the rows (with every measured step) here")
     p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--keep-runs", action="store_true", help="keep each run's directory (metrics, checkpoint)")
     p.add_argument("--quiet-cores", type=float, default=0.0,
                    help="before each layout, wait until other processes use fewer cores than this over 10 s "
                         "(0 = do not wait)")

@@ -100,7 +100,7 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], reps:
             if rank == 0:
                 results.append(("tp_host", world, tp, measured))
     if tp_degrees:  # the same ranks measure the runtime's data parallelism in situ
-        for mode in ("zero3", "ddp"):
+        for mode in ("zero3", "ddp") + (("zero3_tp",) if 2 in tp_degrees and world >= 4 else ()):
             measured = dp_host(world, mode, max(3, 3 * reps // 2))
             if rank == 0:
                 results.append(("dp_host", world, mode, measured))
@@ -268,7 +268,11 @@ def calibrate(worlds=(2, 4, 8), sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), reps
     dp_fits: dict = {}
     for _, world, mode, measured in (x for x in samples if x[0] == "dp_host"):
         share = world / cores if world > cores else 1.0
-        dp_fits.setdefault(str(world), {}).update(fit_dp(plain, measured, mode, world, share))
+        if mode == "zero3_tp":  # beyond the TP micro-batch the same ranks ran
+            fits = fit_dp(tp_fits[str(world)]["2"]["measured"], measured, mode, world, 1.0)
+        else:
+            fits = fit_dp(plain, measured, mode, world, share)
+        dp_fits.setdefault(str(world), {}).update(fits)
         dp_fits[str(world)].setdefault("measured", {})[mode] = measured
     samples = [x for x in samples if x[0] not in ("tp_host", "dp_host")]
     layer, head = plain[f"{SHAPES[0][0]},{SHAPES[0][1]}"]

@@ -118,23 +118,29 @@ def tp_host(world: int, tp: int, reps: int) -> dict:
 
 def dp_host(world: int, mode: str, reps: int) -> dict:
     """{"dim,seq": [layer, head]} of a training micro-batch (gradients reduced) under the runtime's
-    data parallelism over all `world` ranks: mode "zero3" (dp_shard) or "ddp" (dp_replicate)."""
+    data parallelism: mode "zero3" (dp_shard = world), "ddp" (dp_replicate = world) or "zero3_tp"
+    (dp_shard = world / 2 over tensor-parallel pairs: FSDP of DTensor parameters, as 2-D layouts
+    run it)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from ndtrain.model.init import materialize
     from ndtrain.parallel.data_parallel import apply_fsdp
+    from ndtrain.parallel.tensor import apply_tensor_parallel
 
-    shape = (1, world) if mode == "zero3" else (world, 1)
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard"))
+    tp = 2 if mode == "zero3_tp" else 1
+    shape = {"zero3": (1, world, 1), "ddp": (world, 1, 1), "zero3_tp": (1, world // 2, 2)}[mode]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
 
     def build(layers, dim):
         model = _llama(layers, dim)
-        apply_fsdp(model, mesh, 3, "fp32", False)
+        if tp > 1:
+            apply_tensor_parallel(model, mesh["tp"], True)
+        apply_fsdp(model, mesh["dp_replicate", "dp_shard"], 3, "fp32", False)
         materialize(model, 0, "cpu")
         return model
 
-    return {f"{d},{s}": list(micro_batch_seconds(build, d, s, reps, False, dist.barrier)) for d, s in SHAPES}
+    return {f"{d},{s}": list(micro_batch_seconds(build, d, s, reps, tp > 1, dist.barrier)) for d, s in SHAPES}
 
 
 def layer_param_bytes(dim: int) -> int:
@@ -144,24 +150,28 @@ def layer_param_bytes(dim: int) -> int:
     return 4 * layer_params(_config(1, dim), 0)
 
 
-def fit_dp(plain: dict, measured: dict, mode: str, world: int, share: float) -> dict:
-    """In-situ collective fits {kind: {"alpha", "beta"}} in comm.py's ring terms for a group of
-    `world`: what the runtime's gradient reduction (and ZeRO-3 gathers) add to a layer beyond its
-    compute, split over the collectives it issues (ZeRO-3: two all-gathers and a reduce-scatter of
-    the layer per step; DDP: one all-reduce)."""
+def fit_dp(base: dict, measured: dict, mode: str, world: int, share: float) -> dict:
+    """In-situ collective fits {kind: {"alpha", "beta"}} in comm.py's ring terms: what the runtime's
+    gradient reduction (and ZeRO-3 gathers) add to a layer beyond `base` (the plain micro-batch,
+    `share` times slower when ranks outnumber cores; for "zero3_tp" the TP micro-batch measured in
+    the same ranks, share 1), split over the collectives it issues (ZeRO-3: two all-gathers and a
+    reduce-scatter of the layer per step; DDP: one all-reduce). "zero3_tp" fits the "_tp" kinds,
+    used where FSDP shards tensor-parallel parameters."""
+    tp = 2 if mode == "zero3_tp" else 1
     pts = []
     for d, s in SHAPES:
         key = f"{d},{s}"
-        extra = max(0.0, measured[key][0] - share * plain[key][0])
-        pts.append((layer_param_bytes(d), extra / (3 if mode == "zero3" else 1)))
+        extra = max(0.0, measured[key][0] - share * base[key][0])
+        pts.append((layer_param_bytes(d) / tp, extra / (1 if mode == "ddp" else 3)))
     (n0, e0), (n1, e1) = pts
     per_byte = max(1e-12, (e1 - e0) / (n1 - n0))
     alpha = max(1e-7, e0 - per_byte * n0)
-    k = world
-    if mode == "zero3":  # (k-1) alpha + (k-1)/k n / beta
-        fit = {"alpha": alpha / (k - 1), "beta": (k - 1) / k / per_byte}
-        return {"all_gather": fit, "reduce_scatter": fit}
-    return {"all_reduce": {"alpha": alpha / (2 * (k - 1)), "beta": 2 * (k - 1) / k / per_byte}}
+    k = world // tp
+    if mode == "ddp":
+        return {"all_reduce": {"alpha": alpha / (2 * (k - 1)), "beta": 2 * (k - 1) / k / per_byte}}
+    fit = {"alpha": alpha / (k - 1), "beta": (k - 1) / k / per_byte}  # (k-1) alpha + (k-1)/k n / beta
+    suffix = "_tp" if tp > 1 else ""
+    return {"all_gather" + suffix: fit, "reduce_scatter" + suffix: fit}
 
 
 def fit_tp(plain: dict, measured: dict, tp: int, share: float) -> dict:

@@ -144,18 +144,34 @@ def dp_comm(pb: Problem, lay: Layout, layers_on_device: int) -> tuple[float, flo
     pbytes = 4 if pb.precision == "fp32" else 2
     gbytes = 4 if pb.precision == "fp32" else pb.stack.grad_reduce_bytes
     zero, S, R = lay.eff_zero, lay.shard_degree, lay.dp_replicate
+    # CPU ranks count what the runtime does: one collective per FSDP unit (each layer, plus the
+    # root), whose latency is milliseconds there, and with gradient accumulation a reduce-scatter
+    # only on the last micro-batch. Accelerators keep one bucketed collective per step and a
+    # reduction every micro-batch, as their fits were made (their latency is microseconds).
+    units = layers_on_device + 1 if hw.cores else 1
+
+    def dense_coll(kind, ranks, stride, nbytes):
+        return units * coll(hw, kind, ranks, stride, nbytes / units)
+
     if zero == 0:
         ranks = R * c  # cp ranks hold the same parameters and reduce with the replicas
-        grad = coll(hw, "all_reduce", ranks, t, gbytes * dense) + coll(hw, "all_reduce", ranks // ep, t * ep, gbytes * expert)
+        grad = dense_coll("all_reduce", ranks, t, gbytes * dense) + coll(hw, "all_reduce", ranks // ep, t * ep, gbytes * expert)
         return 0.0, 0.0, grad, 0.0
     se = max(1, S // ep)
-    rs = coll(hw, "reduce_scatter", S, t, gbytes * dense) + coll(hw, "reduce_scatter", se, t * ep, gbytes * expert)
-    ag = coll(hw, "all_gather", S, t, pbytes * dense) + coll(hw, "all_gather", se, t * ep, pbytes * expert)
-    rep = coll(hw, "all_reduce", R, t * S, gbytes * (dense / S + expert / se))  # HSDP: across replicas
+    # FSDP of tensor-parallel (DTensor) parameters costs its own, where it was measured (CPU ranks)
+    sfx = "_tp" if t > 1 and "all_gather_tp" in hw.collectives else ""
+    rs = dense_coll("reduce_scatter" + sfx, S, t, gbytes * dense) + coll(hw, "reduce_scatter", se, t * ep, gbytes * expert)
+    ag = dense_coll("all_gather" + sfx, S, t, pbytes * dense) + coll(hw, "all_gather", se, t * ep, pbytes * expert)
+    if units == 1:
+        rep = coll(hw, "all_reduce", R, t * S, gbytes * (dense / S + expert / se))  # HSDP: across replicas
+    else:
+        rep = dense_coll("all_reduce", R, t * S, gbytes * dense / S) + coll(hw, "all_reduce", R, t * S, gbytes * expert / se)
     if zero == 1:
         return 0.0, 0.0, rs + rep, ag
     if zero == 2:
         return 0.0, rs, rep, ag
+    if hw.cores:
+        return ag, ag, rs + rep, 0.0
     return ag, ag + rs, rep, 0.0
 
 
@@ -237,10 +253,12 @@ def step_breakdown(pb: Problem, lay: Layout, lc: dict | None = None, split: tupl
     # Layer communication as a share of the busy time (the head counted as layer-equivalents:
     # the accelerator fits were made so); CPU ranks, whose compute is stretched apart from their
     # comm, count exactly the layers on the device.
-    layers_here = (dev - lc["head"] * head_here) / per_layer if pb.hw.cores else scale
-    comm = {k: m * layers_here * lc[k] for k in ("tp", "cp", "ep")}
+    if pb.hw.cores:
+        comm = {k: m * (dev - lc["head"] * head_here) / per_layer * lc[k] for k in ("tp", "cp", "ep")}
+    else:
+        comm = {k: busy * lc[k] / per_layer for k in ("tp", "cp", "ep")}
     comm["tp"] += tp_fixed
-    inner = sum(comm.values())
+    inner = sum(comm.values()) if pb.hw.cores else busy * ((lc["tp"] + lc["cp"] + lc["ep"]) / per_layer) + tp_fixed
     compute, recompute = busy - inner, m * scale * lc["recompute"]
     total = busy + bubble + pp + dp + optimizer
     share = cores_shared(pb)
