@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 import time
@@ -117,10 +116,3 @@ class MetricsLogger:
         if self.file is not None:
             self.file.close()
 
-
-def rss_mb() -> float:
-    try:
-        with open(f"/proc/{os.getpid()}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:
-        return 0.0
