@@ -66,6 +66,16 @@ class ParallelConfig:
     # | llama3 (even, one layer fewer on the first and last stage).
     pp_split: str = "balanced"
     auto: bool = False  # let the planner choose the degrees for this world size
+    # How the dp_replicate replicas agree: "step" (gradients all-reduced every step, HSDP/DDP) or
+    # "diloco" (each replica trains alone for diloco_inner_steps steps, then an outer Nesterov SGD
+    # step on the replicas' averaged parameter change; see docs/diloco.md).
+    replicate_sync: str = "step"
+    diloco_inner_steps: int = 8  # H: inner steps between outer steps
+    diloco_outer_lr: float = 0.7
+    diloco_outer_momentum: float = 0.9  # Nesterov; 0 = plain outer SGD
+    diloco_fragments: int = 1  # streaming DiLoCo: parameter fragments synced at staggered steps
+    diloco_overlap_steps: int = 0  # outer all-reduce runs in the background this many inner steps
+    diloco_outer_dtype: str = "fp32"  # fp32 | bf16: dtype of the outer gradient on the wire
 
 
 @dataclass
@@ -284,6 +294,16 @@ def validate(cfg: JobConfig) -> None:
         ("parallel.cp_attention", p.cp_attention in ("ring", "allgather"), f"must be ring or allgather, got {p.cp_attention!r}"),
         ("parallel.pp_virtual_stages", p.pp_virtual_stages > 0, f"must be positive, got {p.pp_virtual_stages}"),
         ("parallel.pp_microbatches", p.pp_microbatches >= 0, f"must be >= 0, got {p.pp_microbatches}"),
+        ("parallel.replicate_sync", p.replicate_sync in ("step", "diloco"), f"must be step or diloco, got {p.replicate_sync!r}"),
+        ("parallel.diloco_inner_steps", p.diloco_inner_steps >= 1, f"must be >= 1, got {p.diloco_inner_steps}"),
+        ("parallel.diloco_outer_lr", p.diloco_outer_lr > 0, f"must be positive, got {p.diloco_outer_lr}"),
+        ("parallel.diloco_outer_momentum", 0 <= p.diloco_outer_momentum < 1, f"must be in [0, 1), got {p.diloco_outer_momentum}"),
+        ("parallel.diloco_fragments", p.diloco_fragments >= 1, f"must be >= 1, got {p.diloco_fragments}"),
+        ("parallel.diloco_fragments", p.diloco_inner_steps % max(p.diloco_fragments, 1) == 0,
+         f"{p.diloco_fragments} fragments must divide diloco_inner_steps={p.diloco_inner_steps} (one fragment is synced every H/fragments steps)"),
+        ("parallel.diloco_overlap_steps", 0 <= p.diloco_overlap_steps < p.diloco_inner_steps // max(p.diloco_fragments, 1),
+         f"must be in [0, diloco_inner_steps/diloco_fragments) = [0, {p.diloco_inner_steps // max(p.diloco_fragments, 1)}), got {p.diloco_overlap_steps}"),
+        ("parallel.diloco_outer_dtype", p.diloco_outer_dtype in ("fp32", "bf16"), f"must be fp32 or bf16, got {p.diloco_outer_dtype!r}"),
         ("parallel.pp_split", p.pp_split in ("balanced", "uniform", "llama3"), f"must be balanced, uniform or llama3, got {p.pp_split!r}"),
         ("checkpoint.interval_steps", c.interval_steps >= 0, f"must be >= 0, got {c.interval_steps}"),
         ("checkpoint.keep_last", c.keep_last >= 1, f"must be >= 1 (the newest checkpoint is always kept), got {c.keep_last}"),

@@ -45,5 +45,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, par, mesh=None) -> nn.Modu
     if mesh is not None and dims.world_size // (dims.tp * dims.pp) > 1:
         from ndtrain.parallel.data_parallel import apply_fsdp
 
-        apply_fsdp(model, mesh.fsdp_mesh(dims), par.zero, par.mixed_precision, par.cpu_offload)
+        from ndtrain.parallel.diloco_rules import diloco_on
+
+        # DiLoCo: FSDP shards and reduces inside each replica only (parallel/diloco.py syncs replicas).
+        dp_mesh = mesh.fsdp_mesh(dims, across_replicas=not diloco_on(par))
+        apply_fsdp(model, dp_mesh, par.zero, par.mixed_precision, par.cpu_offload)
     return model

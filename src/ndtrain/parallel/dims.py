@@ -127,6 +127,10 @@ def validate(dims: ParallelDims, par, model: ModelConfig, seq_len: int = 0, trai
         raise ConfigError("model.capacity_factor", "capacity is per sequence, and cp > 1 splits sequences over ranks; set it to 0 (no dropping) for context parallel")
     if par.cpu_offload and dims.dp == 1 and dims.world_size == 1:
         raise ConfigError("parallel.cpu_offload", "CPU offload shards with FSDP; it needs at least 2 processes")
+    from ndtrain.parallel.diloco_rules import diloco_problems
+
+    for key, msg in diloco_problems(par, dims, model):  # diloco rule
+        raise ConfigError(key, msg)
 
 
 class Meshes:
@@ -143,15 +147,17 @@ class Meshes:
             return self.flat[key]
         return self.root[key]
 
-    def fsdp_mesh(self, dims: ParallelDims):
-        """2-D (replicate, shard) mesh for FSDP/HSDP; cp ranks shard parameters too."""
+    def fsdp_mesh(self, dims: ParallelDims, across_replicas: bool = True):
+        """2-D (replicate, shard) mesh for FSDP/HSDP; cp ranks shard parameters too. Without
+        `across_replicas` (DiLoCo) the 1-D shard mesh: gradients never leave the replica."""
+        rep = ("dp_replicate",) if across_replicas else ()
         if dims.cp == 1:
-            return self.root["dp_replicate", "dp_shard"]
+            return self.root[(*rep, "dp_shard")]
         import warnings
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            return self.root["dp_replicate", "dp_shard_cp"]
+            return self.root[(*rep, "dp_shard_cp")]
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> Meshes:
