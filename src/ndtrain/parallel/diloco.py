@@ -187,11 +187,13 @@ class DiLoCo:
         if pend.work is not None:
             for w in pend.work:
                 w.wait()
-        avg = pend.flat.float() / self.R
         pend.avg, offset = [], 0
         for i in self.fragments[f]:
             n = self.synced[i].numel()
-            pend.avg.append(avg[offset:offset + n].view_as(self.synced[i]))
+            # Own storage per tensor: a DTensor over a view with a storage offset reports a bogus
+            # data_ptr, and DCP's async stager then fails to copy it.
+            piece = pend.flat[offset:offset + n].to(torch.float32, copy=True).div_(self.R)
+            pend.avg.append(piece.view_as(self.synced[i]))
             offset += n
         pend.flat, pend.work = None, None
         pend.blocked_s += time.perf_counter() - t0
