@@ -71,8 +71,10 @@ class ParallelConfig:
     # step on the replicas' averaged parameter change; see docs/diloco.md).
     replicate_sync: str = "step"
     diloco_inner_steps: int = 8  # H: inner steps between outer steps
-    diloco_outer_lr: float = 0.7
-    diloco_outer_momentum: float = 0.9  # Nesterov; 0 = plain outer SGD
+    # Outer SGD: lr 1 without momentum averages the replicas every H steps. The paper's lr 0.7,
+    # Nesterov 0.9 suits long rounds (H ~ 500); at H <= 32 here it lost 25-40% (docs/benchmarks.md).
+    diloco_outer_lr: float = 1.0
+    diloco_outer_momentum: float = 0.0  # Nesterov momentum
     diloco_fragments: int = 1  # streaming DiLoCo: parameter fragments synced at staggered steps
     diloco_overlap_steps: int = 0  # outer all-reduce runs in the background this many inner steps
     diloco_outer_dtype: str = "fp32"  # fp32 | bf16: dtype of the outer gradient on the wire

@@ -151,7 +151,8 @@ def test_streaming_fragments_overlap_and_bf16(parity_base):
     the bytes per outer step are the fragment's, or half of them in bf16."""
     base = _with(parity_base, steps=7)
     streaming = "dp_replicate=2" + DILOCO + " diloco_inner_steps=4 diloco_fragments=2 diloco_overlap_steps=1"
-    bf16 = "dp_replicate=2" + DILOCO + " diloco_inner_steps=2 diloco_outer_dtype=bf16 diloco_outer_momentum=0.0"
+    bf16 = ("dp_replicate=2" + DILOCO + " diloco_inner_steps=2 diloco_outer_dtype=bf16"
+            " diloco_outer_lr=0.7 diloco_outer_momentum=0.0")
     ranks = run_ranks(2, _run, [streaming, bf16], base)
     a, b = ranks[0][0], ranks[1][0]
     assert _max_diff(a["weights"], b["weights"]) == 0.0  # the final sync leaves one global model
@@ -163,6 +164,9 @@ def test_streaming_fragments_overlap_and_bf16(parity_base):
     got = ranks[0][1]
     assert _max_diff(ref, got["weights"]) <= 1e-4  # bf16 rounding of the same sums
     assert got["steps"][1]["bytes"] == got["params"] * 2 + 8 + 4
+
+
+MOE = {"preset": "debug", "n_experts": 4, "n_active_experts": 2, "expert_ffn_dim": 64}
 
 
 def test_diloco_config_errors_name_their_key():
@@ -181,7 +185,7 @@ def test_diloco_config_errors_name_their_key():
             load_config(None, {"parallel": over})
     layout_bad = [({"dp_replicate": 1, "dp_shard": 2}, {}, "parallel.replicate_sync"),
                   ({"dp_replicate": 2, "dp_shard": 1, "auto": True}, {}, "parallel.auto"),
-                  ({"dp_replicate": 2, "dp_shard": 1}, {"preset": "debug", "n_experts": 4, "n_active_experts": 2, "expert_ffn_dim": 64}, "parallel.replicate_sync"),
+                  ({"dp_replicate": 2, "dp_shard": 1}, MOE, "parallel.replicate_sync"),
                   ({"dp_replicate": 2, "dp_shard": 1, "diloco_fragments": 8, "diloco_inner_steps": 8}, {},
                    "parallel.diloco_fragments")]
     for par, model, key in layout_bad:
