@@ -63,7 +63,7 @@ def job(args, parallel: dict) -> dict:
     # The tiny preset as `make train` runs it (configs/default.toml): byte vocabulary, ~6.4M parameters.
     return {"model": {"preset": "tiny", "vocab_size": 256}, "data": {"path": args.data, "seq_len": args.seq},
             "optimizer": {"lr": args.lr, "warmup_steps": args.warmup},
-            "train": {"steps": args.steps, "global_batch": args.batch, "micro_batch": args.batch, "seed": 0,
+            "train": {"steps": args.steps, "global_batch": args.batch, "micro_batch": args.batch, "seed": args.seed,
                       "val_batches": args.val_batches},
             "parallel": {"diloco_outer_lr": args.outer_lr, "diloco_outer_momentum": args.outer_momentum, **parallel},
             "logging": {"tensorboard": False, "progress": "off"}}
@@ -148,6 +148,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default="data/stdlib-byte")
     p.add_argument("--steps", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0, help="initial weights and sample order")
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--lr", type=float, default=2e-3)

@@ -16,14 +16,15 @@ def diloco_on(par) -> bool:
 
 def diloco_problems(par, dims, model) -> list[tuple[str, str]]:
     """(key, message) for every reason this layout cannot run DiLoCo; empty when it can (or when
-    replicate_sync is "step"). Called from parallel/dims.py validate()."""
+    replicate_sync is "step"). `par` has the [parallel] keys, `dims` the resolved degrees (one
+    object may be both). Called from parallel/dims.py validate()."""
     if not diloco_on(par):
         return []
     out = []
     if dims.dp_replicate < 2:
         out.append(("parallel.replicate_sync", f"diloco synchronises dp_replicate replicas, but dp_replicate="
                                                f"{dims.dp_replicate}; set parallel.dp_replicate >= 2"))
-    if par.auto:
+    if getattr(par, "auto", False):
         out.append(("parallel.auto", "the planner does not choose DiLoCo replicas; set the degrees yourself "
                                      "(dp_replicate >= 2) with auto=false"))
     if model.is_moe:
