@@ -182,3 +182,19 @@ def test_bad_input_is_one_line_exit_2_and_loses_nothing(tmp_path):
     proc = _cli("report", bad, "--out", tmp_path / "r.html")
     assert proc.returncode == 2 and "config.toml: not valid TOML" in proc.stderr
     assert not (tmp_path / "r.html").exists()
+
+
+@pytest.mark.timeout(180)
+def test_auto_layout_prediction_is_recorded_and_set_against_the_measurement(parity_base, tmp_path):
+    from ndtrain.train.trainer import train
+
+    base = {k: dict(v) for k, v in parity_base.items()}
+    base["parallel"] = {"auto": True}
+    base["train"].update(steps=8, val_interval=0, sample_tokens=0, output_dir=str(tmp_path / "run"))
+    train(load_config(None, base))
+    run = read_run(tmp_path / "run")
+    assert run.auto["predicted_step_time"] > 0 and run.auto["layout"]
+    measured = run.measured_step_time()  # median of steps 4..8: past the warm-up
+    assert measured == sorted(r["step_time_s"] for r in run.train[3:])[2]
+    (row,) = [v for k, v in header_rows([run], now=0.0) if k.startswith("planner")]
+    assert f"measured {measured:.3f} s/step" in row[0] and f"predicted {run.auto['predicted_step_time']:.3f}" in row[0]

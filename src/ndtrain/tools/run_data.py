@@ -46,9 +46,9 @@ class Run:
 
     @property
     def restarts(self) -> list[dict]:
-        """Attempts after the first: logged restarts, or step regressions in runs that predate them."""
-        return [e for i, e in enumerate(self.starts) if i > 0 or e.get("event") == "restart"] + \
-            [e for e in self.events if e.get("event") == "restart (inferred)"]
+        """Attempts after the first (a first attempt that resumed from a given checkpoint is a
+        start), or step regressions in runs from before attempts were logged."""
+        return self.starts[1:] + [e for e in self.events if e.get("event") == "restart (inferred)"]
 
     def count(self, event: str) -> int:
         return sum(1 for e in self.events if e.get("event") == event)

@@ -118,7 +118,8 @@ class Trainer:
         self.peak_flops_per_rank, self.peak_source = peak_flops(self.rt.device, dtype)
         self.peak_flops_total = all_reduce_sum([self.peak_flops_per_rank], self.rt.device)[0]
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
-        check_trackers(cfg.logging)  # on every rank: a missing package stops all of them, none waits
+        if log and run_dir is not None:  # on every rank: a missing package stops all of them, none waits
+            check_trackers(cfg.logging)
         self.logger = MetricsLogger(run_dir, log and self.rt.is_main and run_dir is not None, cfg.train.steps,
                                     cfg.logging.progress, cfg.logging, to_dict(cfg))
         self.val_data = None
