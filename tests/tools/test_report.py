@@ -198,3 +198,16 @@ def test_auto_layout_prediction_is_recorded_and_set_against_the_measurement(pari
     assert measured == sorted(r["step_time_s"] for r in run.train[3:])[2]
     (row,) = [v for k, v in header_rows([run], now=0.0) if k.startswith("planner")]
     assert f"measured {measured:.3f} s/step" in row[0] and f"predicted {run.auto['predicted_step_time']:.3f}" in row[0]
+
+
+def test_unwritable_out_directory_is_refused_before_any_work(tmp_path, monkeypatch):
+    # As root every directory is writable, so the permission answer is simulated.
+    import ndtrain.tools.report as report
+    from ndtrain.errors import NdtrainError
+
+    _write_rows(tmp_path / "run", [_train_row(1, 1.0)])
+    (tmp_path / "ro").mkdir()
+    monkeypatch.setattr(report.os, "access", lambda path, mode: Path(path) != tmp_path / "ro")
+    with pytest.raises(NdtrainError, match="is not writable"):
+        report.build_report([str(tmp_path / "run")], tmp_path / "ro" / "r.html")
+    assert list((tmp_path / "ro").iterdir()) == []
