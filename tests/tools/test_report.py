@@ -72,7 +72,10 @@ def _train_args(corpus_dir, out, **extra) -> list[str]:
 
 
 @pytest.mark.timeout(240)
-def test_report_of_a_killed_and_restarted_run_overlaid_with_a_bf16_run(corpus_dir, tmp_path):
+def test_report_of_a_killed_and_restarted_run_overlaid_with_a_bf16_run(corpus_dir, tmp_path, monkeypatch, capsys):
+    from ndtrain.cli import main as cli
+    from ndtrain.train.trainer import train
+
     run, bf16 = tmp_path / "fp32", tmp_path / "bf16"
     # Attempt 0 is killed (SIGKILL) as step 6 starts; attempt 1 resumes from step 4's checkpoint,
     # exactly as under torchrun --max-restarts (which sets TORCHELASTIC_RESTART_COUNT).
@@ -80,12 +83,10 @@ def test_report_of_a_killed_and_restarted_run_overlaid_with_a_bf16_run(corpus_di
     killed = subprocess.run([sys.executable, "-m", "ndtrain", "train", *_train_args(corpus_dir, run, **{
         "train.steps": 8})], env=env, capture_output=True, text=True, timeout=120)
     assert killed.returncode == -9, killed.stderr[-2000:]
-    again = subprocess.run([sys.executable, "-m", "ndtrain", "train", *_train_args(corpus_dir, run, **{
-        "train.steps": 8})], env={**env, "TORCHELASTIC_RESTART_COUNT": "1"}, capture_output=True, text=True,
-        timeout=120)
-    assert again.returncode == 0, again.stderr[-2000:]
-    proc = _cli("train", *_train_args(corpus_dir, bf16, **{"train.steps": 8, "parallel.mixed_precision": "bf16"}))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert train(load_config(None, _train_args(corpus_dir, run, **{"train.steps": 8})))["steps"] == 8
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    train(load_config(None, _train_args(corpus_dir, bf16, **{"train.steps": 8, "parallel.mixed_precision": "bf16"})))
 
     fp32_run = read_run(run)
     assert [r["step"] for r in fp32_run.train] == list(range(1, 9)) and fp32_run.finished
@@ -94,8 +95,7 @@ def test_report_of_a_killed_and_restarted_run_overlaid_with_a_bf16_run(corpus_di
 
     out = tmp_path / "cmp" / "report.html"
     out.parent.mkdir()
-    proc = _cli("report", run, bf16, "--out", out)
-    assert proc.returncode == 0, proc.stderr
+    assert cli(["report", str(run), str(bf16), "--out", str(out)]) == 0
     sizes = check_report_html(out)
     text = out.read_text()
     for name in ("loss", "throughput", "optimizer", "memory", "timeline"):
@@ -105,7 +105,7 @@ def test_report_of_a_killed_and_restarted_run_overlaid_with_a_bf16_run(corpus_di
     assert "differs: parallel.mixed_precision" in text and "1 / 0 / 0" in text and text.count("finished") >= 2
 
     # The report may replace itself, and only itself.
-    assert _cli("report", run, "--out", out).returncode == 0
+    assert cli(["report", str(run), "--out", str(out)]) == 0
     check_report_html(out)
 
 
@@ -152,36 +152,39 @@ def _files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def test_bad_input_is_one_line_exit_2_and_loses_nothing(tmp_path):
+def test_bad_input_is_one_line_exit_2_and_loses_nothing(tmp_path, capsys):
+    from ndtrain.cli import main as cli
+
     _write_rows(tmp_path / "run", [_train_row(1, 1.0)])
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("keep me")
     (tmp_path / "mine.html").write_text("<html>my own page</html>")
     (tmp_path / "file.txt").write_text("x")
-    before = _files(tmp_path)
-    cases = [
-        (["report", tmp_path / "missing", "--out", tmp_path / "r.html"], "run directory not found"),
-        (["report", tmp_path / "notes", "--out", tmp_path / "r.html"], "is not a run directory"),
-        (["report", tmp_path / "file.txt", "--out", tmp_path / "r.html"], "is not a directory"),
-        (["report", tmp_path / "run", "--out", tmp_path / "nowhere" / "r.html"], "does not exist"),
-        (["report", tmp_path / "run", "--out", tmp_path / "mine.html"], "not an ndtrain report"),
-        (["report", tmp_path / "run", "--out", tmp_path / "run" / "metrics.jsonl"], "must name an .html file"),
-        (["report", tmp_path / "run", "--out", tmp_path / "notes.html"], None),  # fine: the control case
-    ]
-    (tmp_path / "notes.html").mkdir()
-    cases[-1] = (cases[-1][0], "is a directory")
-    for args, message in cases:
-        proc = _cli(*args)
-        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
-        err = proc.stderr.strip()
-        assert message in err and "\n" not in err and "Traceback" not in err, err
-    assert _files(tmp_path) == before
+    (tmp_path / "dir.html").mkdir()
     bad = tmp_path / "badcfg"
     _write_rows(bad, [_train_row(1, 1.0)])
     (bad / "config.toml").write_text("[model\n")
-    proc = _cli("report", bad, "--out", tmp_path / "r.html")
-    assert proc.returncode == 2 and "config.toml: not valid TOML" in proc.stderr
-    assert not (tmp_path / "r.html").exists()
+    before = _files(tmp_path)
+    cases = [
+        ([tmp_path / "missing"], tmp_path / "r.html", "run directory not found"),
+        ([tmp_path / "notes"], tmp_path / "r.html", "is not a run directory"),
+        ([tmp_path / "file.txt"], tmp_path / "r.html", "is not a directory"),
+        ([bad], tmp_path / "r.html", "config.toml: not valid TOML"),
+        ([tmp_path / "run", tmp_path / "missing"], tmp_path / "r.html", "run directory not found"),
+        ([tmp_path / "run"], tmp_path / "nowhere" / "r.html", "does not exist"),
+        ([tmp_path / "run"], tmp_path / "mine.html", "not an ndtrain report"),
+        ([tmp_path / "run"], tmp_path / "run" / "metrics.jsonl", "must name an .html file"),
+        ([tmp_path / "run"], tmp_path / "dir.html", "is a directory"),
+    ]
+    for dirs, out, message in cases:
+        assert cli(["report", *map(str, dirs), "--out", str(out)]) == 2, (dirs, out)
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err and "Traceback" not in err, err
+    assert _files(tmp_path) == before and not (tmp_path / "r.html").exists()
+    # The same through the installed command, once: one line on stderr, exit 2.
+    proc = _cli("report", tmp_path / "missing", "--out", tmp_path / "r.html")
+    assert proc.returncode == 2 and proc.stderr.strip() == f"ndtrain report: error: run directory not found: " \
+        f"{tmp_path / 'missing'}"
 
 
 @pytest.mark.timeout(180)
