@@ -211,7 +211,16 @@ def timeline(runs: list[Run], path: Path) -> Path | None:
                        label="steps a restart or rollback redid" if "redo" not in seen else None)
             seen.add("redo")
         xs, ys = _series(run.train, "time", "step")
-        ax.plot([_at(x, t0) for x in xs], ys, color=_color(i), lw=1.5, label=run.label)
+        # No line across a restart: the stretch between attempts trained nothing.
+        cuts = sorted(e["time"] for e in run.restarts if e.get("time") is not None)
+        px, py = [], []
+        for k, (x, y) in enumerate(zip(xs, ys)):
+            if k and any(xs[k - 1] < c <= x for c in cuts):
+                px.append(float("nan"))
+                py.append(float("nan"))
+            px.append(_at(x, t0))
+            py.append(y)
+        ax.plot(px, py, color=_color(i), lw=1.5, label=run.label)
         for c in run.checkpoints:
             if "time" in c:
                 mark("checkpoint", _at(c["time"], t0), c["step"], "^")
