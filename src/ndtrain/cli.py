@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "pipeline-report": ("ndtrain.parallel.pipeline_report", "main", "draw a pipeline schedule timeline"),
     "export": ("ndtrain.train.interop", "export_main", "export a checkpoint (safetensors or Hugging Face)"),
     "import": ("ndtrain.train.interop", "import_main", "import Hugging Face Llama weights"),
+    "report": ("ndtrain.tools.report", "main", "draw runs (loss, throughput, memory, restarts...) into one HTML file"),
 }
 
 

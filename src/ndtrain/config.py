@@ -101,10 +101,22 @@ class CheckpointConfig:
     dir: str = ""  # default <output_dir>/checkpoints
 
 
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+
 @dataclass
 class LoggingConfig:
-    tensorboard: bool = True
+    # Where rank 0 sends the scalar metrics besides metrics.jsonl (always written). wandb runs
+    # offline and mlflow into a file store under the run directory unless told otherwise.
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    tensorboard: bool = True  # false drops "tensorboard" from trackers (the key predates trackers)
     progress: str = "auto"  # auto (only on a TTY) | on | off
+    project: str = "ndtrain"  # W&B project and MLflow experiment name
+    wandb_mode: str = "offline"  # offline | online
+    mlflow_uri: str = ""  # "" = file store <run dir>/mlruns; or a tracking server / database URI
+    # pp > 1: time every rank's F/B/W actions during this step and keep the timeline in the run
+    # directory (pipeline_trace.json) for `ndtrain report`'s Gantt chart; 0 = never.
+    pipeline_trace_step: int = 3
 
 
 @dataclass
@@ -289,6 +301,10 @@ def validate(cfg: JobConfig) -> None:
         ("checkpoint.keep_last", c.keep_last >= 1, f"must be >= 1 (the newest checkpoint is always kept), got {c.keep_last}"),
         ("checkpoint.keep_every", c.keep_every >= 0, f"must be >= 0, got {c.keep_every}"),
         ("logging.progress", cfg.logging.progress in ("auto", "on", "off"), f"must be auto, on or off, got {cfg.logging.progress!r}"),
+        ("logging.trackers", all(t in TRACKERS for t in cfg.logging.trackers), f"must name trackers among {', '.join(TRACKERS)}, got {cfg.logging.trackers}"),
+        ("logging.trackers", len(set(cfg.logging.trackers)) == len(cfg.logging.trackers), f"names a tracker twice: {cfg.logging.trackers}"),
+        ("logging.wandb_mode", cfg.logging.wandb_mode in ("offline", "online"), f"must be offline or online, got {cfg.logging.wandb_mode!r}"),
+        ("logging.pipeline_trace_step", cfg.logging.pipeline_trace_step >= 0, f"must be >= 0 (0 = never), got {cfg.logging.pipeline_trace_step}"),
     ]
     for key in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep"):
         val = getattr(p, key)

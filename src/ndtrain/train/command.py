@@ -43,6 +43,9 @@ def main(argv: list[str]) -> int:
                    help="restart the group after a crash or hang, up to K times, from the last checkpoint")
     args, overrides = p.parse_known_args(argv)
     cfg = load_config(args.config, overrides)  # fails here, before any process starts
+    from ndtrain.train.trackers import check_installed
+
+    check_installed(cfg.logging)
 
     if args.nproc and not _under_launcher():
         if args.nproc < 1:

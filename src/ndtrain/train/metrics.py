@@ -1,4 +1,4 @@
-"""Step metrics: JSONL + TensorBoard + a progress bar, and the peak FLOP/s that MFU divides by."""
+"""Step metrics: JSONL + experiment trackers + a progress bar, and the peak FLOP/s that MFU divides by."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from ndtrain.train.trackers import open_trackers, scalars
 
 # Dense bf16 peak FLOP/s per device, by substring of the CUDA device name.
 GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "B200": 2250e12, "A100": 312e12,
@@ -52,40 +54,49 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 class MetricsLogger:
-    """Rank 0 writes; other ranks hold a logger that does nothing."""
+    """Rank 0 writes metrics.jsonl (every row, stamped with wall time) and feeds the configured
+    trackers their scalars; other ranks hold a logger that does nothing."""
 
-    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, progress: str, tensorboard: bool,
-                 start_step: int = 0):
+    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, progress: str, logging_cfg=None,
+                 config: dict | None = None):
         self.enabled = enabled
+        self.run_dir = run_dir
+        self.total_steps = total_steps
+        self.progress = progress
+        self.logging_cfg = logging_cfg
+        self.config = config or {}
         self.bar = None
-        self.tb = None
+        self.trackers: list | None = None  # opened by start(), or by the first row
         self.file = None
         self.last_print = 0.0
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-            except ImportError:
-                self.tb = None
-        show = progress == "on" or (progress == "auto" and sys.stderr.isatty())
+    def start(self, step: int) -> None:
+        """Open the trackers and the progress bar once the run knows the step it resumes from."""
+        if not self.enabled or self.trackers is not None:
+            return
+        self.trackers = []
+        if self.logging_cfg is not None:
+            self.trackers = open_trackers(self.run_dir, self.logging_cfg, self.config, step)
+        show = self.progress == "on" or (self.progress == "auto" and sys.stderr.isatty())
         if show:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, desc="train")
+            self.bar = tqdm(total=self.total_steps, initial=step, dynamic_ncols=True, desc="train")
 
     def log(self, row: dict) -> None:
         if not self.enabled:
             return
+        row = {**row, "time": row.get("time", time.time())}
         self.file.write(json.dumps(row) + "\n")
-        if self.tb is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.tb.add_scalar(key, value, row["step"])
+        if self.trackers is None:
+            self.start(max(0, row["step"] - 1))
+        values = scalars(row) if self.trackers else None
+        for tracker in self.trackers if values else ():
+            tracker.log(row["step"], values)
         if "loss" in row:
             self._show(row)
         elif "val_loss" in row:
@@ -111,8 +122,8 @@ class MetricsLogger:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        if self.tb is not None:
-            self.tb.close()
+        for tracker in self.trackers or []:
+            tracker.close()
         if self.file is not None:
             self.file.close()
 

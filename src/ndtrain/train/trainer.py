@@ -4,6 +4,7 @@ degrees are all 1 (no mesh, no process group)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import statistics
 import logging
 import math
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ndtrain.config import JobConfig, to_toml
+from ndtrain.config import JobConfig, to_dict, to_toml
 from ndtrain.data.loader import StatefulLoader, TokenDataset, validation_batches
 from ndtrain.errors import NdtrainError
 from ndtrain.model.config import flops_per_token, num_params
@@ -30,6 +31,7 @@ from ndtrain.parallel.grad_norm import (all_reduce_sum, clip_coefficient, local_
 from ndtrain.train import distributed
 from ndtrain.train.distributed import env_world_size
 from ndtrain.train.metrics import MetricsLogger, peak_flops, peak_memory_mb
+from ndtrain.train.trackers import check_installed as check_trackers
 from ndtrain.train.optim import build_optimizer, lr_at, set_lr
 
 
@@ -116,8 +118,10 @@ class Trainer:
         self.peak_flops_per_rank, self.peak_source = peak_flops(self.rt.device, dtype)
         self.peak_flops_total = all_reduce_sum([self.peak_flops_per_rank], self.rt.device)[0]
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        if log and run_dir is not None:  # on every rank: a missing package stops all of them, none waits
+            check_trackers(cfg.logging)
         self.logger = MetricsLogger(run_dir, log and self.rt.is_main and run_dir is not None, cfg.train.steps,
-                                    cfg.logging.progress, cfg.logging.tensorboard)
+                                    cfg.logging.progress, cfg.logging, to_dict(cfg))
         self.val_data = None
 
     # ---- layout helpers -------------------------------------------------------------------
@@ -270,6 +274,20 @@ class Trainer:
                 out[canonical_name(name)] = t.detach().float().cpu().clone()
         return out
 
+    def save_pipeline_trace(self, run_dir: Path) -> None:
+        """Every rank's timed F/B/W actions of the step just traced, gathered into rank 0's
+        `pipeline_trace.json` (the input of `ndtrain report`'s Gantt chart)."""
+        trace = {"rank": self.rt.rank, "stages": [s.stage_index for s in self.pipeline.stages],
+                 "traces": self.pipeline.traces[-1:]}
+        self.pipeline.trace, self.pipeline.traces = False, []
+        gathered = [None] * self.rt.world_size
+        torch.distributed.all_gather_object(gathered, trace)
+        if self.rt.is_main:
+            p = self.cfg.parallel
+            (run_dir / "pipeline_trace.json").write_text(json.dumps(
+                {"step": self.step, "schedule": p.pp_schedule, "p": self.dims.pp, "v": p.pp_virtual_stages,
+                 "ranks": gathered}))
+
     def close(self) -> None:
         self.logger.close()
 
@@ -303,18 +321,31 @@ def train(cfg: JobConfig) -> dict:
         if ckpt.resume(spec) is not None:
             break
     recovery.check_global_batch(cfg, trainer.dp_size, trainer.tokens_seen)
+    log.start(trainer.step)
+    # Each attempt's first row: the report marks restarts and changes of world or layout by it.
+    log.log({"step": trainer.step, "event": "restart" if ckpt.loaded_from or recovery.restart_count() else "start",
+             "attempt": recovery.restart_count(), "world": rt.world_size, "layout": trainer.dims.describe(),
+             "tokens_seen": trainer.tokens_seen, "resumed_from": str(ckpt.loaded_from or "") or None})
     log.info(f"ndtrain: {cfg.model.preset} model, {num_params(cfg.model) / 1e6:.2f}M parameters, "
              f"layout {trainer.dims.describe()} on {rt.world_size} x {rt.device.type}, "
              f"peak {trainer.peak_flops_total / 1e9:.1f} GFLOP/s ({trainer.peak_source}); run dir {run_dir}")
     if trainer.auto_choice:
         log.info(f"auto layout (planner): {describe_auto(trainer.auto_choice)}")
+        log.log({"step": trainer.step, "event": "auto", "layout": describe_auto(trainer.auto_choice),
+                 "predicted_step_time": trainer.auto_choice["predicted_step_time"],
+                 "predicted_tokens_per_s": trainer.auto_choice["predicted_tokens_per_s"]})
     step_times: list[float] = []
     last_val, preempted = None, False
     guard = recovery.Recovery(cfg, trainer, ckpt, run_dir)  # watchdog, non-finite rollback, stragglers
     try:
         while trainer.step < cfg.train.steps:
             guard.before_step()
+            trace = trainer.pipeline is not None and trainer.step + 1 == cfg.logging.pipeline_trace_step
+            if trace:
+                trainer.pipeline.trace = True
             result = trainer.train_step()
+            if trace:
+                trainer.save_pipeline_trace(run_dir)
             action = guard.after_step(result)
             if action == "rollback":
                 continue
