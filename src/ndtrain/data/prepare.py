@@ -346,7 +346,8 @@ def main(argv: list[str]) -> int:
         bpe_sample_bytes=max(1, int(a.bpe_sample_mb * 1e6)),
     )
     if a.if_absent:
-        manifest, action = ensure_prepared(**kwargs), "kept"
+        existed = (Path(a.out) / MANIFEST_NAME).is_file()
+        manifest, action = ensure_prepared(**kwargs), "kept" if existed else "created"
     else:
         manifest, action = run_prepare(**kwargs)
     head = {"created": "prepared", "appended": "appended to", "unchanged": "up to date:", "kept": "kept"}[action]
