@@ -245,6 +245,9 @@ def test_manifest_errors(make_data):
         (lambda m: m["parts"][0].update(val=[0, 1]), r"field 'parts\[0\]\.val'"),
         (lambda m: m["sources"][0].update(mtime_ns=1.5), r"field 'sources\[0\]\.mtime_ns'"),
         (lambda m: m.update(parts=[]), r"field 'parts' must be a non-empty list"),
+        (lambda m: m["settings"].update(val_fraction="0.1"), r"field 'settings\.val_fraction' must be a number"),
+        (lambda m: m.update(default_corpus=0), r"field 'default_corpus' must be true or false"),
+        (lambda m: m["parts"][0].update(max_bytes=0), r"field 'parts\[0\]\.max_bytes'"),
     ]:
         m = json.loads(json.dumps(good))
         edit(m)

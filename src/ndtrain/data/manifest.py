@@ -95,6 +95,18 @@ class _Fields:
             self.fail(field, what, v)
         return v
 
+    def number(self, obj: dict, key: str, field: str, lo: float, hi: float) -> float:
+        v = self.get(obj, key, field)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v < hi:
+            self.fail(field, f"a number in [{lo}, {hi})", v)
+        return v
+
+    def bool(self, obj: dict, key: str, field: str) -> bool:
+        v = self.get(obj, key, field)
+        if not isinstance(v, bool):
+            self.fail(field, "true or false", v)
+        return v
+
     def list(self, obj: dict, key: str, field: str) -> list:
         v = self.get(obj, key, field)
         if not isinstance(v, list):
@@ -151,6 +163,8 @@ def _check_v2(m: dict, f: _Fields) -> None:
         if val[0] != train[1]:
             f.fail(f"{where}.val", f"a range starting at train's end ({train[1]})", val)
         f.str(p, "sha256", f"{where}.sha256", _HEX64)
+        if p.get("max_bytes") is not None:
+            f.int(p, "max_bytes", f"{where}.max_bytes", 1)
         end = val[1]
     if end != num_tokens:
         f.fail(f"parts[{len(parts) - 1}].val", f"a range ending at num_tokens ({num_tokens:,})", parts[-1]["val"])
@@ -161,7 +175,18 @@ def _check_v2(m: dict, f: _Fields) -> None:
         for key in ("size", "mtime_ns", "num_documents", "num_bytes", "num_tokens"):
             f.int(s, key, f"{where}.{key}")
         f.int(s, "part", f"{where}.part", 0, len(parts) - 1)
-    f.dict(f.get(m, "settings", "settings"), "settings")
+    settings = f.dict(f.get(m, "settings", "settings"), "settings")
+    for key in ("tokenizer", "text_field"):
+        f.str(settings, key, f"settings.{key}")
+    f.int(settings, "vocab_size", "settings.vocab_size", 1)
+    f.number(settings, "val_fraction", "settings.val_fraction", 0.0, 1.0)
+    f.bool(settings, "default_corpus", "settings.default_corpus")
+    f.bool(m, "default_corpus", "default_corpus")
+    for i, r in enumerate(f.list(m, "roots", "roots")):
+        if not isinstance(r, str):
+            f.fail(f"roots[{i}]", "a string", r)
+    f.str(m, "python_version", "python_version")
+    f.dict(f.get(m, "args", "args"), "args")
 
 
 def _check_v1(m: dict, f: _Fields) -> None:
