@@ -17,12 +17,17 @@ from ndtrain.model.config import PRESETS, ModelConfig
 
 @dataclass
 class DataConfig:
-    path: str = "data/stdlib-byte"  # prepared directory (tokens.bin + manifest.json)
+    path: str = "data/stdlib-byte"  # prepared directory (token shards + manifest.json); with mix, their parent
     sources: list[str] = field(default_factory=list)  # empty = the Python standard library
     tokenizer: str = "byte"  # byte | bpe
     vocab_size: int = 8192  # for bpe
     max_mb: float = 16.0  # cap on the default corpus, in MB of text
     seq_len: int = 256
+    # Attention stays inside each document of a packed sequence; RoPE positions restart per document.
+    document_mask: bool = False
+    # [[name, weight], ...]: sample from several prepared corpora <path>/<name> in these proportions.
+    mix: list = field(default_factory=list)
+    prefetch: int = 2  # batches built ahead on a background thread (0 = off)
 
 
 @dataclass
@@ -161,6 +166,10 @@ def _coerce(key: str, value, typ):
         if isinstance(value, str):
             return value
         raise ConfigError(key, f"expected a string, got {value!r}")
+    if typ is list:  # a free-form list (data.mix), checked by validate()
+        if isinstance(value, list):
+            return value
+        raise ConfigError(key, f"expected a list, got {value!r}")
     if origin is list:
         (inner,) = typing.get_args(typ)
         if not isinstance(value, list):
@@ -255,6 +264,17 @@ def load_config(path: str | None = None, overrides: list[str] | dict | None = No
     return cfg
 
 
+def _mix_problem(mix: list) -> str | None:
+    for entry in mix:
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and entry[0]
+                and isinstance(entry[1], (int, float)) and not isinstance(entry[1], bool) and entry[1] > 0):
+            return f'must be a list of [name, weight] pairs with positive weights, e.g. [["web", 0.7], ["code", 0.3]]; got {entry!r}'
+    names = [e[0] for e in mix]
+    if len(set(names)) != len(names):
+        return f"names must be unique, got {names}"
+    return None
+
+
 def validate(cfg: JobConfig) -> None:
     """Checks that need no process group. Layout checks against the world size live in
     parallel/mesh.py; they run before any process group exists too."""
@@ -266,6 +286,8 @@ def validate(cfg: JobConfig) -> None:
         ("data.seq_len", d.seq_len > 0, f"must be positive, got {d.seq_len}"),
         ("data.seq_len", d.seq_len <= cfg.model.max_seq_len, f"{d.seq_len} exceeds model.max_seq_len {cfg.model.max_seq_len}"),
         ("data.max_mb", d.max_mb > 0, f"must be positive, got {d.max_mb}"),
+        ("data.prefetch", d.prefetch >= 0, f"must be >= 0 (0 disables prefetching), got {d.prefetch}"),
+        ("data.mix", _mix_problem(d.mix) is None, _mix_problem(d.mix) or ""),
         ("optimizer.lr", o.lr > 0, f"must be positive, got {o.lr}"),
         ("optimizer.min_lr_ratio", 0 <= o.min_lr_ratio <= 1, f"must be in [0, 1], got {o.min_lr_ratio}"),
         ("optimizer.warmup_steps", o.warmup_steps >= 0, f"must be >= 0, got {o.warmup_steps}"),

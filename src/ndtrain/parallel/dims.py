@@ -42,7 +42,8 @@ class ParallelDims:
         return " x ".join(parts) if parts else "single"
 
 
-def resolve(par, world_size: int, model: ModelConfig, seq_len: int = 0, train=None) -> ParallelDims:
+def resolve(par, world_size: int, model: ModelConfig, seq_len: int = 0, train=None,
+            document_mask: bool = False) -> ParallelDims:
     """Turn `[parallel]` settings (with at most one -1) into validated degrees for `world_size`.
     With `train` (the [train] section) pipeline micro-batch counts are checked too."""
     degrees = {d: getattr(par, d) for d in MESH_ORDER}
@@ -64,12 +65,18 @@ def resolve(par, world_size: int, model: ModelConfig, seq_len: int = 0, train=No
             f"({' x '.join(f'{d}={v}' for d, v in degrees.items())}) but the world size is {world_size}; "
             f"set one degree to -1 or launch {fixed} processes")
     dims = ParallelDims(ep=par.ep, **degrees)
-    validate(dims, par, model, seq_len, train)
+    validate(dims, par, model, seq_len, train, document_mask)
     return dims
 
 
-def validate(dims: ParallelDims, par, model: ModelConfig, seq_len: int = 0, train=None) -> None:
+def validate(dims: ParallelDims, par, model: ModelConfig, seq_len: int = 0, train=None,
+             document_mask: bool = False) -> None:
     tp, pp, cp, ep = dims.tp, dims.pp, dims.cp, dims.ep
+    # data.document_mask rule: pipeline stages receive hidden states only (positions come from the
+    # stage), so per-row document ids and positions would not reach the later stages.
+    if document_mask and pp > 1:
+        raise ConfigError("data.document_mask", "document masking does not combine with pipeline parallel (pp > 1) yet; "
+                                                "set document_mask=false or pp=1")
     if par.compile and tp > 1:
         # torch 2.13's compiled blocks lose DTensor's local tensor on the TP path (AttributeError
         # '_local_tensor' inside the graph); FSDP, CP and EP blocks compile and match eager.

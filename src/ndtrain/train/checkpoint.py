@@ -66,8 +66,10 @@ def _broadcast(obj):
 
 
 def data_fingerprint(manifest: dict) -> dict:
-    keys = ("source_sha256", "num_tokens", "tokenizer", "vocab_size", "splits")
-    return {k: manifest.get(k) for k in keys}
+    # Defined with the manifest (shard-count independent; mixtures list their components).
+    from ndtrain.data.manifest import fingerprint
+
+    return fingerprint(manifest)
 
 
 @dataclass

@@ -58,7 +58,8 @@ def main(argv: list[str]) -> int:
         from ndtrain.parallel.auto import apply_auto_layout
 
         apply_auto_layout(cfg, args.nproc)  # workers plan again for themselves; this surfaces errors now
-        dims = resolve(cfg.parallel, args.nproc, cfg.model, cfg.data.seq_len, cfg.train)  # errors before spawning
+        dims = resolve(cfg.parallel, args.nproc, cfg.model, cfg.data.seq_len, cfg.train,
+                       document_mask=cfg.data.document_mask)  # errors before spawning
         check_global_batch(cfg, dims.dp)
         # One run directory for every rank and every restart attempt.
         forwarded = [a for a in argv]

@@ -17,8 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from ndtrain.config import JobConfig, to_dict, to_toml
-from ndtrain.data.loader import StatefulLoader, TokenDataset, validation_batches
-from ndtrain.errors import NdtrainError
+from ndtrain.data.loader import StatefulLoader, validation_batches
+from ndtrain.data.mixture import make_loader, open_dataset
+from ndtrain.data.packing import document_ids, document_positions
+from ndtrain.errors import ConfigError, NdtrainError
 from ndtrain.model.config import flops_per_token, num_params
 from ndtrain.model.init import canonical_name, materialize
 from ndtrain.model.moe import end_step as moe_end_step, moe_layers, set_aux_scale
@@ -68,17 +70,24 @@ class Trainer:
         self.rt = distributed.setup(cfg.train)
         # `[parallel] auto`: planned for the world found at every (re)start, before the mesh exists.
         self.auto_choice = apply_auto_layout(cfg, self.rt.world_size)
-        self.dims = pdims.resolve(cfg.parallel, self.rt.world_size, cfg.model, cfg.data.seq_len, cfg.train)
+        self.dims = pdims.resolve(cfg.parallel, self.rt.world_size, cfg.model, cfg.data.seq_len, cfg.train,
+                                  document_mask=cfg.data.document_mask)
         self.mesh = pdims.build_mesh(self.dims, self.rt.device.type) if self.rt.world_size > 1 else None
         self.run_dir = run_dir
         torch.manual_seed(cfg.train.seed)
 
-        self.train_set = TokenDataset(cfg.data.path, "train")
+        self.train_set = open_dataset(cfg.data.path, cfg.data.mix, "train")
         if self.train_set.vocab_size > cfg.model.vocab_size:
             raise NdtrainError(f"the data's tokenizer has {self.train_set.vocab_size} tokens but "
                                f"model.vocab_size is {cfg.model.vocab_size}; raise model.vocab_size")
+        if cfg.data.document_mask and self.train_set.eos_id is None:
+            raise ConfigError("data.document_mask", f"{cfg.data.path} marks no document ends (a format-1 corpus); "
+                                                    "prepare it again with this ndtrain")
         self.dp_rank, self.dp_size = self._dp_coords()
-        self.loader = StatefulLoader(self.train_set, cfg.data.seq_len, cfg.train.seed, self.dp_rank, self.dp_size)
+        self.loader: StatefulLoader = make_loader(self.train_set, cfg.data.seq_len, cfg.train.seed, self.dp_rank,
+                                                  self.dp_size)
+        # The next batches are built on a thread while this step computes (pinned for a GPU copy).
+        self.loader.start_prefetch(cfg.data.prefetch, pin_memory=self.rt.device.type == "cuda")
 
         # A pipeline rank builds only its own stage(s), several with virtual stages; every other
         # layout sees one part, the whole model.
@@ -143,10 +152,21 @@ class Trainer:
             return torch.autocast(self.rt.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor, docs: dict | None = None) -> torch.Tensor:
         with self._autocast():
-            logits = self.model(inputs, positions=self.cp_positions)
+            logits = self.model(inputs, positions=self.cp_positions) if docs is None else self.model(inputs, **docs)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+    def _doc_inputs(self, inputs: torch.Tensor) -> dict | None:
+        """Document ids and per-document positions of full [batch, seq] inputs, cp-sharded like
+        the tokens (None without document masking)."""
+        if not self.cfg.data.document_mask:
+            return None
+        doc = document_ids(inputs, self.train_set.eos_id)
+        return {"positions": self._cp_shard(document_positions(doc)), "doc_ids": self._cp_shard(doc)}
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.rt.device, non_blocking=True)  # from pinned memory on a GPU: an async copy
 
     def _cp_shard(self, t: torch.Tensor) -> torch.Tensor:
         """This cp rank's tokens of [batch, seq] inputs or targets."""
@@ -163,7 +183,7 @@ class Trainer:
         return float(t.detach())
 
     # ---- one optimizer step ---------------------------------------------------------------
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, micro: int) -> float:
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, micro: int, docs: dict | None = None) -> float:
         """Runs all micro-batches of this rank's share; returns the summed (unnormalised) loss."""
         if self.pipeline is not None:
             # The schedule runs the micro-batches; its loss normalises exactly as below and the
@@ -178,7 +198,8 @@ class Trainer:
                 # Reduce gradients only on the last micro-batch; earlier ones accumulate locally.
                 self.model.set_requires_gradient_sync(i == len(slices) - 1)
             with self._loss_context():
-                loss = self._loss_sum(inputs[a:b].to(self.rt.device), targets[a:b].to(self.rt.device))
+                mb_docs = None if docs is None else {k: self._to_device(v[a:b]) for k, v in docs.items()}
+                loss = self._loss_sum(self._to_device(inputs[a:b]), self._to_device(targets[a:b]), mb_docs)
                 # Normalise by this rank's tokens for the whole step: summed over micro-batches
                 # and averaged over data-parallel ranks by FSDP, this is the exact global mean.
                 (loss / tokens_here).backward()
@@ -191,7 +212,9 @@ class Trainer:
         gb = global_batch_at(cfg, self.tokens_seen)
         if gb % self.dp_size:
             raise NdtrainError(f"global batch {gb} is not divisible by the data-parallel size {self.dp_size}")
+        t_data = time.perf_counter()
         batch = self.loader.next_batch(gb)
+        data_wait = time.perf_counter() - t_data  # ~0 when prefetching keeps ahead of the step
         lr = lr_at(self.step, cfg.optimizer, cfg.train.steps)
         set_lr(self.optimizer, lr)
         # The MoE aux loss is a mean over sequences: each of this rank's sequences weighs 1/n here,
@@ -199,8 +222,9 @@ class Trainer:
         set_aux_scale(self.moe, 1.0 / batch.inputs.shape[0])
         # Under cp, each rank normalises by its own tokens (forward_backward); FSDP averages
         # over dp x cp ranks, which makes that the global token mean.
-        loss_sum = self.forward_backward(self._cp_shard(batch.inputs), self._cp_shard(batch.targets),
-                                         cfg.train.micro_batch)
+        docs = self._doc_inputs(batch.inputs)
+        args = (self._cp_shard(batch.inputs), self._cp_shard(batch.targets), cfg.train.micro_batch)
+        loss_sum = self.forward_backward(*args) if docs is None else self.forward_backward(*args, docs)
         reduce_partial_grads(self.params)
         # tp ranks hold the same loss; count it once. cp ranks hold disjoint tokens: sum them.
         # Pipeline ranks without the last stage return 0.0, so each loss is still counted once.
@@ -220,7 +244,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         # After the step, from the step's global load: aux-loss-free bias update and MoE metrics.
         reduce = (lambda t: torch.distributed.all_reduce(t, group=self.moe_group)) if self.moe_group else None
-        extra = moe_end_step(self.moe, reduce, update_bias=not skipped)
+        extra = {**moe_end_step(self.moe, reduce, update_bias=not skipped), "data_wait_s": data_wait}
         self.step += 1
         self.tokens_seen += global_tokens
         return StepResult(self.step, loss, grad_norm, lr, global_tokens, time.perf_counter() - t0, skipped, extra)
@@ -231,13 +255,13 @@ class Trainer:
         if self.val_data is None:
             # A fixed set of validation samples (val_batches x global_batch) whatever the layout,
             # so validation losses compare across runs.
-            val_set = TokenDataset(cfg.data.path, "val")
-            self.val_data = [(self._cp_shard(i), self._cp_shard(t)) for i, t in validation_batches(
+            val_set = open_dataset(cfg.data.path, cfg.data.mix, "val")
+            self.val_data = [(self._cp_shard(i), self._cp_shard(t), self._doc_inputs(i)) for i, t in validation_batches(
                 val_set, cfg.data.seq_len, cfg.train.global_batch, cfg.train.val_batches, self.dp_rank, self.dp_size)]
         for part in self.model_parts:
             part.eval()
         total, tokens = 0.0, 0
-        for inputs, targets in self.val_data:
+        for inputs, targets, docs in self.val_data:
             if self.pipeline is not None:  # forward-only schedule; the loss exists on the last stage
                 with self._loss_context(), self._autocast():
                     total += self.pipeline.run(inputs.to(self.rt.device), targets.to(self.rt.device),
@@ -246,7 +270,8 @@ class Trainer:
                 continue
             for a, b in split_micro(inputs.shape[0], cfg.train.micro_batch):
                 with self._loss_context():
-                    loss = self._loss_sum(inputs[a:b].to(self.rt.device), targets[a:b].to(self.rt.device))
+                    mb_docs = None if docs is None else {k: self._to_device(v[a:b]) for k, v in docs.items()}
+                    loss = self._loss_sum(self._to_device(inputs[a:b]), self._to_device(targets[a:b]), mb_docs)
                 total += self._value(loss)
                 tokens += targets[a:b].numel()
         for part in self.model_parts:
@@ -289,6 +314,7 @@ class Trainer:
                  "ranks": gathered}))
 
     def close(self) -> None:
+        self.loader.close()
         self.logger.close()
 
 
