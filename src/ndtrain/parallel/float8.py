@@ -79,3 +79,22 @@ def precompute_scales(parts: list[nn.Module]) -> None:
     f8 = torchao_float8()
     for part in parts:
         f8.precompute_float8_dynamic_scale_for_fsdp(part)
+
+
+def plain_state(state):
+    """The state dict with torchao's float8 all-gather weight wrapper (and optimizer moments that
+    inherited it) replaced by the fp32 tensor it wraps, sharing its memory: checkpoints then hold
+    plain tensors that any layout, precision or tool loads (torch.load(weights_only=True) cannot
+    unpickle the wrapper without torchao), and loading into them writes the live weights."""
+    if isinstance(state, dict):
+        return {k: plain_state(v) for k, v in state.items()}
+    local = getattr(state, "_local_tensor", state)
+    inner = getattr(local, "_tensor", None)
+    if type(local).__name__ != "WeightWithDynamicFloat8CastTensor" or inner is None:
+        return state
+    if local is state:
+        return inner
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(inner, state.device_mesh, state.placements, run_check=False,
+                              shape=state.shape, stride=state.stride())
