@@ -11,6 +11,8 @@ the test also checks that fp8 GEMMs really ran, and changed the curve at all).""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -111,9 +113,11 @@ def test_bad_fp8_layout_is_one_line_exit_2(tmp_path):
 
     marker = tmp_path / "keep.txt"
     marker.write_text("x")
-    proc = subprocess.run([sys.executable, "-m", "ndtrain", "train", "--config", "configs/debug.toml",
+    config = Path(__file__).resolve().parents[2] / "configs" / "debug.toml"
+    proc = subprocess.run([sys.executable, "-m", "ndtrain", "train", "--config", str(config),
                            "--parallel.mixed_precision=fp8", "--data.seq_len=40",
-                           f"--train.output_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
+                           f"--train.output_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "data.seq_len" in lines[0] and "Traceback" not in proc.stderr
