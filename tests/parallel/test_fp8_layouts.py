@@ -54,7 +54,7 @@ def test_fp8_with_experts_and_compile(parity_base):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)  # 90 steps at world 4: ~2 min on a quiet machine, 12 min seen under load
 def test_fp8_tracks_bf16_under_fsdp_x_tp(parity_base):
     """World 4, dp_shard=2 x tp=2 with sequence parallel, both recipes, 30 steps."""
     from test_fp8 import STEPS, _base, _check_curves
