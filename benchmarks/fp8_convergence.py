@@ -2,7 +2,7 @@
 from the same initial weights on the same batches; validation losses side by side.
 
     make data   # the default corpus, data/stdlib-byte
-    OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/fp8_convergence.py --steps 300
+    OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/fp8_convergence.py
 
 The two runs are launched together as `ndtrain train` processes (one process each, one thread
 each), so they share the machine's load alike; the load average is recorded. The pass mark is
@@ -44,9 +44,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8, help="global batch in sequences (one process)")
+    p.add_argument("--batch", type=int, default=4, help="global batch in sequences (one process)")
     p.add_argument("--val-interval", type=int, default=100)
-    p.add_argument("--val-batches", type=int, default=32)
+    p.add_argument("--val-batches", type=int, default=16)
     p.add_argument("--recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
     p.add_argument("--data", default="data/stdlib-byte")
     p.add_argument("--out", default=None, help="keep the runs here (default: a temporary directory)")
