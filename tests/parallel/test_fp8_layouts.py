@@ -1,6 +1,7 @@
-"""FP8 composed with every dimension (slow suite): FSDP x TP fp8-vs-bf16 curves over 30 steps,
-and 3-step parity of fp8 layouts (HSDP, DDP, ZeRO-2, TP/SP, CP, PP incl. a zero-bubble
-schedule, EP, activation checkpointing, CPU offload, compile) against one fp32 process.
+"""FP8 composed with every dimension (slow suite): fp8-vs-bf16 curves over 30 steps under FSDP x TP
+and in one process with the rowwise recipe, and 3-step parity of fp8 layouts (HSDP, DDP,
+ZeRO-2, TP/SP, CP, PP incl. a zero-bubble schedule, EP, activation checkpointing, CPU offload,
+compile) against one fp32 process.
 
 The 3-step tolerance is bf16's (verify's default for bf16, 2e-2): fp8 runs bf16 everywhere but
 its GEMMs, and over 3 steps at lr 1e-3 the fp8 rounding stays below it (worst seen: 7.8e-3,
@@ -68,3 +69,11 @@ def test_fp8_tracks_bf16_under_fsdp_x_tp(parity_base):
                                                                  STEPS)[0])
     _check_curves(tensorwise, bf16, "FSDP x TP tensorwise")
     _check_curves(rowwise, bf16, "FSDP x TP rowwise")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fp8_rowwise_tracks_bf16_in_one_process(parity_base):
+    from test_fp8 import one_process_curves
+
+    one_process_curves(parity_base, "rowwise")
