@@ -178,3 +178,25 @@ def test_fp8_tracks_bf16_under_fsdp(parity_base):
     (bf16, fp8), kinds = run_ranks(2, _fsdp_probe, cfgs, STEPS)[0]
     assert kinds == ["WeightWithDynamicFloat8CastTensor"]  # torchao's float8 all-gather weight
     _check_curves(fp8, bf16, "FSDP world 2 tensorwise")
+
+
+def test_fp8_mfu_names_both_peaks(parity_base, capsys):
+    """fp8 runs log MFU against the bf16 peak (`mfu`) and the fp8 peak (`mfu_fp8`), and say which."""
+    from ndtrain.train.metrics import MetricsLogger
+    from ndtrain.train.trainer import Trainer
+
+    rows = {}
+    for mp in ("bf16", "fp8"):
+        trainer = Trainer(load_config(None, _base(parity_base, mixed_precision=mp)), run_dir=None, log=False)
+        rows[mp] = trainer.metrics_row(trainer.train_step())
+        trainer.close()
+    assert "mfu_fp8" not in rows["bf16"]
+    fp8 = rows["fp8"]
+    assert 0 < fp8["mfu"] and 0 < fp8["mfu_fp8"]
+    # On this CPU the measured fp8 (_scaled_mm) peak is below the bf16 one; on GPUs it is above.
+    assert fp8["mfu_fp8"] != fp8["mfu"]
+    log = MetricsLogger(None, False, 1, "off", False)  # the progress line, without files
+    log.enabled = True
+    log._show({**fp8, "last": True})
+    line = capsys.readouterr().out
+    assert "of bf16 peak" in line and "of fp8 peak" in line
