@@ -9,12 +9,14 @@ the Float8Linear modules (and, for float8 all-gather, their weight tensor subcla
 
 FSDP float8 all-gather (tensorwise only, as torchao supports): a sharded weight is cast to fp8
 before its all-gather, halving those bytes against bf16. Its scale is one max over the whole
-weight; `precompute_scales` computes all of them with one all-reduce after each optimizer step
-(torchao's recommended use) instead of one all-reduce per weight inside the forward.
+weight; `precompute_scales` computes all of them with one all-reduce before each forward that
+follows a change of the weights (the trainer calls it at the start of a step and of validation,
+so a resume or rollback is covered too) instead of one all-reduce per weight inside the forward.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from torch import nn
@@ -47,8 +49,6 @@ def float8_config(par, dims):
     f8 = torchao_float8()
     config = f8.Float8LinearConfig.from_recipe_name(par.fp8_recipe)
     if float8_all_gather(par, dims):
-        import dataclasses
-
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     return config
 
