@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ndtrain.errors import ConfigError, NdtrainError
+from ndtrain.layout.fp8 import FP8_RECIPES
 from ndtrain.model.config import PRESETS, ModelConfig
 
 
@@ -57,7 +58,10 @@ class ParallelConfig:
     # Data-parallel sharding: 3 = ZeRO-3 (reshard after forward), 2 = ZeRO-2-like (keep gathered
     # parameters until backward). dp_shard=1 makes either plain replication (DDP).
     zero: int = 3
-    mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 params/compute, fp32 gradient reduction)
+    # fp32 | bf16 (bf16 params/compute, fp32 gradient reduction) | fp8 (bf16, and the qualifying
+    # Linear layers' matmuls in float8 through torchao; see docs/fp8.md)
+    mixed_precision: str = "fp32"
+    fp8_recipe: str = "tensorwise"  # tensorwise | rowwise: torchao's Float8LinearConfig scaling recipe
     cpu_offload: bool = False
     activation_checkpoint: str = "none"  # none | full | every_n | selective
     ac_every: int = 2  # for every_n: checkpoint every N-th layer
@@ -312,7 +316,8 @@ def validate(cfg: JobConfig) -> None:
         ("train.straggler_window", t.straggler_window >= 1, f"must be >= 1, got {t.straggler_window}"),
         ("train.batch_ramp", all(len(r) == 2 and r[0] >= 0 and r[1] > 0 for r in t.batch_ramp), "must be a list of [tokens_seen, global_batch] pairs"),
         ("parallel.zero", p.zero in (2, 3), f"must be 2 or 3, got {p.zero}"),
-        ("parallel.mixed_precision", p.mixed_precision in ("fp32", "bf16"), f"must be fp32 or bf16, got {p.mixed_precision!r}"),
+        ("parallel.mixed_precision", p.mixed_precision in ("fp32", "bf16", "fp8"), f"must be fp32, bf16 or fp8, got {p.mixed_precision!r}"),
+        ("parallel.fp8_recipe", p.fp8_recipe in FP8_RECIPES, f"must be {' or '.join(FP8_RECIPES)}, got {p.fp8_recipe!r}"),
         ("parallel.activation_checkpoint", p.activation_checkpoint in ("none", "full", "every_n", "selective"), f"must be none, full, every_n or selective, got {p.activation_checkpoint!r}"),
         ("parallel.ac_every", p.ac_every > 0, f"must be positive, got {p.ac_every}"),
         ("parallel.cp_attention", p.cp_attention in ("ring", "allgather"), f"must be ring or allgather, got {p.cp_attention!r}"),

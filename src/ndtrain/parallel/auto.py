@@ -23,7 +23,7 @@ def apply_auto_layout(cfg: JobConfig, world_size: int, hardware_profile=None) ->
     options = sorted({1, 2, 4, 8, cfg.train.micro_batch})
     choice = auto_layout(cfg.model, world_size, cfg.data.seq_len, cfg.train.global_batch,
                          micro_batch_options=options, hardware_profile=hardware_profile,
-                         precision="bf16" if cfg.parallel.mixed_precision == "bf16" else "fp32")
+                         precision=cfg.parallel.mixed_precision)
     for key in _PARALLEL_KEYS:
         if key in choice:
             setattr(cfg.parallel, key, choice[key])

@@ -1,15 +1,18 @@
 """The composer: one function that turns a pure torch.nn model into its parallel form.
 
 Order matters, and is fixed:
-1. tensor/sequence parallel - swaps Linear weights for DTensors sharded over `tp`; everything
+1. float8 (mixed_precision = "fp8") - swaps the qualifying nn.Linear layers for torchao's
+   Float8Linear (parallel/float8.py); torchao requires it before TP and FSDP wrap them, and
+   FSDP's float8 all-gather needs the Float8Linear weight subclass in place.
+2. tensor/sequence parallel - swaps Linear weights for DTensors sharded over `tp`; everything
    after must see the TP-sharded parameters, or FSDP would shard full weights.
-2. context parallel - replaces the attention kernel; needs to know TP's local heads.
-3. expert parallel - partitions expert weights over `ep` before FSDP takes ownership of them.
-4. activation checkpointing - wraps whole (already TP-ed) blocks so recompute replays the TP
+3. context parallel - replaces the attention kernel; needs to know TP's local heads.
+4. expert parallel - partitions expert weights over `ep` before FSDP takes ownership of them.
+5. activation checkpointing - wraps whole (already TP-ed) blocks so recompute replays the TP
    collectives too.
-5. torch.compile per block - compiles the wrapped block, AC included, and keeps FSDP's hooks
+6. torch.compile per block - compiles the wrapped block, AC included, and keeps FSDP's hooks
    outside the graph so parameter all-gathers stay eager and overlappable.
-6. FSDP/HSDP/DDP - last, over the outer data-parallel mesh: it shards whatever the steps above
+7. FSDP/HSDP/DDP - last, over the outer data-parallel mesh: it shards whatever the steps above
    produced (DTensors become 2-D sharded) and owns gradient reduction.
 """
 
@@ -22,6 +25,10 @@ from ndtrain.parallel.dims import ParallelDims
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, par, mesh=None) -> nn.Module:
+    if par.mixed_precision == "fp8":
+        from ndtrain.parallel.float8 import apply_float8
+
+        apply_float8(model, par, dims)
     if dims.tp > 1:
         from ndtrain.parallel.tensor import apply_tensor_parallel
 

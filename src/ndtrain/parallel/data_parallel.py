@@ -19,7 +19,7 @@ from ndtrain.parallel.expert import shard_experts
 
 def apply_fsdp(model: nn.Module, dp_mesh, zero: int, mixed_precision: str, cpu_offload: bool) -> None:
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if mixed_precision == "bf16" else MixedPrecisionPolicy()
+        if mixed_precision in ("bf16", "fp8") else MixedPrecisionPolicy()
     # pin_memory needs an accelerator; on CPU-only hosts torch raises if it is requested.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else None
     kwargs = dict(mesh=dp_mesh, mp_policy=mp)

@@ -132,6 +132,10 @@ def validate(dims: ParallelDims, par, model: ModelConfig, seq_len: int = 0, trai
             raise ConfigError("parallel.activation_checkpoint", "selective checkpointing does not combine with ep > 1; use full or every_n")
     if cp > 1 and model.is_moe and model.capacity_factor > 0:
         raise ConfigError("model.capacity_factor", "capacity is per sequence, and cp > 1 splits sequences over ranks; set it to 0 (no dropping) for context parallel")
+    from ndtrain.layout.fp8 import problems as fp8_problems
+
+    for problem in fp8_problems(par, model, dims, seq_len):
+        raise ConfigError(*problem)
     if par.cpu_offload and dims.dp == 1 and dims.world_size == 1:
         raise ConfigError("parallel.cpu_offload", "CPU offload shards with FSDP; it needs at least 2 processes")
 

@@ -164,8 +164,8 @@ def main(argv: list[str]) -> int:
                    help="comma-separated layouts, items space-separated: 'dp_shard=4,tp=2 dp_shard=2'")
     p.add_argument("--config", help="TOML config for model and training (default: debug preset)")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--tol-loss", type=float, default=None, help="default 1e-5 (fp32) or 2e-2 (bf16)")
-    p.add_argument("--tol-weight", type=float, default=None, help="default 1e-5 (fp32) or 2e-2 (bf16)")
+    p.add_argument("--tol-loss", type=float, default=None, help="default 1e-5 (fp32) or 2e-2 (bf16, fp8)")
+    p.add_argument("--tol-weight", type=float, default=None, help="default 1e-5 (fp32) or 2e-2 (bf16, fp8)")
     args, rest = p.parse_known_args(argv)
     base_cfg = load_config(args.config, rest)
     from ndtrain.config import to_dict
@@ -175,9 +175,9 @@ def main(argv: list[str]) -> int:
     base["parallel"] = {}  # the reference is one process; layouts set their own degrees
     base["train"]["micro_batch"] = base_cfg.train.global_batch
     layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
-    bf16 = any("bf16" in s for s in layouts)
-    tol_l = args.tol_loss if args.tol_loss is not None else (2e-2 if bf16 else 1e-5)
-    tol_w = args.tol_weight if args.tol_weight is not None else (2e-2 if bf16 else 1e-5)
+    low = any("bf16" in s or "fp8" in s for s in layouts)  # fp8 is bf16 outside its fp8 GEMMs
+    tol_l = args.tol_loss if args.tol_loss is not None else (2e-2 if low else 1e-5)
+    tol_w = args.tol_weight if args.tol_weight is not None else (2e-2 if low else 1e-5)
     _, results = verify(base, layouts, args.steps, tol_l, tol_w)
     print(format_table(results, tol_l, tol_w))
     return 0 if all(r.passed for r in results) else 1

@@ -25,8 +25,10 @@ def _hardware(profile) -> Hardware:
 
 
 def _precision(hw: Hardware, precision: str | None) -> str:
-    # The trainer computes in fp32 on CPU unless told otherwise (parallel.mixed_precision).
-    return precision or ("fp32" if hw.name == "this-machine" else "bf16")
+    # The trainer computes in fp32 on CPU unless told otherwise (parallel.mixed_precision). fp8 on
+    # hardware with no fp8 rate (this machine: its fp8 GEMMs are not calibrated) is priced as bf16.
+    precision = precision or ("fp32" if hw.name == "this-machine" else "bf16")
+    return "bf16" if precision == "fp8" and not hw.peak_fp8 else precision
 
 
 def auto_layout(model_cfg: ModelConfig, world_size: int, seq_len: int, global_batch: int,
@@ -111,7 +113,7 @@ def predict(model_cfg: ModelConfig, layout: dict | str, seq_len: int, global_bat
     hw = _hardware(hardware)
     if isinstance(layout, dict):
         if precision is None and "mixed_precision" in layout:
-            precision = "bf16" if layout["mixed_precision"] == "bf16" else "fp32"
+            precision = layout["mixed_precision"]
         layout = {k: (int(v) if isinstance(v, bool) else v) for k, v in layout.items() if k in PLANNER_KEYS}
         if "dp_shard" not in layout or int(layout.get("dp_shard", -1)) == -1:
             if world is None:

@@ -16,6 +16,7 @@ micro-batch's forward with another's backward). Data-parallel traffic hides behi
 
 from __future__ import annotations
 
+from ndtrain.layout.fp8 import fp8_matmul_fraction
 from ndtrain.planner.comm import collective_time as coll
 from ndtrain.planner.layout import INTERLEAVED, V_SHAPED, Layout
 from ndtrain.planner.memory import activation_bytes, device_params
@@ -35,8 +36,7 @@ def layer_costs(pb: Problem, lay: Layout) -> dict:
     t, c, b = lay.tp, lay.cp, lay.mb
     sp = lay.sp and t > 1
     tok = b * pb.seq / c
-    rate = hw.peak(pb.precision) * hw.mm_eff
-    mm = 2 * tok * sh.mm_params_layer / t / rate
+    mm = 2 * tok * sh.mm_params_layer / t / matmul_rate(pb, t)
     # fp8 recipes (DeepSeek-V3, Transformer Engine) keep attention in bf16
     attn_rate = hw.attention_rate("bf16" if pb.precision == "fp8" else pb.precision, pb.seq)
     attn = 4 * tok * pb.seq * sh.heads * sh.head_dim / t / attn_rate * (0.5 if st.flash_attention else 1.0)
@@ -81,6 +81,17 @@ def layer_costs(pb: Problem, lay: Layout) -> dict:
             "head": head_cost(pb, lay)}
 
 
+def matmul_rate(pb: Problem, t: int) -> float:
+    """FLOP/s of a decoder layer's matmuls. Under fp8 only the Linear layers that the runtime
+    converts (layout/fp8.py, the same rule) run at the fp8 peak; the rest, routed experts
+    included, at the bf16 peak."""
+    hw = pb.hw
+    if pb.precision != "fp8":
+        return hw.peak(pb.precision) * hw.mm_eff
+    f = fp8_matmul_fraction(pb.cfg, t)
+    return hw.mm_eff / (f / hw.peak("fp8") + (1 - f) / hw.peak("bf16"))
+
+
 def tp_all_reduce(pb: Problem, t: int, nbytes: float) -> float:
     """One of a TP layer's four all-reduces (or all-gather + reduce-scatter pairs) of `nbytes`.
     Where the machine measured what a TP layer costs beyond its share of compute (CPU ranks, where
@@ -105,7 +116,8 @@ def head_cost(pb: Problem, lay: Layout) -> float:
     """Output layer + loss per micro-batch, forward and backward (never recomputed)."""
     sh, hw, elt = pb.shape, pb.hw, pb.act_bytes
     tok = lay.mb * pb.seq / lay.cp
-    gemm = 6 * tok * sh.dim * sh.vocab / lay.tp / (hw.peak(pb.precision) * hw.mm_eff)
+    head_precision = "bf16" if pb.precision == "fp8" else pb.precision  # the head never runs in fp8
+    gemm = 6 * tok * sh.dim * sh.vocab / lay.tp / (hw.peak(head_precision) * hw.mm_eff)
     loss = 2 * (elt + 8) * tok * sh.vocab / lay.tp / hw.hbm_bw  # fp32 softmax over the logits
     return gemm + loss + (hw.head_overhead_s or OPS_HEAD * hw.op_overhead_s) + tp_head(pb, lay)
 

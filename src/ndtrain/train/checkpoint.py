@@ -139,6 +139,10 @@ class Checkpointer:
 
     def _state(self) -> dict:
         model_sd, optim_sd = get_state_dict(self._module(), self._optimizers(), options=OPTIONS)
+        if self.cfg.parallel.mixed_precision == "fp8":  # the fp32 masters, not torchao's wrapper
+            from ndtrain.parallel.float8 import plain_state
+
+            model_sd, optim_sd = plain_state(model_sd), plain_state(optim_sd)
         return {"model": model_sd, "optim": optim_sd}
 
     def train_state(self) -> dict:

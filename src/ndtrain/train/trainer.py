@@ -32,7 +32,7 @@ from ndtrain.parallel.grad_norm import (all_reduce_sum, clip_coefficient, local_
                                         scale_grads)
 from ndtrain.train import distributed
 from ndtrain.train.distributed import env_world_size
-from ndtrain.train.metrics import MetricsLogger, peak_flops, peak_memory_mb
+from ndtrain.train.metrics import FP8, MetricsLogger, peak_flops, peak_memory_mb
 from ndtrain.train.trackers import check_installed as check_trackers
 from ndtrain.train.optim import build_optimizer, lr_at, set_lr
 
@@ -109,8 +109,16 @@ class Trainer:
         self.moe = moe_layers(self.model_parts)
         self.moe_group = self.mesh["dp_cp"].get_group() if self.mesh is not None and self.moe else None
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
-        # bf16 without FSDP (one process, or TP alone) runs under autocast instead of FSDP's policy.
-        self.autocast = (cfg.parallel.mixed_precision == "bf16" and not self.fsdp) or cfg.train.autocast_bf16
+        # bf16 (and fp8, which is bf16 outside its fp8 matmuls) without FSDP (one process, or TP
+        # alone) runs under autocast instead of FSDP's policy.
+        self.fp8 = cfg.parallel.mixed_precision == "fp8"
+        low = cfg.parallel.mixed_precision in ("bf16", "fp8")
+        self.autocast = (low and not self.fsdp) or cfg.train.autocast_bf16
+        self.fp8_scales = None  # FSDP float8 all-gather: the weights' fp8 scales, refreshed per forward
+        if self.fp8 and self.fsdp:
+            from ndtrain.parallel.float8 import float8_all_gather, precompute_scales
+
+            self.fp8_scales = precompute_scales if float8_all_gather(cfg.parallel, self.dims) else None
         self.tp_rank = self.mesh["tp"].get_local_rank() if self.mesh is not None else 0
         # Context parallel: this rank holds a load-balanced share of each sequence, and the model
         # needs those tokens' global positions for RoPE (None = 0..s-1, the whole sequence).
@@ -123,9 +131,12 @@ class Trainer:
 
         self.step = 0
         self.tokens_seen = 0
-        dtype = torch.bfloat16 if cfg.parallel.mixed_precision == "bf16" or self.autocast else torch.float32
+        dtype = torch.bfloat16 if low or self.autocast else torch.float32
         self.peak_flops_per_rank, self.peak_source = peak_flops(self.rt.device, dtype)
-        self.peak_flops_total = all_reduce_sum([self.peak_flops_per_rank], self.rt.device)[0]
+        # fp8 runs report MFU against the bf16 peak (comparable with bf16 runs) and the fp8 peak.
+        fp8_peak, self.peak_fp8_source = peak_flops(self.rt.device, FP8) if self.fp8 else (0.0, "")
+        self.peak_flops_total, self.peak_fp8_total = all_reduce_sum([self.peak_flops_per_rank, fp8_peak],
+                                                                    self.rt.device)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         if log and run_dir is not None:  # on every rank: a missing package stops all of them, none waits
             check_trackers(cfg.logging)
@@ -183,8 +194,15 @@ class Trainer:
         return float(t.detach())
 
     # ---- one optimizer step ---------------------------------------------------------------
+    def _refresh_fp8_scales(self) -> None:
+        """Before the weights' first use since they changed (a step, a resume, a rollback): every
+        fp8 all-gather scale in one all-reduce, rather than one per weight inside the forward."""
+        if self.fp8_scales is not None:
+            self.fp8_scales(self.model_parts)
+
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, micro: int, docs: dict | None = None) -> float:
         """Runs all micro-batches of this rank's share; returns the summed (unnormalised) loss."""
+        self._refresh_fp8_scales()
         if self.pipeline is not None:
             # The schedule runs the micro-batches; its loss normalises exactly as below and the
             # sum comes back on the last stage only (0.0 elsewhere), so train_step counts it once.
@@ -260,6 +278,7 @@ class Trainer:
                 val_set, cfg.data.seq_len, cfg.train.global_batch, cfg.train.val_batches, self.dp_rank, self.dp_size)]
         for part in self.model_parts:
             part.eval()
+        self._refresh_fp8_scales()
         total, tokens = 0.0, 0
         for inputs, targets, docs in self.val_data:
             if self.pipeline is not None:  # forward-only schedule; the loss exists on the last stage
@@ -285,7 +304,8 @@ class Trainer:
         return {"step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens_per_s": tps,
                 "mfu": self.flops_per_token * tps / self.peak_flops_total, "step_time_s": r.seconds,
                 "tokens_seen": self.tokens_seen, "peak_memory_mb": peak_memory_mb(self.rt.device),
-                "skipped": r.skipped, **r.extra}
+                "skipped": r.skipped, **r.extra,
+                **({"mfu_fp8": self.flops_per_token * tps / self.peak_fp8_total} if self.fp8 else {})}
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Unsharded fp32 copies of this rank's parameters (a collective under FSDP/TP)."""
@@ -354,7 +374,14 @@ def train(cfg: JobConfig) -> dict:
              "tokens_seen": trainer.tokens_seen, "resumed_from": str(ckpt.loaded_from or "") or None})
     log.info(f"ndtrain: {cfg.model.preset} model, {num_params(cfg.model) / 1e6:.2f}M parameters, "
              f"layout {trainer.dims.describe()} on {rt.world_size} x {rt.device.type}, "
-             f"peak {trainer.peak_flops_total / 1e9:.1f} GFLOP/s ({trainer.peak_source}); run dir {run_dir}")
+             f"peak {trainer.peak_flops_total / 1e9:.1f} GFLOP/s ({trainer.peak_source}"
+             + (f" bf16; fp8 {trainer.peak_fp8_total / 1e9:.1f} GFLOP/s {trainer.peak_fp8_source}" if trainer.fp8 else "")
+             + f"); run dir {run_dir}")
+    if trainer.fp8:
+        from ndtrain.layout.fp8 import fp8_linears, summary
+
+        log.info(f"fp8 ({cfg.parallel.fp8_recipe} scaling): {len(fp8_linears(cfg.model, trainer.dims.tp))} "
+                 f"Linear layers in float8 ({summary(cfg.model, trainer.dims.tp)}); all else bf16")
     if trainer.auto_choice:
         log.info(f"auto layout (planner): {describe_auto(trainer.auto_choice)}")
         log.log({"step": trainer.step, "event": "auto", "layout": describe_auto(trainer.auto_choice),
