@@ -20,8 +20,8 @@ import torch
 
 from common import synthetic_tokens
 
-LAYOUTS = {"DDP": "dp_replicate={w} mp=bf16", "ZeRO-2": "dp_shard={w} zero=2 mp=bf16",
-           "ZeRO-3": "dp_shard={w} zero=3 mp=bf16"}
+LAYOUTS = {"DDP": "dp_replicate={w},mp=bf16", "ZeRO-2": "dp_shard={w},zero=2,mp=bf16",
+           "ZeRO-3": "dp_shard={w},zero=3,mp=bf16"}
 
 
 def _local_bytes(t) -> int:

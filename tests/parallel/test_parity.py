@@ -11,12 +11,12 @@ from ndtrain.parallel.verify import verify
 FP32_TOL = 1e-5
 BF16_TOL = 1e-2  # bf16 parameters carry ~3 significant digits; 3 steps stay well inside 1e-2
 
-WORLD2 = ["dp_replicate=2", "dp_shard=2", "tp=2", "tp=2 sp=0"]
-WORLD4 = ["dp_shard=4", "dp_replicate=2 dp_shard=2", "tp=4", "dp_shard=2 tp=2", "dp_shard=2 tp=2 sp=0"]
-VARIANTS = ["", " ga=2", " ac=full"]
-EXTRA2 = ["dp_shard=2 zero=2", "dp_shard=2 offload=true", "tp=2 ac=selective", "dp_shard=2 ac=every_n ga=2"]
-EXTRA4 = ["dp_shard=2 tp=2 zero=2 ac=selective", "dp_replicate=2 tp=2 sp=0 ga=2"]
-BF16 = ["mp=bf16", "dp_shard=2 mp=bf16", "dp_shard=2 tp=2 mp=bf16"]
+WORLD2 = ["dp_replicate=2", "dp_shard=2", "tp=2", "tp=2,sp=0"]
+WORLD4 = ["dp_shard=4", "dp_replicate=2,dp_shard=2", "tp=4", "dp_shard=2,tp=2", "dp_shard=2,tp=2,sp=0"]
+VARIANTS = ["", ",ga=2", ",ac=full"]
+EXTRA2 = ["dp_shard=2,zero=2", "dp_shard=2,offload=true", "tp=2,ac=selective", "dp_shard=2,ac=every_n,ga=2"]
+EXTRA4 = ["dp_shard=2,tp=2,zero=2,ac=selective", "dp_replicate=2,tp=2,sp=0,ga=2"]
+BF16 = ["mp=bf16", "dp_shard=2,mp=bf16", "dp_shard=2,tp=2,mp=bf16"]
 
 
 def _check(results, tol):
@@ -42,7 +42,7 @@ def test_clipping_active_layouts_agree(parity_base):
     base = {k: dict(v) for k, v in parity_base.items()}
     base["optimizer"]["grad_clip"] = 0.05
     base["optimizer"]["eps"] = 1e-3  # large eps: the update scales with the clipped gradient
-    _, results = verify(base, ["dp_shard=2 tp=2 sp=0", "tp=2"], steps=3, tol_loss=FP32_TOL, tol_weight=FP32_TOL)
+    _, results = verify(base, ["dp_shard=2,tp=2,sp=0", "tp=2"], steps=3, tol_loss=FP32_TOL, tol_weight=FP32_TOL)
     _check(results, FP32_TOL)
 
 
@@ -58,7 +58,7 @@ def test_bf16_mixed_precision(parity_base):
 @pytest.mark.timeout(900)
 def test_compiled_blocks_match_eager(parity_base):
     """torch.compile per block (cold compiles take tens of seconds on 2 cores: slow suite)."""
-    _, results = verify(parity_base, ["compile=true", "dp_shard=2 compile=true ac=full"], steps=3,
+    _, results = verify(parity_base, ["compile=true", "dp_shard=2,compile=true,ac=full"], steps=3,
                         tol_loss=FP32_TOL, tol_weight=FP32_TOL)
     _check(results, FP32_TOL)
 

@@ -10,17 +10,17 @@ from ndtrain.parallel.verify import verify
 
 TOL = 1e-5
 
-WORLD2 = ["pp=2 schedule=GPipe", "pp=2 schedule=1F1B", "pp=2 schedule=1F1B ga=4 ac=full",
-          "pp=2 v=2 schedule=Interleaved1F1B", "pp=2 v=2 schedule=InterleavedZeroBubble",
-          "pp=2 v=2 schedule=ZBVZeroBubble ac=full", "pp=2 v=2 schedule=DualPipeV",
-          "pp=2 v=2 schedule=ZBVZeroBubble pp_microbatches=8"]
-WORLD4 = ["pp=4 schedule=GPipe", "pp=4 schedule=1F1B", "pp=4 schedule=1F1B pp_split=llama3",
-          "pp=4 v=2 schedule=Interleaved1F1B", "pp=4 v=2 schedule=Interleaved1F1B ga=2",
-          "pp=4 v=2 schedule=InterleavedZeroBubble", "pp=4 v=2 schedule=ZBVZeroBubble",
-          "pp=4 v=2 schedule=DualPipeV",
-          "pp=2 dp_shard=2", "pp=2 dp_replicate=2", "pp=2 tp=2", "pp=2 tp=2 sp=0 ac=full",
-          "pp=2 v=2 dp_shard=2 schedule=ZBVZeroBubble", "pp=2 v=2 tp=2 schedule=Interleaved1F1B ga=4"]
-WORLD8 = ["pp=2 dp_shard=2 tp=2", "pp=2 v=2 dp_shard=2 tp=2 schedule=Interleaved1F1B"]
+WORLD2 = ["pp=2,schedule=GPipe", "pp=2,schedule=1F1B", "pp=2,schedule=1F1B,ga=4,ac=full",
+          "pp=2,v=2,schedule=Interleaved1F1B", "pp=2,v=2,schedule=InterleavedZeroBubble",
+          "pp=2,v=2,schedule=ZBVZeroBubble,ac=full", "pp=2,v=2,schedule=DualPipeV",
+          "pp=2,v=2,schedule=ZBVZeroBubble,pp_microbatches=8"]
+WORLD4 = ["pp=4,schedule=GPipe", "pp=4,schedule=1F1B", "pp=4,schedule=1F1B,pp_split=llama3",
+          "pp=4,v=2,schedule=Interleaved1F1B", "pp=4,v=2,schedule=Interleaved1F1B,ga=2",
+          "pp=4,v=2,schedule=InterleavedZeroBubble", "pp=4,v=2,schedule=ZBVZeroBubble",
+          "pp=4,v=2,schedule=DualPipeV",
+          "pp=2,dp_shard=2", "pp=2,dp_replicate=2", "pp=2,tp=2", "pp=2,tp=2,sp=0,ac=full",
+          "pp=2,v=2,dp_shard=2,schedule=ZBVZeroBubble", "pp=2,v=2,tp=2,schedule=Interleaved1F1B,ga=4"]
+WORLD8 = ["pp=2,dp_shard=2,tp=2", "pp=2,v=2,dp_shard=2,tp=2,schedule=Interleaved1F1B"]
 
 
 def _base(parity_base, clip: bool = False) -> dict:
@@ -59,7 +59,7 @@ def test_pp_with_moe_expert_parallel_aux_free(parity_base):
     forward on a schedule's first step must not count as training tokens."""
     base = {k: dict(v) for k, v in parity_base.items()}
     base["model"] = {"preset": "debug-moe", "load_balance": "aux_free"}
-    layouts = ["pp=2 dp_shard=2 ep=2", "pp=2 v=2 dp_shard=2 ep=2 schedule=ZBVZeroBubble"]
+    layouts = ["pp=2,dp_shard=2,ep=2", "pp=2,v=2,dp_shard=2,ep=2,schedule=ZBVZeroBubble"]
     _, results = verify(base, layouts, steps=3, tol_loss=TOL, tol_weight=TOL)
     _check(results, layouts)
 

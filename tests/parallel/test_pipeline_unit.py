@@ -147,6 +147,12 @@ def _resolve(parallel: dict, train: dict | None = None, model: dict | None = Non
     return resolve(cfg.parallel, world or cfg.parallel.pp, cfg.model, 64, cfg.train)
 
 
+def test_tied_embeddings_and_context_parallel_combine_with_pp():
+    # Once refused; the runtime builds both now (parity: test_pipeline_parity.py).
+    assert _resolve({"pp": 2}, {"global_batch": 8, "micro_batch": 4}, {"tie_embeddings": True}).pp == 2
+    assert _resolve({"pp": 2, "cp": 2}, {"global_batch": 8, "micro_batch": 4}, world=4).cp == 2
+
+
 ERRORS = [
     ({"pp": 2, "pp_schedule": "Bogus"}, {}, {}, "parallel.pp_schedule"),
     ({"pp": 2, "pp_virtual_stages": 2}, {}, {}, "parallel.pp_virtual_stages"),
@@ -168,14 +174,15 @@ ERRORS = [
     ({"pp": 4, "pp_split": "llama3"}, {}, {"n_layers": 5}, "parallel.pp_split"),
     ({"pp": 2, "layers_per_stage": [1, 2, 5]}, {}, {}, "parallel.layers_per_stage"),
     ({"pp": 4, "pp_schedule": "Interleaved1F1B", "pp_virtual_stages": 4}, {}, {}, "parallel.pp"),
-    ({"pp": 2}, {}, {"tie_embeddings": True}, "model.tie_embeddings"),
+    ({"pp": 2, "dp_shard": 2, "zero": 2, "reshard_after_forward": False}, {}, {}, "parallel.zero"),
+    ({"pp": 1, "pp_schedule": "Bogus"}, {}, {}, "parallel.pp_schedule"),  # a misspelt schedule fails at pp=1 too
 ]
 
 
 @pytest.mark.parametrize("parallel,train,model,key", ERRORS)
 def test_pipeline_errors_name_their_key(parallel, train, model, key):
     with pytest.raises(ConfigError) as exc:
-        _resolve(parallel, train, model, world=parallel["pp"] * parallel.get("dp_shard", 1))
+        _resolve(parallel, train, model, world=parallel.get("pp", 1) * parallel.get("dp_shard", 1))
     assert exc.value.key == key
     assert f"'{key}'" in str(exc.value)
 
@@ -198,8 +205,9 @@ def test_valid_pipeline_layouts_resolve():
 def test_verify_layouts_default_to_a_runnable_microbatch_count(parity_base):
     from ndtrain.parallel.verify import layout_config
 
-    cases = {"pp=2 schedule=1F1B": 4, "pp=4 v=2 schedule=DualPipeV": 1, "pp=2 dp_shard=2 tp=2": 2,
-             "pp=2 ga=4": 2, "dp_shard=2": 4}
+    parity_base = {**parity_base, "model": {"preset": "debug", "n_layers": 8}}
+    cases = {"pp=2,schedule=1F1B": 4, "pp=4,v=2,schedule=DualPipeV": 1, "pp=2,dp_shard=2,tp=2": 2,
+             "pp=2,ga=4": 2, "dp_shard=2": 4}
     for spec, micro in cases.items():
         assert layout_config(parity_base, spec).train.micro_batch == micro, spec
 

@@ -18,13 +18,15 @@ import torch.nn.functional as F
 from ndtrain.config import JobConfig, to_toml
 from ndtrain.data.loader import StatefulLoader, TokenDataset, validation_batches
 from ndtrain.errors import NdtrainError
-from ndtrain.model.config import flops_per_token, num_params
+from ndtrain.layout.flops import MFU_CONVENTION, flops_per_token
+from ndtrain.model.config import num_params
 from ndtrain.model.init import canonical_name, materialize
 from ndtrain.model.moe import end_step as moe_end_step, moe_layers, set_aux_scale
 from ndtrain.model.llama import build_model
 from ndtrain.parallel import dims as pdims
 from ndtrain.parallel.auto import apply_auto_layout, describe as describe_auto
 from ndtrain.parallel.compose import parallelize
+from ndtrain.parallel.data_parallel import accumulation, reshard
 from ndtrain.parallel.grad_norm import (all_reduce_sum, clip_coefficient, local_grad_sq, reduce_partial_grads,
                                         scale_grads)
 from ndtrain.train import distributed
@@ -78,18 +80,28 @@ class Trainer:
         self.dp_rank, self.dp_size = self._dp_coords()
         self.loader = StatefulLoader(self.train_set, cfg.data.seq_len, cfg.train.seed, self.dp_rank, self.dp_size)
 
+        # Context parallel: this rank holds a load-balanced share of each sequence, and the model
+        # (every pipeline stage too) needs those tokens' global positions for RoPE (None = 0..s-1,
+        # the whole sequence).
+        self.cp_rank = self.mesh["cp"].get_local_rank() if self.mesh is not None else 0
+        self.cp_positions = None
+        if self.dims.cp > 1:
+            from ndtrain.parallel.context import cp_positions
+
+            self.cp_positions = cp_positions(cfg.data.seq_len, self.dims.cp, self.cp_rank, self.rt.device)
+
         # A pipeline rank builds only its own stage(s), several with virtual stages; every other
         # layout sees one part, the whole model.
         self.pipeline = None
         if self.dims.pp > 1:
             from ndtrain.parallel.pipeline import build_pipeline
 
-            self.pipeline = build_pipeline(cfg, self.dims, self.mesh, self.rt.device)
+            self.pipeline = build_pipeline(cfg, self.dims, self.mesh, self.rt.device, self.cp_positions)
             self.model_parts = self.pipeline.parts
             self.model = self.model_parts[0]
         else:
             self.model = build_model(cfg.model, "meta")
-            self.model = parallelize(self.model, self.dims, cfg.parallel, self.mesh)
+            self.model = parallelize(self.model, self.dims, self.mesh)
             materialize(self.model, cfg.train.seed, self.rt.device)
             self.model_parts = [self.model]
         self.fsdp = hasattr(self.model, "set_requires_gradient_sync")
@@ -101,14 +113,6 @@ class Trainer:
         # bf16 without FSDP (one process, or TP alone) runs under autocast instead of FSDP's policy.
         self.autocast = (cfg.parallel.mixed_precision == "bf16" and not self.fsdp) or cfg.train.autocast_bf16
         self.tp_rank = self.mesh["tp"].get_local_rank() if self.mesh is not None else 0
-        # Context parallel: this rank holds a load-balanced share of each sequence, and the model
-        # needs those tokens' global positions for RoPE (None = 0..s-1, the whole sequence).
-        self.cp_rank = self.mesh["cp"].get_local_rank() if self.mesh is not None else 0
-        self.cp_positions = None
-        if self.dims.cp > 1:
-            from ndtrain.parallel.context import cp_positions
-
-            self.cp_positions = cp_positions(cfg.data.seq_len, self.dims.cp, self.cp_rank, self.rt.device)
 
         self.step = 0
         self.tokens_seen = 0
@@ -171,8 +175,9 @@ class Trainer:
         slices = split_micro(inputs.shape[0], micro)
         for i, (a, b) in enumerate(slices):
             if self.fsdp:
-                # Reduce gradients only on the last micro-batch; earlier ones accumulate locally.
-                self.model.set_requires_gradient_sync(i == len(slices) - 1)
+                # The ZeRO stage decides: reduce after every micro-batch (2, 3) or accumulate
+                # whole gradients locally and reduce on the last (1, and plain replication).
+                accumulation(self.model_parts, self.dims, i == len(slices) - 1)
             with self._loss_context():
                 loss = self._loss_sum(inputs[a:b].to(self.rt.device), targets[a:b].to(self.rt.device))
                 # Normalise by this rank's tokens for the whole step: summed over micro-batches
@@ -247,6 +252,8 @@ class Trainer:
                 tokens += targets[a:b].numel()
         for part in self.model_parts:
             part.train()
+        if self.fsdp:
+            reshard(self.model_parts)  # ZeRO-1/2 keep what a forward gathered; the step must not see it
         total, tokens = all_reduce_sum([total if self.tp_rank == 0 else 0.0,
                                         tokens if self.tp_rank == 0 else 0.0], self.rt.device)
         return total / max(tokens, 1)
@@ -306,6 +313,7 @@ def train(cfg: JobConfig) -> dict:
     log.info(f"ndtrain: {cfg.model.preset} model, {num_params(cfg.model) / 1e6:.2f}M parameters, "
              f"layout {trainer.dims.describe()} on {rt.world_size} x {rt.device.type}, "
              f"peak {trainer.peak_flops_total / 1e9:.1f} GFLOP/s ({trainer.peak_source}); run dir {run_dir}")
+    log.info(f"{MFU_CONVENTION}: {trainer.flops_per_token / 1e6:.2f} MFLOP/token")
     if trainer.auto_choice:
         log.info(f"auto layout (planner): {describe_auto(trainer.auto_choice)}")
     step_times: list[float] = []
