@@ -20,6 +20,14 @@ WORLD4 = ["pp=4,schedule=GPipe", "pp=4,schedule=1F1B", "pp=4,schedule=1F1B,pp_sp
           "pp=4,v=2,schedule=DualPipeV",
           "pp=2,dp_shard=2", "pp=2,dp_replicate=2", "pp=2,tp=2", "pp=2,tp=2,sp=0,ac=full",
           "pp=2,v=2,dp_shard=2,schedule=ZBVZeroBubble", "pp=2,v=2,tp=2,schedule=Interleaved1F1B,ga=4"]
+# Context parallel inside a pipeline (every stage gets the cp shard's global positions for RoPE)
+# and the ZeRO stages a pipeline runs (it reduces gradients once per step: 1 and 3).
+CP_ZERO4 = ["pp=2,cp=2", "pp=2,cp=2,v=2,schedule=ZBVZeroBubble", "pp=2,cp=2,v=2,schedule=Interleaved1F1B,ga=4",
+            "pp=2,dp_shard=2,zero=1", "pp=2,dp_shard=2,zero=3,reshard_after_forward=0",
+            "pp=2,v=2,dp_shard=2,zero=1,schedule=DualPipeV"]
+# Tied embeddings: the first and last stage each hold the weight, their gradients are summed.
+TIED2 = ["pp=2", "pp=2,v=2,schedule=ZBVZeroBubble"]
+TIED4 = ["pp=4", "pp=4,v=2,schedule=DualPipeV", "pp=2,tp=2", "pp=2,dp_shard=2,zero=1"]
 WORLD8 = ["pp=2,dp_shard=2,tp=2", "pp=2,v=2,dp_shard=2,tp=2,schedule=Interleaved1F1B"]
 
 
@@ -62,6 +70,21 @@ def test_pp_with_moe_expert_parallel_aux_free(parity_base):
     layouts = ["pp=2,dp_shard=2,ep=2", "pp=2,v=2,dp_shard=2,ep=2,schedule=ZBVZeroBubble"]
     _, results = verify(base, layouts, steps=3, tol_loss=TOL, tol_weight=TOL)
     _check(results, layouts)
+
+
+@pytest.mark.timeout(300)
+def test_cp_and_zero_stages_inside_a_pipeline(parity_base):
+    _, results = verify(_base(parity_base), CP_ZERO4, steps=3, tol_loss=TOL, tol_weight=TOL)
+    _check(results, CP_ZERO4)
+
+
+@pytest.mark.timeout(300)
+def test_tied_embeddings_across_stages(parity_base):
+    base = _base(parity_base, clip=True)  # every step clips: the tied weight must count once in the norm
+    base["model"]["tie_embeddings"] = True
+    ref, results = verify(base, TIED2 + TIED4, steps=3, tol_loss=TOL, tol_weight=TOL)
+    _check(results, TIED2 + TIED4)
+    assert "output.weight" in ref["weights"] and "tok_embeddings.weight" in ref["weights"]
 
 
 @pytest.mark.timeout(300)

@@ -178,11 +178,13 @@ class Layout:
         return out
 
     def override_args(self) -> list[str]:
-        """The same as `--section.key=value` command-line overrides (off-default keys only)."""
+        """`--section.key=value` command-line overrides that build this layout from any config:
+        the degrees, the ZeRO keys and the micro-batch always, other keys when off their default."""
         default, args = Layout(), []
+        always = set(DEGREES) | {"zero", "reshard_after_forward", "mb"}
         for name, (section, key) in CONFIG_KEYS.items():
             value = getattr(self, name)
-            if value != getattr(default, name) or name in ("dp_shard", "zero", "reshard_after_forward"):
+            if value != getattr(default, name) or name in always:
                 args.append(f"--{section}.{key}={_format(value, toml=True)}")
         return args
 
@@ -192,9 +194,7 @@ def _format(value, toml: bool = False) -> str:
         return ("true" if value else "false") if toml else str(int(value))
     if isinstance(value, (tuple, list)):
         return "[" + ",".join(str(x) for x in value) + "]"
-    if isinstance(value, str) and toml:
-        return f'"{value}"'
-    return str(value)
+    return str(value)  # strings unquoted: a value that is not TOML is read as a string
 
 
 def microbatch_count(pp_microbatches: int, local_rows: int, micro_batch: int) -> int:

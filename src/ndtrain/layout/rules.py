@@ -124,11 +124,6 @@ def expert_parallel(c: Context):
     if lay.shard_degree % lay.ep:
         yield "parallel.ep", (f"ep={lay.ep} must divide dp_shard*cp={lay.shard_degree} (experts are sharded over "
                               f"data-parallel ranks)")
-    if c.strict and lay.ac == "selective":
-        # The experts' own FSDP units gather their weights inside the checkpointed block, and
-        # their all-to-alls run there too: the recompute's op sequence differs from the forward's
-        # (weights already gathered), which selective checkpointing (torch 2.13) refuses.
-        yield "parallel.activation_checkpoint", "selective checkpointing does not combine with ep > 1; use full or every_n"
 
 
 def pipeline(c: Context):
@@ -154,8 +149,10 @@ def pipeline(c: Context):
             yield "parallel.compile", (f"{s.name} runs the backward in separate input and weight passes, which "
                                        f"compiled blocks do not support; set compile=false or use 1F1B/Interleaved1F1B")
         if lay.ac == "selective" and s.split_backward:
-            # torch 2.13's selective checkpointing caches the forward's saved ops for one
-            # backward; the weight pass (W) runs a second backward over the region and fails.
+            # torch 2.13's selective checkpointing hands each saved op to one backward only
+            # ("Trying to backward an extra time. You are only allowed to backward once on any
+            # region computed under selective activation checkpoint"); the weight pass (W) is a
+            # second backward over the region. Full checkpointing recomputes and works.
             yield "parallel.activation_checkpoint", (f"{s.name} runs the backward in separate input and weight passes, "
                                                      f"and selective checkpointing allows one backward per region; use "
                                                      f"activation_checkpoint=full or a 1F1B schedule")

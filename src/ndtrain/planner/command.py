@@ -13,7 +13,7 @@ from ndtrain.layout.schedules import NAMES as SCHEDULES
 from ndtrain.layout.schedules import canonical_schedule
 from ndtrain.planner.problem import make_problem
 from ndtrain.planner.stack import PLANNED_AC, PRECISIONS, STACKS
-from ndtrain.planner.report import goodput_text, plan_text
+from ndtrain.planner.report import check_command, goodput_text, plan_text
 from ndtrain.planner.search import Evaluator, SearchResult, search
 from ndtrain.planner.shapes import parse_count, parse_duration, resolve_model
 
@@ -109,7 +109,8 @@ def plan_main(argv: list[str]) -> int:
             "precision": args.precision, "stack": args.stack, "token_budget": budget,
             "search": {"considered": res.considered, "sized": res.sized, "evaluated": res.evaluated, "fitting": res.fitting,
                        "seconds": res.seconds},
-            "layouts": [p.to_json(budget, args.gpus, pb.hw.tdp_w) for p in res.top],
+            "layouts": [{**p.to_json(budget, args.gpus, pb.hw.tdp_w), "layout_text": p.layout.text(),
+                         "config_check": check_command(pb, p.layout)} for p in res.top],
             "fastest_over_cap": res.fastest_over_cap.to_json() if res.fastest_over_cap else None,
         }
         json.dump(out, sys.stdout, indent=1)
