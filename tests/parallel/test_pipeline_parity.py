@@ -67,7 +67,8 @@ def test_pp_with_moe_expert_parallel_aux_free(parity_base):
     forward on a schedule's first step must not count as training tokens."""
     base = {k: dict(v) for k, v in parity_base.items()}
     base["model"] = {"preset": "debug-moe", "load_balance": "aux_free"}
-    layouts = ["pp=2,dp_shard=2,ep=2", "pp=2,v=2,dp_shard=2,ep=2,schedule=ZBVZeroBubble"]
+    layouts = ["pp=2,dp_shard=2,ep=2", "pp=2,v=2,dp_shard=2,ep=2,schedule=ZBVZeroBubble",
+               "pp=2,cp=2,ep=2", "pp=2,v=2,cp=2,ep=2,zero=1,schedule=DualPipeV"]  # pp x cp x ep, as plans propose
     _, results = verify(base, layouts, steps=3, tol_loss=TOL, tol_weight=TOL)
     _check(results, layouts)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ndtrain.errors import NdtrainError
 from ndtrain.layout import Layout, problems
 from ndtrain.layout import schedules as registry
+from ndtrain.layout.flops import layer_forward_flops
 from ndtrain.layout.partition import partition_problem, pipeline_split, rank_layer_counts
 from ndtrain.model.config import ModelConfig
 from ndtrain.planner.hardware import Hardware, get_hardware
@@ -68,6 +69,7 @@ class Split:
     ranks: tuple[int, ...]  # layers per pipeline rank
     head_rank: int  # the rank holding the last stage (norm, head, loss); the embedding is on rank 0
     counts: tuple[int, ...]  # layers per stage (what `[parallel] layers_per_stage` would say)
+    work: tuple[float, ...] = ()  # per rank, its layers' FLOPs in average layers (dense layers of an MoE model are lighter)
 
     @property
     def first(self) -> int:
@@ -79,13 +81,38 @@ class Split:
     def last(self) -> int:
         return self.ranks[self.head_rank]
 
+    @property
+    def first_work(self) -> float:
+        others = [w for r, w in enumerate(self.work) if r != self.head_rank]
+        return max(others) if others else self.work[0]
+
+    @property
+    def last_work(self) -> float:
+        return self.work[self.head_rank]
+
 
 def stage_split(pb: Problem, lay: Layout) -> Split | None:
     """The layers per pipeline rank the runtime would build (None when impossible)."""
+    L = pb.cfg.n_layers
     if lay.pp == 1:
-        return Split((pb.cfg.n_layers,), 0, (pb.cfg.n_layers,))
-    if partition_problem(pb.cfg.n_layers, lay.stages, lay.split, lay.layers_per_stage):
+        return Split((L,), 0, (L,), (float(L),))
+    if partition_problem(L, lay.stages, lay.split, lay.layers_per_stage):
         return None
     counts = pipeline_split(pb.cfg, pb.seq, lay)
     owners = registry.get(lay.schedule).stage_ranks(lay.pp, lay.v)
-    return Split(tuple(rank_layer_counts(counts, owners, lay.pp)), owners[-1], tuple(counts))
+    weight = _layer_weights(pb)
+    work, start = [0.0] * lay.pp, 0
+    for stage, c in enumerate(counts):
+        work[owners[stage]] += sum(weight[start:start + c])
+        start += c
+    return Split(tuple(rank_layer_counts(counts, owners, lay.pp)), owners[-1], tuple(counts), tuple(work))
+
+
+def _layer_weights(pb: Problem) -> list[float]:
+    """Each layer's forward FLOPs over the average layer's (1.0 for every layer of a dense model)."""
+    cached = pb.__dict__.get("_layer_weights")
+    if cached is None:
+        flops = [layer_forward_flops(pb.cfg, i, pb.seq) for i in range(pb.cfg.n_layers)]
+        mean = sum(flops) / len(flops)
+        cached = pb.__dict__["_layer_weights"] = [f / mean for f in flops]
+    return cached

@@ -212,7 +212,7 @@ def busy_and_bubble(pb: Problem, lay: Layout, lc: dict, split: Split) -> tuple[f
     if p == 1:
         dev, n_dev = pb.shape.layers * per_layer + lc["head"], pb.shape.layers
     else:
-        dev, n_dev = max(split.first * per_layer, split.last * per_layer + lc["head"]), split.first
+        dev, n_dev = max(split.first_work * per_layer, split.last_work * per_layer + lc["head"]), split.first
     scale = dev / per_layer  # the critical device in units of one average layer
     bubble = bubble_time(lay.schedule, p, lay.v, lc["F"] * scale, lc["B"] * scale, lc["W"] * scale)
     return dev, bubble, scale, n_dev
@@ -257,7 +257,7 @@ def step_breakdown(pb: Problem, lay: Layout, lc: dict | None = None, split: Spli
     optimizer = local * pb.hw.optimizer_s_per_param or OPTIMIZER_BYTES_PER_PARAM * local / pb.hw.hbm_bw
 
     busy = m * dev
-    head_here = p == 1 or split.last * per_layer + lc["head"] >= split.first * per_layer
+    head_here = p == 1 or split.last_work * per_layer + lc["head"] >= split.first_work * per_layer
     tp_fixed = m * tp_head(pb, lay) if head_here else 0.0  # in lc["head"], so in busy: move it to comm
     # Layer communication as a share of the busy time (the head counted as layer-equivalents:
     # the accelerator fits were made so); CPU ranks, whose compute is stretched apart from their
