@@ -64,3 +64,56 @@ def test_each_zero_stage_holds_what_the_paper_says(parity_base):
     for rank in per_rank:
         for spec, seen in zip(specs, rank):
             assert seen.tolist() == EXPECTED[spec], spec
+
+
+# ---- checkpoints: ZeRO stages and tied pipeline stages resume anywhere ----------------------
+
+def _cfg(parity_base, spec: str, **model):
+    from ndtrain.config import load_config
+
+    base = {k: dict(v) for k, v in parity_base.items()}
+    base["model"].update(n_layers=8, **model)
+    base["train"].update(val_interval=0, sample_tokens=0, micro_batch=2)
+    return load_config(None, {**base, "parallel": layout_config(base, spec).parallel.__dict__})
+
+
+def _train(cfg, root, save: bool, steps: int = 2) -> list[float]:
+    from ndtrain.train.checkpoint import Checkpointer
+    from ndtrain.train.trainer import Trainer
+
+    trainer = Trainer(cfg, run_dir=None, log=False)
+    ck = Checkpointer(cfg, root, trainer)
+    if save:
+        for _ in range(2):
+            trainer.train_step()
+        ck.save()
+    else:
+        ck.resume("auto")
+        assert trainer.step == 2
+    losses = [trainer.train_step().loss for _ in range(steps)]
+    ck.finish()
+    trainer.close()
+    return losses
+
+
+def _world2(cfgs: dict, roots: dict) -> dict:
+    return {"zero1": _train(cfgs["zero1"], roots["zero"], save=True),
+            "zero2": _train(cfgs["zero2"], roots["zero"], save=False),
+            "tied_pp": _train(cfgs["tied_pp"], roots["tied"], save=True)}
+
+
+@pytest.mark.timeout(300)
+def test_zero_and_tied_pipeline_checkpoints_resume_anywhere(parity_base, tmp_path):
+    """Saved at ZeRO-1 (2 ranks): resumed at ZeRO-2 and in one process. Saved from a tied
+    pipeline (pp=2, the weight on both ends): resumed in one process, whose tied weight is one.
+    The next steps' losses equal the uninterrupted run's."""
+    roots = {"zero": tmp_path / "zero", "tied": tmp_path / "tied"}
+    cfgs = {"zero1": _cfg(parity_base, "dp_shard=2,zero=1"), "zero2": _cfg(parity_base, "dp_shard=2,zero=2"),
+            "tied_pp": _cfg(parity_base, "pp=2", tie_embeddings=True)}
+    w2 = run_ranks(2, _world2, cfgs, roots)
+    reference, tied_reference = w2[0]["zero1"], w2[-1]["tied_pp"]  # the pipeline's loss lives on its last rank
+    assert max(abs(a - b) for a, b in zip(w2[0]["zero2"], reference)) <= 1e-5
+    one = _train(_cfg(parity_base, "dp_shard=1"), roots["zero"], save=False)
+    assert max(abs(a - b) for a, b in zip(one, reference)) <= 1e-5, (one, reference)
+    tied = _train(_cfg(parity_base, "dp_shard=1", tie_embeddings=True), roots["tied"], save=False)
+    assert max(abs(a - b) for a, b in zip(tied, tied_reference)) <= 1e-5, (tied, tied_reference)
