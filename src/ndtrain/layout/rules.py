@@ -163,29 +163,40 @@ def pipeline(c: Context):
                                     "run as zero=1: use zero=1 (or zero=3) with pp > 1")
 
 
+def global_batch_problem(gb: int, dp: int) -> str | None:
+    """Why a global batch of `gb` sequences cannot be split over `dp` data-parallel ranks."""
+    if gb % dp:
+        return f"global batch {gb} is not divisible by the data-parallel size {dp}"
+    return None
+
+
+def microbatch_split_problem(rows: int, m: int) -> str | None:
+    """Why a rank's `rows` sequences cannot run as `m` pipeline micro-batches (stages exchange
+    fixed-shape activations, so they must be equal)."""
+    if m > rows:
+        return f"{m} pipeline micro-batches, but each data-parallel rank has {rows} sequences"
+    if rows % m:
+        return (f"each data-parallel rank's {rows} sequences do not split into {m} equal pipeline "
+                f"micro-batches (stages exchange fixed-shape activations)")
+    return None
+
+
 def batches(c: Context):
     lay = c.lay
     key = "parallel.pp_microbatches" if lay.m else "train.micro_batch"
     s = sch.SCHEDULES.get(lay.schedule)
     for gb in c.batches:
-        if gb % lay.dp:
-            yield "train.global_batch", f"global batch {gb} is not divisible by the data-parallel size {lay.dp}"
+        problem = global_batch_problem(gb, lay.dp)
+        if problem:
+            yield "train.global_batch", problem
             return
         if lay.pp == 1 or s is None or s.virtual_problem(lay.v):
             continue
-        rows = gb // lay.dp
-        m = lay.micro_batches(gb)
-        where = f"global batch {gb} gives each data-parallel rank {rows} sequences"
-        if m > rows:
-            yield key, f"{m} pipeline micro-batches, but {where}"
-            return
-        if rows % m:
-            yield key, f"{where}, which do not split into {m} equal pipeline micro-batches (stages exchange fixed-shape activations)"
-            return
-        problem = s.microbatch_problem(lay.pp, lay.v, m)
+        rows, m = gb // lay.dp, lay.micro_batches(gb)
+        problem = microbatch_split_problem(rows, m) or s.microbatch_problem(lay.pp, lay.v, m)
         if problem:
             hint = "" if lay.m else " (set train.micro_batch smaller or parallel.pp_microbatches)"
-            yield key, f"{where} in {m} micro-batches: {problem}{hint}"
+            yield key, f"global batch {gb} in {m} micro-batches: {problem}{hint}"
             return
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from ndtrain.errors import NdtrainError
 from ndtrain.layout import schedules as registry
+from ndtrain.layout.rules import microbatch_split_problem
 from ndtrain.layout.partition import part_costs, pipeline_split, stage_layer_counts, stage_layers  # noqa: F401
 from ndtrain.model.config import ModelConfig
 from ndtrain.parallel import pipeline_schedule as ps
@@ -90,8 +91,9 @@ class Pipeline:
 
     def microbatches(self, rows: int, micro_batch: int) -> int:
         m = ps.microbatch_count(self.pp_microbatches, rows, micro_batch)
-        if rows % m:
-            raise NdtrainError(f"this rank's {rows} sequences do not split into {m} equal pipeline micro-batches")
+        problem = microbatch_split_problem(rows, m)  # the layout's rule, for the batch this step has
+        if problem:
+            raise NdtrainError(problem)
         return m
 
     def _schedule(self, m: int):

@@ -19,6 +19,7 @@ from ndtrain.config import JobConfig, to_toml
 from ndtrain.data.loader import StatefulLoader, TokenDataset, validation_batches
 from ndtrain.errors import NdtrainError
 from ndtrain.layout.flops import MFU_CONVENTION, flops_per_token
+from ndtrain.layout.rules import global_batch_problem
 from ndtrain.model.config import num_params
 from ndtrain.model.init import canonical_name, materialize
 from ndtrain.model.moe import end_step as moe_end_step, moe_layers, set_aux_scale
@@ -190,8 +191,9 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         gb = global_batch_at(cfg, self.tokens_seen)
-        if gb % self.dp_size:
-            raise NdtrainError(f"global batch {gb} is not divisible by the data-parallel size {self.dp_size}")
+        problem = global_batch_problem(gb, self.dp_size)  # the layout's rule, for this step's batch
+        if problem:
+            raise NdtrainError(problem)
         batch = self.loader.next_batch(gb)
         lr = lr_at(self.step, cfg.optimizer, cfg.train.steps)
         set_lr(self.optimizer, lr)
