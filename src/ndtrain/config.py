@@ -328,8 +328,12 @@ def validate(cfg: JobConfig) -> None:
 
 
 def layout_batches(train: TrainConfig) -> list[int]:
-    """Every global batch (sequences) a run uses: the batch, and each stage of its ramp."""
-    return sorted({train.global_batch, *(b for _, b in train.batch_ramp if b > 0)})
+    """Every global batch (sequences) a run uses: the batch first, then each stage of its ramp."""
+    out = [train.global_batch]
+    for _, b in sorted(train.batch_ramp):
+        if b > 0 and b not in out:
+            out.append(b)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

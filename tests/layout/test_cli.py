@@ -80,3 +80,13 @@ def test_verify_one_layout_per_argument(capsys, corpus_dir):
                 "--optimizer.warmup_steps=0"]) == 0
     out = capsys.readouterr().out
     assert "dp_shard=2 " in out and "tp=2,sp=0" in out and out.count("PASS") == 2
+
+
+def test_ep_alone_takes_that_many_data_parallel_ranks(capsys):
+    from ndtrain.parallel.verify import layout_overrides, layout_world
+
+    # `--nproc 2 --parallel.ep=2` on an MoE config: dp_shard = -1 takes both ranks, ep borrows them
+    assert cli(["config", "check", "--world", "2", "--model.preset=debug-moe", "--parallel.ep=2"]) == 0
+    assert "expert parallel: ep=2" in capsys.readouterr().out
+    # and in verify's syntax, `ep=2` alone is a world of 2 (dp_shard = ep / cp)
+    assert layout_world(layout_overrides("ep=2")) == 2 and layout_world(layout_overrides("ep=4,cp=2")) == 4

@@ -163,10 +163,12 @@ def pipeline(c: Context):
                                     "run as zero=1: use zero=1 (or zero=3) with pp > 1")
 
 
-def global_batch_problem(gb: int, dp: int) -> str | None:
+def global_batch_problem(gb: int, dp: int, key: str = "train.global_batch") -> str | None:
     """Why a global batch of `gb` sequences cannot be split over `dp` data-parallel ranks."""
     if gb % dp:
-        return f"global batch {gb} is not divisible by the data-parallel size {dp}"
+        fits = [d for d in range(1, gb + 1) if gb % d == 0]
+        return (f"global batch {gb} ({key}) cannot be split evenly over {dp} data-parallel ranks; a data-parallel "
+                f"size that divides {gb} (one of {fits}) keeps it")
     return None
 
 
@@ -185,8 +187,8 @@ def batches(c: Context):
     lay = c.lay
     key = "parallel.pp_microbatches" if lay.m else "train.micro_batch"
     s = sch.SCHEDULES.get(lay.schedule)
-    for gb in c.batches:
-        problem = global_batch_problem(gb, lay.dp)
+    for i, gb in enumerate(c.batches):
+        problem = global_batch_problem(gb, lay.dp, "train.global_batch" if i == 0 else "train.batch_ramp")
         if problem:
             yield "train.global_batch", problem
             return

@@ -20,9 +20,9 @@ def resolve(par, world_size: int, model: ModelConfig, seq_len: int = 0, train=No
     With `train` (the [train] section) the micro-batch and pipeline micro-batch rules are checked
     for every global batch the run will use (batch ramp included)."""
     lay = from_config(par, train)
-    batches = None
-    if train is not None:
-        batches = sorted({train.global_batch, *(b for _, b in train.batch_ramp)})
+    from ndtrain.config import layout_batches
+
+    batches = layout_batches(train) if train is not None else None
     return check_layout(lay, model, world_size, seq_len or None, batches)
 
 
