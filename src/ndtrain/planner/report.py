@@ -32,6 +32,8 @@ def check_command(pb: Problem, lay) -> str:
                                                                "vocab_size", "n_experts", "n_active_experts",
                                                                "n_shared_experts", "expert_ffn_dim", "moe_dense_layers")
                  if getattr(cfg, k)] + ["--model.max_seq_len=1048576"]
+        model += ["--model.tie_embeddings=true"] if cfg.tie_embeddings else []
+        model += [f"--model.mlp={cfg.mlp}"] if cfg.mlp != "swiglu" else []
     # bf16 is a runtime setting; fp8 (the planner's cost model of it) is not a layout key here
     precision = ["--parallel.mixed_precision=bf16"] if pb.precision == "bf16" else []
     return " ".join(["ndtrain config check", f"--world {pb.world}", *model, f"--data.seq_len={pb.seq}",
