@@ -7,7 +7,7 @@ import pytest
 from ndtrain.model.config import preset
 from ndtrain.planner.comm import collective_time
 from ndtrain.planner.hardware import CATALOG
-from ndtrain.planner.layout import Layout
+from ndtrain.layout import Layout
 from ndtrain.planner.problem import make_problem
 from ndtrain.planner.timing import bubble_time, layer_costs, step_breakdown
 

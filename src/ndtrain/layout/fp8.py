@@ -100,16 +100,16 @@ def fp8_matmul_fraction(model, tp: int = 1) -> float:
     return fp8 / total if total else 0.0
 
 
-def problems(par, model, degrees, seq_len: int = 0) -> list[tuple[str, str]]:
+def problems(lay, model, seq_len: int | None = None) -> list[tuple[str, str]]:
     """(config key, one-line reason) for each way this fp8 layout cannot run; [] when it can (or
-    when mixed_precision is not fp8). `par` is the [parallel] section, `model` a ModelConfig,
-    `degrees` anything with resolved tp, cp, pp, dp_shard (ParallelDims, a Layout)."""
-    if par.mixed_precision != "fp8":
-        return []
-    tp, cp = degrees.tp, degrees.cp
+    when mixed precision is not fp8). `lay` is a resolved ndtrain.layout.Layout (mp, fp8_recipe,
+    tp, cp), `model` a ModelConfig. layout.problems() runs this as one of its rules."""
     out = []
-    if par.fp8_recipe not in FP8_RECIPES:
-        out.append(("parallel.fp8_recipe", f"must be {' or '.join(FP8_RECIPES)}, got {par.fp8_recipe!r}"))
+    if lay.fp8_recipe not in FP8_RECIPES:
+        out.append(("parallel.fp8_recipe", f"must be {' or '.join(FP8_RECIPES)}, got {lay.fp8_recipe!r}"))
+    if lay.mp != "fp8":
+        return out
+    tp, cp = lay.tp, lay.cp
     if not fp8_linears(model, tp):
         out.append(("parallel.mixed_precision", f"fp8 would convert no Linear layer of this model: block "
                                                 f"Linear dimensions must be multiples of {ALIGN} x tp = {ALIGN * tp}"))

@@ -141,15 +141,18 @@ class Transformer(nn.Module):
     """Embedding -> blocks -> norm -> head. A pipeline stage sets the parts it does not own to
     None (and drops layers); forward then takes/returns hidden states instead of tokens/logits."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layers: list[int] | None = None, first: bool = True, last: bool = True):
+        """`layers`, `first`, `last`: build only these layers, the embedding only if `first`, the
+        final norm and head only if `last` (a pipeline stage); default the whole model."""
         super().__init__()
         if cfg.mlp != "swiglu":
             raise ValueError("the runtime model implements mlp='swiglu' only ('gelu' is a planner shape)")
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim) if first else None
+        ids = range(cfg.n_layers) if layers is None else layers
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in ids})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps) if last else None
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if last else None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -169,7 +172,9 @@ class Transformer(nn.Module):
         return self.output(h) if self.output is not None else h
 
 
-def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> Transformer:
-    """Construct on `device` (meta by default: no memory); call init.materialize() afterwards."""
+def build_model(cfg: ModelConfig, device: str | torch.device = "meta", layers: list[int] | None = None,
+                first: bool = True, last: bool = True) -> Transformer:
+    """Construct on `device` (meta by default: no memory); call init.materialize() afterwards.
+    `layers`/`first`/`last` build one pipeline stage (see Transformer)."""
     with torch.device(device):
-        return Transformer(cfg)
+        return Transformer(cfg, layers, first, last)

@@ -20,23 +20,24 @@ from __future__ import annotations
 
 from torch import nn
 
+from ndtrain.layout import Layout
 from ndtrain.parallel.activation import apply_activation_checkpointing
-from ndtrain.parallel.dims import ParallelDims
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, par, mesh=None) -> nn.Module:
-    if par.mixed_precision == "fp8":
+def parallelize(model: nn.Module, dims: Layout, mesh=None) -> nn.Module:
+    """`dims` is the resolved layout (ndtrain.layout.Layout): degrees and every knob."""
+    if dims.mp == "fp8":
         from ndtrain.parallel.float8 import apply_float8
 
-        apply_float8(model, par, dims)
+        apply_float8(model, dims)
     if dims.tp > 1:
         from ndtrain.parallel.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(model, mesh["tp"], par.sequence_parallel)
+        apply_tensor_parallel(model, mesh["tp"], dims.sp)
     if dims.cp > 1:
         from ndtrain.parallel.context import apply_context_parallel
 
-        apply_context_parallel(model, mesh, par)
+        apply_context_parallel(model, mesh, dims)
     if dims.ep > 1:
         from ndtrain.parallel.expert import apply_expert_parallel
 
@@ -45,12 +46,12 @@ def parallelize(model: nn.Module, dims: ParallelDims, par, mesh=None) -> nn.Modu
         from ndtrain.parallel.expert import moe_context_parallel
 
         moe_context_parallel(model, mesh["cp"])
-    apply_activation_checkpointing(model, par.activation_checkpoint, par.ac_every)
-    if par.compile:
+    apply_activation_checkpointing(model, dims.ac, dims.ac_every)
+    if dims.compile:
         for block in model.layers.values():
             block.compile()
     if mesh is not None and dims.world_size // (dims.tp * dims.pp) > 1:
         from ndtrain.parallel.data_parallel import apply_fsdp
 
-        apply_fsdp(model, mesh.fsdp_mesh(dims), par.zero, par.mixed_precision, par.cpu_offload)
+        apply_fsdp(model, mesh.fsdp_mesh(dims), dims.reshards_after_forward, dims.mp, dims.offload)
     return model

@@ -40,20 +40,22 @@ def torchao_float8():
     return f8
 
 
-def float8_all_gather(par, dims) -> bool:
-    """FSDP all-gathers fp8 weights when the recipe is tensorwise and parameters are sharded."""
-    return par.fp8_recipe == "tensorwise" and dims.dp_shard * dims.cp > 1
+def float8_all_gather(lay) -> bool:
+    """FSDP all-gathers fp8 weights when the recipe is tensorwise and parameters rest sharded
+    (every ZeRO stage over a shard group of more than one rank: ZeRO-1/2 gather them once per
+    step, ZeRO-3 per block)."""
+    return lay.fp8_recipe == "tensorwise" and lay.shard_degree > 1
 
 
-def float8_config(par, dims):
+def float8_config(lay):
     f8 = torchao_float8()
-    config = f8.Float8LinearConfig.from_recipe_name(par.fp8_recipe)
-    if float8_all_gather(par, dims):
+    config = f8.Float8LinearConfig.from_recipe_name(lay.fp8_recipe)
+    if float8_all_gather(lay):
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     return config
 
 
-def apply_float8(model: nn.Module, par, dims) -> list[str]:
+def apply_float8(model: nn.Module, lay) -> list[str]:
     """Swap the qualifying nn.Linear layers of `model` for Float8Linear, in place; returns their
     canonical names."""
     f8 = torchao_float8()
@@ -61,12 +63,12 @@ def apply_float8(model: nn.Module, par, dims) -> list[str]:
 
     def keep(module: nn.Module, fqn: str) -> bool:
         name = canonical_name(fqn)
-        ok = type(module) is nn.Linear and converts(name, module.in_features, module.out_features, dims.tp)
+        ok = type(module) is nn.Linear and converts(name, module.in_features, module.out_features, lay.tp)
         if ok:
             converted.append(name)
         return ok
 
-    f8.convert_to_float8_training(model, module_filter_fn=keep, config=float8_config(par, dims))
+    f8.convert_to_float8_training(model, module_filter_fn=keep, config=float8_config(lay))
     return converted
 
 

@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
 
         apply_auto_layout(cfg, args.nproc)  # workers plan again for themselves; this surfaces errors now
         dims = resolve(cfg.parallel, args.nproc, cfg.model, cfg.data.seq_len, cfg.train,
-                       document_mask=cfg.data.document_mask)  # errors before spawning
+                       cfg.data)  # errors before spawning
         check_global_batch(cfg, dims.dp)
         # One run directory for every rank and every restart attempt.
         forwarded = [a for a in argv]

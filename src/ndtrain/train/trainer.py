@@ -21,13 +21,16 @@ from ndtrain.data.loader import StatefulLoader, validation_batches
 from ndtrain.data.mixture import make_loader, open_dataset
 from ndtrain.data.packing import document_ids, document_positions
 from ndtrain.errors import ConfigError, NdtrainError
-from ndtrain.model.config import flops_per_token, num_params
+from ndtrain.layout.flops import MFU_CONVENTION, flops_per_token
+from ndtrain.layout.rules import global_batch_problem
+from ndtrain.model.config import num_params
 from ndtrain.model.init import canonical_name, materialize
 from ndtrain.model.moe import end_step as moe_end_step, moe_layers, set_aux_scale
 from ndtrain.model.llama import build_model
 from ndtrain.parallel import dims as pdims
 from ndtrain.parallel.auto import apply_auto_layout, describe as describe_auto
 from ndtrain.parallel.compose import parallelize
+from ndtrain.parallel.data_parallel import accumulation, reshard
 from ndtrain.parallel.grad_norm import (all_reduce_sum, clip_coefficient, local_grad_sq, reduce_partial_grads,
                                         scale_grads)
 from ndtrain.train import distributed
@@ -70,8 +73,7 @@ class Trainer:
         self.rt = distributed.setup(cfg.train)
         # `[parallel] auto`: planned for the world found at every (re)start, before the mesh exists.
         self.auto_choice = apply_auto_layout(cfg, self.rt.world_size)
-        self.dims = pdims.resolve(cfg.parallel, self.rt.world_size, cfg.model, cfg.data.seq_len, cfg.train,
-                                  document_mask=cfg.data.document_mask)
+        self.dims = pdims.resolve(cfg.parallel, self.rt.world_size, cfg.model, cfg.data.seq_len, cfg.train, cfg.data)
         self.mesh = pdims.build_mesh(self.dims, self.rt.device.type) if self.rt.world_size > 1 else None
         self.run_dir = run_dir
         torch.manual_seed(cfg.train.seed)
@@ -89,18 +91,28 @@ class Trainer:
         # The next batches are built on a thread while this step computes (pinned for a GPU copy).
         self.loader.start_prefetch(cfg.data.prefetch, pin_memory=self.rt.device.type == "cuda")
 
+        # Context parallel: this rank holds a load-balanced share of each sequence, and the model
+        # (every pipeline stage too) needs those tokens' global positions for RoPE (None = 0..s-1,
+        # the whole sequence).
+        self.cp_rank = self.mesh["cp"].get_local_rank() if self.mesh is not None else 0
+        self.cp_positions = None
+        if self.dims.cp > 1:
+            from ndtrain.parallel.context import cp_positions
+
+            self.cp_positions = cp_positions(cfg.data.seq_len, self.dims.cp, self.cp_rank, self.rt.device)
+
         # A pipeline rank builds only its own stage(s), several with virtual stages; every other
         # layout sees one part, the whole model.
         self.pipeline = None
         if self.dims.pp > 1:
             from ndtrain.parallel.pipeline import build_pipeline
 
-            self.pipeline = build_pipeline(cfg, self.dims, self.mesh, self.rt.device)
+            self.pipeline = build_pipeline(cfg, self.dims, self.mesh, self.rt.device, self.cp_positions)
             self.model_parts = self.pipeline.parts
             self.model = self.model_parts[0]
         else:
             self.model = build_model(cfg.model, "meta")
-            self.model = parallelize(self.model, self.dims, cfg.parallel, self.mesh)
+            self.model = parallelize(self.model, self.dims, self.mesh)
             materialize(self.model, cfg.train.seed, self.rt.device)
             self.model_parts = [self.model]
         self.fsdp = hasattr(self.model, "set_requires_gradient_sync")
@@ -118,16 +130,8 @@ class Trainer:
         if self.fp8 and self.fsdp:
             from ndtrain.parallel.float8 import float8_all_gather, precompute_scales
 
-            self.fp8_scales = precompute_scales if float8_all_gather(cfg.parallel, self.dims) else None
+            self.fp8_scales = precompute_scales if float8_all_gather(self.dims) else None
         self.tp_rank = self.mesh["tp"].get_local_rank() if self.mesh is not None else 0
-        # Context parallel: this rank holds a load-balanced share of each sequence, and the model
-        # needs those tokens' global positions for RoPE (None = 0..s-1, the whole sequence).
-        self.cp_rank = self.mesh["cp"].get_local_rank() if self.mesh is not None else 0
-        self.cp_positions = None
-        if self.dims.cp > 1:
-            from ndtrain.parallel.context import cp_positions
-
-            self.cp_positions = cp_positions(cfg.data.seq_len, self.dims.cp, self.cp_rank, self.rt.device)
 
         self.step = 0
         self.tokens_seen = 0
@@ -213,8 +217,9 @@ class Trainer:
         slices = split_micro(inputs.shape[0], micro)
         for i, (a, b) in enumerate(slices):
             if self.fsdp:
-                # Reduce gradients only on the last micro-batch; earlier ones accumulate locally.
-                self.model.set_requires_gradient_sync(i == len(slices) - 1)
+                # The ZeRO stage decides: reduce after every micro-batch (2, 3) or accumulate
+                # whole gradients locally and reduce on the last (1, and plain replication).
+                accumulation(self.model_parts, self.dims, i == len(slices) - 1)
             with self._loss_context():
                 mb_docs = None if docs is None else {k: self._to_device(v[a:b]) for k, v in docs.items()}
                 loss = self._loss_sum(self._to_device(inputs[a:b]), self._to_device(targets[a:b]), mb_docs)
@@ -228,8 +233,9 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         gb = global_batch_at(cfg, self.tokens_seen)
-        if gb % self.dp_size:
-            raise NdtrainError(f"global batch {gb} is not divisible by the data-parallel size {self.dp_size}")
+        problem = global_batch_problem(gb, self.dp_size)  # the layout's rule, for this step's batch
+        if problem:
+            raise NdtrainError(problem)
         t_data = time.perf_counter()
         batch = self.loader.next_batch(gb)
         data_wait = time.perf_counter() - t_data  # ~0 when prefetching keeps ahead of the step
@@ -295,6 +301,8 @@ class Trainer:
                 tokens += targets[a:b].numel()
         for part in self.model_parts:
             part.train()
+        if self.fsdp:
+            reshard(self.model_parts)  # ZeRO-1/2 keep what a forward gathered; the step must not see it
         total, tokens = all_reduce_sum([total if self.tp_rank == 0 else 0.0,
                                         tokens if self.tp_rank == 0 else 0.0], self.rt.device)
         return total / max(tokens, 1)
@@ -377,6 +385,7 @@ def train(cfg: JobConfig) -> dict:
              f"peak {trainer.peak_flops_total / 1e9:.1f} GFLOP/s ({trainer.peak_source}"
              + (f" bf16; fp8 {trainer.peak_fp8_total / 1e9:.1f} GFLOP/s {trainer.peak_fp8_source}" if trainer.fp8 else "")
              + f"); run dir {run_dir}")
+    log.info(f"{MFU_CONVENTION}: {trainer.flops_per_token / 1e6:.2f} MFLOP/token")
     if trainer.fp8:
         from ndtrain.layout.fp8 import fp8_linears, summary
 
