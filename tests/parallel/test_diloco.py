@@ -12,7 +12,7 @@ from ndtrain.parallel.launch import run_ranks
 from ndtrain.parallel.verify import layout_config
 
 FP32_TOL = 1e-5
-DILOCO = " replicate_sync=diloco"
+DILOCO = ",replicate_sync=diloco"
 
 
 def _cfg(base: dict, **over):
@@ -108,7 +108,7 @@ def _with(base: dict, **train) -> dict:
 @pytest.mark.timeout(300)
 def test_h1_lr1_no_momentum_is_averaging_after_every_step(parity_base):
     base = _with(parity_base, steps=3)
-    spec = "dp_replicate=2" + DILOCO + " diloco_inner_steps=1 diloco_outer_lr=1.0 diloco_outer_momentum=0.0"
+    spec = "dp_replicate=2" + DILOCO + ",diloco_inner_steps=1,parallel.diloco_outer_lr=1.0,parallel.diloco_outer_momentum=0.0"
     ranks = run_ranks(2, _run, [spec], base)
     ref = averaged_every_step(base, 3, 2)
     for rank in ranks:
@@ -125,11 +125,16 @@ def test_h1_lr1_no_momentum_is_averaging_after_every_step(parity_base):
 @pytest.mark.timeout(600)
 def test_h2_nesterov_inside_replicas_dp_shard_tp_pp(parity_base):
     """H=2, outer lr 0.7, Nesterov 0.9, 5 steps (the last outer step is a short round), in four
-    layouts of world 4: 2 replicas of dp_shard=2 (HSDP layout), of tp=2, of pp=2, and of cp=2."""
+    layouts of world 4: 2 replicas of dp_shard=2 (HSDP layout; ZeRO-3, -1 and -2), of tp=2, of pp=2,
+    and of cp=2."""
     steps = 5
     base = _with(parity_base, steps=steps)
-    knobs = DILOCO + " diloco_inner_steps=2 diloco_outer_lr=0.7 diloco_outer_momentum=0.9"
-    layouts = ["dp_replicate=2 dp_shard=2", "dp_replicate=2 tp=2", "dp_replicate=2 pp=2", "dp_replicate=2 cp=2"]
+    knobs = DILOCO + ",diloco_inner_steps=2,parallel.diloco_outer_lr=0.7,parallel.diloco_outer_momentum=0.9"
+    # ZeRO-3 (the default), ZeRO-1 and ZeRO-2 with two micro-batches: FSDP reduces inside the replica
+    # at every stage, and the replicas meet only in the outer step.
+    layouts = ["dp_replicate=2,dp_shard=2", "dp_replicate=2,dp_shard=2,zero=1",
+               "dp_replicate=2,dp_shard=2,zero=2,ga=2", "dp_replicate=2,tp=2", "dp_replicate=2,pp=2",
+               "dp_replicate=2,cp=2"]
     ranks = run_ranks(4, _run, [lay + knobs for lay in layouts], base)
     ref = reference(base, steps, replicas=2, inner=2, lr=0.7, momentum=0.9)
     for i, lay in enumerate(layouts):
@@ -150,9 +155,9 @@ def test_streaming_fragments_overlap_and_bf16(parity_base):
     and merged with the local fragment; and a bf16 outer gradient. Replicas agree at the end and
     the bytes per outer step are the fragment's, or half of them in bf16."""
     base = _with(parity_base, steps=7)
-    streaming = "dp_replicate=2" + DILOCO + " diloco_inner_steps=4 diloco_fragments=2 diloco_overlap_steps=1"
-    bf16 = ("dp_replicate=2" + DILOCO + " diloco_inner_steps=2 diloco_outer_dtype=bf16"
-            " diloco_outer_lr=0.7 diloco_outer_momentum=0.0")
+    streaming = "dp_replicate=2" + DILOCO + ",diloco_inner_steps=4,diloco_fragments=2,diloco_overlap_steps=1"
+    bf16 = ("dp_replicate=2" + DILOCO + ",diloco_inner_steps=2,diloco_outer_dtype=bf16"
+            ",parallel.diloco_outer_lr=0.7,parallel.diloco_outer_momentum=0.0")
     ranks = run_ranks(2, _run, [streaming, bf16], base)
     a, b = ranks[0][0], ranks[1][0]
     assert _max_diff(a["weights"], b["weights"]) == 0.0  # the final sync leaves one global model
@@ -189,15 +194,16 @@ def test_diloco_config_errors_name_their_key():
                   ({"dp_replicate": 2, "dp_shard": 1, "diloco_fragments": 8, "diloco_inner_steps": 8}, {},
                    "parallel.diloco_fragments")]
     for par, model, key in layout_bad:
-        cfg = load_config(None, {"parallel": {"replicate_sync": "diloco", **par}, "model": model or {"preset": "debug"}})
+        # The layout rule: load_config runs it for every world, resolve() for this one.
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            cfg = load_config(None, {"parallel": {"replicate_sync": "diloco", **par}, "model": model or {"preset": "debug"}})
             resolve(cfg.parallel, 2, cfg.model)
     ok = load_config(None, {"parallel": {"replicate_sync": "diloco", "dp_replicate": 2, "dp_shard": -1}})
     assert resolve(ok.parallel, 4, ok.model).dp_shard == 2
 
 
 def test_schedule():
-    from ndtrain.parallel.diloco_rules import fragment_of, last_send, sends_at
+    from ndtrain.layout.diloco import fragment_of, last_send, sends_at
 
     assert [s for s in range(1, 13) if sends_at(s, 4, 1)] == [4, 8, 12]
     assert {s: sends_at(s, 4, 2) for s in range(1, 9) if sends_at(s, 4, 2)} == {2: [0], 4: [1], 6: [0], 8: [1]}

@@ -10,7 +10,7 @@ from ndtrain.cli import main as cli
 from ndtrain.errors import NdtrainError
 from ndtrain.model.config import preset
 from ndtrain.planner import diloco
-from ndtrain.planner.layout import parse_layout
+from ndtrain.layout import parse_layout
 from ndtrain.planner.problem import make_problem
 
 
@@ -24,7 +24,7 @@ def test_parsing():
     for bad in ("fast", "10Gbit,soon"):
         with pytest.raises(NdtrainError, match="--replicas-across"):
             diloco.parse_across(bad)
-    for bad in ("0", "8:3", "8:2:4", "x"):
+    for bad in ("x", "8:a", "8:2:1:fp16"):
         with pytest.raises(NdtrainError, match="--diloco"):
             diloco.parse_variants(bad)
 
@@ -49,6 +49,14 @@ def test_model_limits(setup):
     assert sync["step_s"] > 5 * h8["step_s"] and h8["step_s"] > h32["step_s"] > stream["step_s"] >= inner.step_time
     # On a free link nothing is gained: every variant costs the replica's own step.
     assert all(row["step_s"] == pytest.approx(inner.step_time, rel=1e-3) for row in fast)
+
+
+def test_variants_run_the_layout_rule(setup):
+    """The settings the trainer would refuse are refused by the planner too, by the same rule."""
+    pb, lay, _ = setup
+    for bad, key in (("0", "diloco_inner_steps"), ("8:3", "diloco_inner_steps=8"), ("8:2:4", "diloco_overlap_steps")):
+        with pytest.raises(NdtrainError, match=key):
+            diloco.across_report(pb, lay, 1.25e9, 0.01, diloco.parse_variants(bad))
 
 
 def test_pays_below_is_the_break_even(setup):

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ndtrain.errors import NdtrainError
 from ndtrain.model.init import canonical_name
-from ndtrain.parallel.diloco_rules import fragment_of, last_send, sends_at
+from ndtrain.layout.diloco import fragment_of, last_send, sends_at
 from ndtrain.parallel.grad_norm import shard_count
 
 MERGE_ALPHA = 0.5  # Streaming DiLoCo's mixing of the local and the (late) global fragment

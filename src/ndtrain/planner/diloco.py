@@ -26,6 +26,7 @@ import math
 import re
 
 from ndtrain.errors import NdtrainError
+from ndtrain.layout import problems
 from ndtrain.planner.comm import _flat
 from ndtrain.planner.problem import Problem, make_problem
 from ndtrain.planner.search import Evaluator, Prediction
@@ -42,6 +43,11 @@ class Variant:
     fragments: int = 1
     overlap: int = 0
     outer_bytes: int = 4  # fp32 outer gradient; 2 for bf16
+
+    def layout(self, lay):
+        """`lay` with replicate_sync = diloco and this variant's settings (what the trainer would run)."""
+        return dataclasses.replace(lay, sync="diloco", inner_steps=self.inner_steps, fragments=self.fragments,
+                                   overlap=self.overlap, outer_dtype="bf16" if self.outer_bytes == 2 else "fp32")
 
     def name(self) -> str:
         if self.fragments == 1 and self.overlap == 0:
@@ -85,9 +91,7 @@ def parse_variants(text: str) -> list[Variant]:
             h, f, o = nums[:3]
         except (ValueError, IndexError):
             raise NdtrainError(f"--diloco: {item!r} is not H[:FRAGMENTS[:OVERLAP]][:bf16]") from None
-        if h < 1 or f < 1 or h % f or not 0 <= o < h // f:
-            raise NdtrainError(f"--diloco: {item!r} needs H >= 1, FRAGMENTS dividing H and 0 <= OVERLAP < H/FRAGMENTS")
-        out.append(Variant(h, f, o, 2 if dtype == "bf16" else 4))
+        out.append(Variant(h, f, o, 2 if dtype == "bf16" else 4))  # checked by the layout rule in across_report
     if not out:
         raise NdtrainError("--diloco: give at least one H")
     return out
@@ -142,9 +146,13 @@ def pays_below(pb: Problem, inner: Prediction, replicas: int, latency: float, va
 
 def across_report(pb: Problem, lay, bw: float, latency: float, variants: list[Variant]) -> dict:
     r = lay.dp_replicate
-    if r < 2:
-        raise NdtrainError("--replicas-across needs a layout with dp_replicate >= 2 (the replicas are the sites): "
-                           "give --layout ...,dp_replicate=R or --fix dp_replicate=R")
+    for v in variants:
+        # The layout rules the trainer runs (layout/diloco.py among them), on the layout it would train.
+        found = problems(v.layout(lay), pb.cfg, pb.world, pb.seq, pb.global_batch, pb.strict)
+        if found:
+            hint = " (the replicas are the sites: give --layout ...,dp_replicate=R or --fix dp_replicate=R)" \
+                if r < 2 else ""
+            raise NdtrainError(f"--replicas-across with {v.name()}: {found[0].key}: {found[0]}{hint}")
     inner = replica_prediction(pb, lay)
     rows = step_times(pb, inner, r, bw, latency, variants)
     base = rows[0]["step_s"]

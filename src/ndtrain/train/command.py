@@ -43,6 +43,9 @@ def main(argv: list[str]) -> int:
                    help="restart the group after a crash or hang, up to K times, from the last checkpoint")
     args, overrides = p.parse_known_args(argv)
     cfg = load_config(args.config, overrides)  # fails here, before any process starts
+    from ndtrain.train.trackers import check_installed
+
+    check_installed(cfg.logging)
 
     if args.nproc and not _under_launcher():
         if args.nproc < 1:
@@ -55,7 +58,8 @@ def main(argv: list[str]) -> int:
         from ndtrain.parallel.auto import apply_auto_layout
 
         apply_auto_layout(cfg, args.nproc)  # workers plan again for themselves; this surfaces errors now
-        dims = resolve(cfg.parallel, args.nproc, cfg.model, cfg.data.seq_len, cfg.train)  # errors before spawning
+        dims = resolve(cfg.parallel, args.nproc, cfg.model, cfg.data.seq_len, cfg.train,
+                       cfg.data)  # errors before spawning
         check_global_batch(cfg, dims.dp)
         # One run directory for every rank and every restart attempt.
         forwarded = [a for a in argv]
