@@ -81,6 +81,19 @@ class ParallelConfig:
     # planner's catalog; the calibrated profile on CPU), a catalog name (h100, a100-80, ...) or a
     # hardware profile JSON written by `ndtrain calibrate`.
     auto_hardware: str = ""
+    # How the dp_replicate replicas agree: "step" (gradients all-reduced every step, HSDP/DDP) or
+    # "diloco" (each replica trains alone for diloco_inner_steps steps, then an outer Nesterov SGD
+    # step on the replicas' averaged parameter change; see docs/diloco.md). The layout rule
+    # (layout/diloco.py) checks these keys; the outer optimizer's are checked in validate().
+    replicate_sync: str = "step"
+    diloco_inner_steps: int = 8  # H: inner steps between outer steps
+    # Outer SGD: lr 1 without momentum averages the replicas every H steps. The paper's lr 0.7,
+    # Nesterov 0.9 suits long rounds (H ~ 500); at H <= 32 here it lost 25-40% (docs/benchmarks.md).
+    diloco_outer_lr: float = 1.0
+    diloco_outer_momentum: float = 0.0  # Nesterov momentum
+    diloco_fragments: int = 1  # streaming DiLoCo: parameter fragments synced at staggered steps
+    diloco_overlap_steps: int = 0  # outer all-reduce runs in the background this many inner steps
+    diloco_outer_dtype: str = "fp32"  # fp32 | bf16: dtype of the outer gradient on the wire
 
 
 @dataclass
@@ -355,6 +368,11 @@ def validate(cfg: JobConfig) -> None:
         ("logging.trackers", len(set(cfg.logging.trackers)) == len(cfg.logging.trackers), f"names a tracker twice: {cfg.logging.trackers}"),
         ("logging.wandb_mode", cfg.logging.wandb_mode in ("offline", "online"), f"must be offline or online, got {cfg.logging.wandb_mode!r}"),
         ("logging.pipeline_trace_step", cfg.logging.pipeline_trace_step >= 0, f"must be >= 0 (0 = never), got {cfg.logging.pipeline_trace_step}"),
+        # The outer optimizer is no part of the layout (layout/diloco.py checks the sync keys).
+        ("parallel.diloco_outer_lr", p.diloco_outer_lr > 0, f"must be positive, got {p.diloco_outer_lr}"),
+        ("parallel.diloco_outer_momentum", 0 <= p.diloco_outer_momentum < 1, f"must be in [0, 1), got {p.diloco_outer_momentum}"),
+        ("parallel.auto", not (p.auto and p.replicate_sync == "diloco"),
+         "the planner does not choose DiLoCo replicas; set the degrees yourself (dp_replicate >= 2) with auto=false"),
     ]
     for key, ok, msg in checks:
         if not ok:

@@ -35,6 +35,11 @@ def test_config_check_prints_the_layout_it_would_build(capsys, tmp_path):
       "--parallel.reshard_after_forward=false"], "parallel.zero"),
     (["--world", "2", "--parallel.ep=-1"], "parallel.ep"),  # dense model: ep honoured (2), then refused
     (["--world", "8", "--parallel.pp_schedule=Zigzag"], "pp_schedule"),
+    # DiLoCo's rule (layout/diloco.py) with the world: dp_replicate = -1 takes 1 of 2 ranks here.
+    (["--world", "2", "--parallel.replicate_sync=diloco", "--parallel.dp_replicate=-1", "--parallel.dp_shard=2"],
+     "parallel.replicate_sync"),
+    (["--world", "4", "--parallel.replicate_sync=diloco", "--parallel.dp_replicate=2", "--parallel.dp_shard=2",
+      "--parallel.diloco_fragments=3"], "parallel.diloco_fragments"),
     (["--world", "0"], "--world"),
     ([], "--world"),
 ])
@@ -90,3 +95,15 @@ def test_ep_alone_takes_that_many_data_parallel_ranks(capsys):
     assert "expert parallel: ep=2" in capsys.readouterr().out
     # and in verify's syntax, `ep=2` alone is a world of 2 (dp_shard = ep / cp)
     assert layout_world(layout_overrides("ep=2")) == 2 and layout_world(layout_overrides("ep=4,cp=2")) == 4
+
+
+def test_diloco_is_checked_like_any_layout(capsys):
+    """replicate_sync is a layout key: config show, config check and verify run its rule."""
+    assert cli(["config", "show", "--parallel.replicate_sync=diloco"]) == 2  # dp_replicate = 1: no world fixes it
+    _one_line_error(capsys, "parallel.replicate_sync")
+    assert cli(["config", "check", "--world", "4", "--parallel.replicate_sync=diloco", "--parallel.dp_replicate=2",
+                "--parallel.dp_shard=2", "--parallel.zero=1"]) == 0
+    out = capsys.readouterr().out
+    assert "diloco H=8" in out and "ok: the runtime builds this layout" in out, out
+    assert cli(["verify", "--layouts", "dp_shard=2,replicate_sync=diloco"]) == 2  # refused before any rank starts
+    _one_line_error(capsys, "parallel.replicate_sync")

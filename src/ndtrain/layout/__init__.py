@@ -8,6 +8,7 @@
 - flops.py      FLOPs per token, with the attention convention as an argument (MFU uses "full")
 - rules.py      problems(): the only validity check
 - fp8.py        which Linear layers run in float8 (runtime and planner), and FP8's rules
+- diloco.py     DiLoCo's rules (replicate_sync) and its fragment sync schedule
 """
 
 from ndtrain.layout.degrees import Layout, from_config, parse_items, parse_layout, resolve

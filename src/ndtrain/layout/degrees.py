@@ -43,6 +43,9 @@ CONFIG_KEYS = {
     "offload": ("parallel", "cpu_offload"), "compile": ("parallel", "compile"),
     "cp_attention": ("parallel", "cp_attention"), "fp8_recipe": ("parallel", "fp8_recipe"),
     "mb": ("train", "micro_batch"), "doc_mask": ("data", "document_mask"),
+    "sync": ("parallel", "replicate_sync"), "inner_steps": ("parallel", "diloco_inner_steps"),
+    "fragments": ("parallel", "diloco_fragments"), "overlap": ("parallel", "diloco_overlap_steps"),
+    "outer_dtype": ("parallel", "diloco_outer_dtype"),
 }
 # Other names accepted in the text syntax: the config keys themselves, and a few short forms.
 ALIASES = {**{key: name for name, (_, key) in CONFIG_KEYS.items()},
@@ -75,6 +78,14 @@ class Layout:
     compile: bool = False
     cp_attention: str = "ring"
     doc_mask: bool = False  # [data] document_mask: attention stays inside each packed document
+    # How dp_replicate replicas agree (layout/diloco.py): "step" all-reduces gradients every step;
+    # "diloco" trains each replica alone for `inner_steps` steps, then takes an outer step, in
+    # `fragments` staggered parameter fragments whose reduction overlaps `overlap` inner steps.
+    sync: str = "step"
+    inner_steps: int = 8
+    fragments: int = 1
+    overlap: int = 0
+    outer_dtype: str = "fp32"  # dtype of the outer gradient on the wire
 
     # ---- derived quantities ----------------------------------------------------------------
     @property
@@ -151,6 +162,8 @@ class Layout:
             parts.append(self.schedule + (f" v={self.v}" if self.v > 1 else ""))
         if self.tp > 1 and not self.sp:
             parts.append("sp=0")
+        if self.sync == "diloco":
+            parts.append(f"diloco H={self.inner_steps}" + (f" F={self.fragments}" if self.fragments > 1 else ""))
         parts += [f"mb={self.mb}", f"ac={self.ac}"]
         return " ".join(parts)
 
@@ -225,7 +238,8 @@ def from_config(par, train=None, data=None) -> Layout:
 
 # ---- the text syntax -----------------------------------------------------------------------
 
-_INTS = {"pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "zero", "mb", "v", "m", "ac_every"}
+_INTS = {"pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "zero", "mb", "v", "m", "ac_every", "inner_steps",
+         "fragments", "overlap"}
 _BOOLS = {"reshard_after_forward", "sp", "offload", "compile", "doc_mask"}
 
 
@@ -292,7 +306,7 @@ def _typed(name: str, value, what: str):
         from ndtrain.layout.schedules import canonical_schedule
 
         return canonical_schedule(text)
-    return text.lower() if name in ("ac", "mp", "split", "cp_attention", "fp8_recipe") else text
+    return text.lower() if name in ("ac", "mp", "split", "cp_attention", "fp8_recipe", "sync", "outer_dtype") else text
 
 
 def parse_layout(text: str | dict, world: int | None = None, base: Layout | None = None) -> Layout:

@@ -222,9 +222,15 @@ def fp8(c: Context):
     yield from fp8_rules.problems(c.lay, c.model, c.seq)
 
 
+def replicate_sync(c: Context):
+    from ndtrain.layout import diloco
+
+    yield from diloco.problems(c.lay, c.model)
+
+
 # The rules problems() runs, in order.
 RULES: list[Rule] = [values, model_runs_here, tensor_parallel, context_parallel, expert_parallel, pipeline, batches,
-                     offload, document_mask, fp8]
+                     offload, document_mask, fp8, replicate_sync]
 
 
 def problems(layout: Layout, model: ModelConfig, world: int | None, seq: int | None = None, batch=None,

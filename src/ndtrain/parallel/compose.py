@@ -53,5 +53,8 @@ def parallelize(model: nn.Module, dims: Layout, mesh=None) -> nn.Module:
     if mesh is not None and dims.world_size // (dims.tp * dims.pp) > 1:
         from ndtrain.parallel.data_parallel import apply_fsdp
 
-        apply_fsdp(model, mesh.fsdp_mesh(dims), dims.reshards_after_forward, dims.mp, dims.offload)
+        # DiLoCo: FSDP shards and reduces inside each replica only, at any ZeRO stage
+        # (parallel/diloco.py syncs the replicas).
+        dp_mesh = mesh.fsdp_mesh(dims, across_replicas=dims.sync != "diloco")
+        apply_fsdp(model, dp_mesh, dims.reshards_after_forward, dims.mp, dims.offload)
     return model

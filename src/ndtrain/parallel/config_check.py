@@ -92,8 +92,9 @@ def describe(cfg: JobConfig, lay: Layout, world: int, ranks: list[dict]) -> list
     seq, batches = cfg.data.seq_len, layout_batches(cfg.train)
     gb = cfg.train.global_batch
     lines = [f"layout: {lay.describe()} on {world} ranks; mesh [pp, dp_replicate, dp_shard, cp, tp] = {list(lay.shape)}",
-             f"as text: {lay.text(['pp', 'dp_replicate', 'dp_shard', 'cp', 'tp', 'ep', 'zero', 'reshard_after_forward', 'schedule', 'v', 'mb', 'ac'])}"]
+             f"as text: {lay.text(['pp', 'dp_replicate', 'dp_shard', 'cp', 'tp', 'ep', 'zero', 'reshard_after_forward', 'schedule', 'v', 'mb', 'ac'] + (['sync', 'inner_steps', 'fragments', 'overlap'] if lay.sync == 'diloco' else []))}"]
     z = lay.effective_zero
+    diloco = lay.sync == "diloco"
     if z:
         what = {1: "optimizer state", 2: "optimizer state and gradients", 3: "parameters, gradients and optimizer state"}[z]
         detail = ("; parameters freed after each forward" if lay.reshards_after_forward
@@ -101,9 +102,16 @@ def describe(cfg: JobConfig, lay: Layout, world: int, ranks: list[dict]) -> list
         reduce = "after every micro-batch" if lay.grads_sharded_per_microbatch else "once per step"
         lines.append(f"data parallel: dp={lay.dp}; ZeRO-{z} over dp_shard x cp = {lay.shard_degree} ranks ({what} "
                      f"sharded{detail}), gradients reduced {reduce}"
-                     + (f"; replicated x{lay.dp_replicate} (HSDP)" if lay.dp_replicate > 1 else ""))
+                     + (f"; replicated x{lay.dp_replicate} (HSDP)" if lay.dp_replicate > 1 and not diloco else ""))
     else:
-        lines.append(f"data parallel: dp={lay.dp}, " + ("replicated (DDP)" if lay.dp > 1 else "none"))
+        lines.append(f"data parallel: dp={lay.dp}, " + ("replicated (DDP)" if lay.dp > 1 and not diloco else
+                                                        "none" if lay.dp == 1 else "replicas"))
+    if diloco:
+        frag = f", in {lay.fragments} staggered fragments" if lay.fragments > 1 else ""
+        over = f", each applied {lay.overlap} steps late" if lay.overlap else ""
+        lines.append(f"replicas: {lay.dp_replicate} synced by DiLoCo (diloco H={lay.inner_steps}): an outer step every "
+                     f"{lay.inner_steps} steps{frag}{over}, {lay.outer_dtype} outer gradient; inner steps stay inside a "
+                     f"replica")
     if lay.tp > 1:
         lines.append(f"tensor parallel: tp={lay.tp}" + (", sequence parallel" if lay.sp else ""))
     if lay.cp > 1:

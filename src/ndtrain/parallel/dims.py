@@ -41,15 +41,17 @@ class Meshes:
             return self.flat[key]
         return self.root[key]
 
-    def fsdp_mesh(self, dims: Layout):
-        """2-D (replicate, shard) mesh for FSDP/HSDP; cp ranks shard parameters too."""
+    def fsdp_mesh(self, dims: Layout, across_replicas: bool = True):
+        """2-D (replicate, shard) mesh for FSDP/HSDP; cp ranks shard parameters too. Without
+        `across_replicas` (DiLoCo) the 1-D shard mesh: gradients never leave the replica."""
+        rep = ("dp_replicate",) if across_replicas else ()
         if dims.cp == 1:
-            return self.root["dp_replicate", "dp_shard"]
+            return self.root[(*rep, "dp_shard")]
         import warnings
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            return self.root["dp_replicate", "dp_shard_cp"]
+            return self.root[(*rep, "dp_shard_cp")]
 
 
 def build_mesh(dims: Layout, device_type: str) -> Meshes:

@@ -28,7 +28,24 @@ def reduce_partial_grads(params) -> None:
             p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
 
 
+def shard_count(p, t=None) -> int:
+    """How many distinct shards parameter `p` (or its gradient `t`, laid out like it) is split into."""
+    t = p if t is None else t
+    shards = getattr(p, "_ndtrain_shard_factor", 1)
+    if hasattr(t, "to_local"):
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        mesh = t.device_mesh
+        for dim, placement in enumerate(t.placements):
+            # FSDP over TP shards with _StridedShard, whose is_shard() answers False.
+            if placement.is_shard() or isinstance(placement, _StridedShard):
+                shards *= mesh.size(dim)
+    return shards
+
+
 def local_grad_sq(params, ranks_per_stage: int) -> torch.Tensor:
+    """This rank's weighted share of the squared gradient norm. `ranks_per_stage` counts the ranks
+    the final sum runs over per pipeline stage (the world / pp; one replica / pp under DiLoCo)."""
     # Accumulate per device and copy to the host once per device: a .cpu() per parameter would
     # be a device sync per parameter on GPUs.
     per_device: dict[torch.device, torch.Tensor] = {}
@@ -36,15 +53,8 @@ def local_grad_sq(params, ranks_per_stage: int) -> torch.Tensor:
         g = p.grad
         if g is None or getattr(p, "_ndtrain_tied_copy", False):
             continue  # a pipeline's copy of a tied weight: its gradient is the embedding's, counted there
-        shards = getattr(p, "_ndtrain_shard_factor", 1)
+        shards = shard_count(p, g)
         if hasattr(g, "to_local"):
-            from torch.distributed.tensor.placement_types import _StridedShard
-
-            mesh = g.device_mesh
-            for dim, placement in enumerate(g.placements):
-                # FSDP over TP shards with _StridedShard, whose is_shard() answers False.
-                if placement.is_shard() or isinstance(placement, _StridedShard):
-                    shards *= mesh.size(dim)
             g = g.to_local()
         sq = g.detach().double().pow(2).sum() * (shards / ranks_per_stage)
         per_device[sq.device] = per_device[sq.device] + sq if sq.device in per_device else sq
@@ -67,9 +77,10 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (total_norm + 1e-6))
 
 
-def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    """One collective for several scalars (loss sum, grad square-norm, ...)."""
+def all_reduce_sum(values: list[float], device: torch.device, group=None) -> list[float]:
+    """One collective for several scalars (loss sum, grad square-norm, ...), over the world or
+    over `group` (one DiLoCo replica: its inner steps never talk to the other replicas)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
     return t.tolist()

@@ -58,6 +58,11 @@ def plan_parser() -> argparse.ArgumentParser:
                         "for comparing with published runs; ndtrain cannot train them")
     p.add_argument("--explain", action="store_true", help="say why the runner-up and other meshes lost")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--replicas-across", metavar="BW[,LATENCY]", help="the dp_replicate replicas sit on different "
+                   "sites joined by BW per site (10Gbit, 1.25GB/s) with LATENCY one way (default 10ms): compare "
+                   "per-step sync with DiLoCo (docs/diloco.md)")
+    p.add_argument("--diloco", default=None, metavar="H[:F[:OVERLAP]][:bf16],...",
+                   help="DiLoCo variants for --replicas-across (default 8,32,128,500,32:4:1)")
     return p
 
 
@@ -103,6 +108,13 @@ def plan_main(argv: list[str]) -> int:
             raise NdtrainError(f"--mb must be a comma list of integers, got {args.mb!r}") from exc
         scheds = tuple(canonical_schedule(s) for s in args.schedules.split(",")) if args.schedules else None
         res = search(pb, top_k=max(1, args.top), fixed=_fixed(args.fix), mb_options=mbs, schedules=scheds)
+    across = None
+    if args.replicas_across and res.top:
+        from ndtrain.planner import diloco
+
+        bw, latency = diloco.parse_across(args.replicas_across)
+        across = diloco.across_report(pb, res.top[0].layout, bw, latency,
+                                      diloco.parse_variants(args.diloco or diloco.DEFAULT_VARIANTS))
     if args.json:
         out = {
             "model": cfg.preset, "gpus": args.gpus, "hardware": pb.hw.name, "seq": args.seq, "global_batch": batch,
@@ -112,11 +124,12 @@ def plan_main(argv: list[str]) -> int:
             "layouts": [{**p.to_json(budget, args.gpus, pb.hw.tdp_w), "layout_text": p.layout.text(),
                          "config_check": check_command(pb, p.layout)} for p in res.top],
             "fastest_over_cap": res.fastest_over_cap.to_json() if res.fastest_over_cap else None,
+            **({"replicas_across": across} if across else {}),
         }
         json.dump(out, sys.stdout, indent=1)
         print()
     else:
-        print(plan_text(pb, res, budget, args.explain))
+        print(plan_text(pb, res, budget, args.explain) + (diloco.across_text(across) if across else ""))
     return 0 if res.top else 1
 
 

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from ndtrain.config import to_dict
 from ndtrain.errors import NdtrainError
+from ndtrain.parallel.diloco import checkpoint_restore, checkpoint_view
 from ndtrain.train.ckpt_store import (FORMAT, MARKER, TRAIN_STATE, dcp_load, fsync_dir, list_checkpoints, partials,
                                       read_train_state, step_name, step_of, verify, write_manifest, write_marker)
 
@@ -137,13 +138,14 @@ class Checkpointer:
         opt = self.trainer.optimizer
         return list(opt) if isinstance(opt, (list, tuple)) else [opt]
 
-    def _state(self) -> dict:
+    def _state(self, saved: dict | None = None) -> dict:
         model_sd, optim_sd = get_state_dict(self._module(), self._optimizers(), options=OPTIONS)
         if self.cfg.parallel.mixed_precision == "fp8":  # the fp32 masters, not torchao's wrapper
             from ndtrain.parallel.float8 import plain_state
 
             model_sd, optim_sd = plain_state(model_sd), plain_state(optim_sd)
-        return {"model": model_sd, "optim": optim_sd}
+        # diloco hook: global model, outer state, per-replica inner state (saved: the train_state loaded)
+        return checkpoint_view(getattr(self.trainer, "diloco", None), {"model": model_sd, "optim": optim_sd}, saved)
 
     def train_state(self) -> dict:
         t = self.trainer
@@ -152,7 +154,7 @@ class Checkpointer:
                 "rng": {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()},
                 "data": data_fingerprint(t.train_set.manifest), "config": to_dict(self.cfg),
                 "layout": t.dims.describe(), "world_size": t.rt.world_size, "dp_size": t.dp_size,
-                "saved_at": time.time()}
+                "saved_at": time.time(), **({"diloco": t.diloco.info()} if getattr(t, "diloco", None) else {})}
 
     # ---- saving ------------------------------------------------------------------------------
     def save(self, final: bool = False) -> Path:
@@ -320,8 +322,9 @@ class Checkpointer:
             self.loaded_from = path
             self._info(f"initialised weights from {path} ({state.get('kind')}); step 0")
             return
-        sd = self._state()
+        sd = self._state(saved=state)
         dcp_load(sd, path)
+        sd = checkpoint_restore(getattr(t, "diloco", None), sd, state)  # diloco hook
         set_state_dict(module, self._optimizers(), model_state_dict=sd["model"], optim_state_dict=sd["optim"],
                        options=OPTIONS)
         t.step = state["step"]

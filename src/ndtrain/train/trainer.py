@@ -121,6 +121,15 @@ class Trainer:
         self.moe = moe_layers(self.model_parts)
         self.moe_group = self.mesh["dp_cp"].get_group() if self.mesh is not None and self.moe else None
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
+        # DiLoCo (parallel/diloco.py): replicas train apart and sync every H steps; per-step
+        # scalars then reduce inside the replica only (None: over the world).
+        self.diloco = None
+        if self.dims.sync == "diloco" and self.mesh is not None:
+            from ndtrain.parallel.diloco import DiLoCo
+
+            self.diloco = DiLoCo(cfg.parallel, self.mesh, self.dims, self.model_parts, cfg.train.steps,
+                                 cfg.model.n_layers)
+        self.scalar_group = self.diloco.replica_group if self.diloco else None
         # bf16 (and fp8, which is bf16 outside its fp8 matmuls) without FSDP (one process, or TP
         # alone) runs under autocast instead of FSDP's policy.
         self.fp8 = cfg.parallel.mixed_precision == "fp8"
@@ -253,13 +262,16 @@ class Trainer:
         # tp ranks hold the same loss; count it once. cp ranks hold disjoint tokens: sum them.
         # Pipeline ranks without the last stage return 0.0, so each loss is still counted once.
         contributes = self.tp_rank == 0
-        ranks_per_stage = self.rt.world_size // self.dims.pp
+        replicas = self.dims.dp_replicate if self.diloco else 1  # DiLoCo: each replica on its own
+        ranks_per_stage = self.rt.world_size // replicas // self.dims.pp
         loss_total, grad_sq = all_reduce_sum(
-            [loss_sum if contributes else 0.0, float(local_grad_sq(self.params, ranks_per_stage))], self.rt.device)
+            [loss_sum if contributes else 0.0, float(local_grad_sq(self.params, ranks_per_stage))], self.rt.device,
+            self.scalar_group)
         global_tokens = gb * cfg.data.seq_len
-        loss = loss_total / global_tokens
+        loss = loss_total / (global_tokens // replicas)
         grad_norm = math.sqrt(grad_sq) if grad_sq >= 0 else float("nan")
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        agreed = self.diloco.agree_start(skipped, self.rt.device) if self.diloco else None
         if not skipped:
             coef = clip_coefficient(grad_norm, cfg.optimizer.grad_clip)
             if coef < 1.0:
@@ -271,6 +283,11 @@ class Trainer:
         extra = {**moe_end_step(self.moe, reduce, update_bias=not skipped), "data_wait_s": data_wait}
         self.step += 1
         self.tokens_seen += global_tokens
+        if self.diloco:
+            # Replicas skip their own non-finite steps; skip and rollback counts use "any replica".
+            skipped = self.diloco.agree_finish(agreed)
+            self.diloco.after_inner_step(self.step, loss)
+            extra["cross_replica_bytes"] = self.diloco.take_step_bytes()
         return StepResult(self.step, loss, grad_norm, lr, global_tokens, time.perf_counter() - t0, skipped, extra)
 
     @torch.no_grad()
@@ -406,6 +423,8 @@ def train(cfg: JobConfig) -> dict:
             if trace:
                 trainer.pipeline.trace = True
             result = trainer.train_step()
+            for row in trainer.diloco.take_rows() if trainer.diloco else ():  # outer steps
+                log.log(row)
             if trace:
                 trainer.save_pipeline_trace(run_dir)
             action = guard.after_step(result)
