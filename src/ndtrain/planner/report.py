@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from ndtrain.model.config import PRESETS, num_params
 from ndtrain.planner.problem import Problem
 from ndtrain.planner.search import Prediction, SearchResult
@@ -34,10 +36,10 @@ def check_command(pb: Problem, lay) -> str:
                  if getattr(cfg, k)] + ["--model.max_seq_len=1048576"]
         model += ["--model.tie_embeddings=true"] if cfg.tie_embeddings else []
         model += [f"--model.mlp={cfg.mlp}"] if cfg.mlp != "swiglu" else []
-    # bf16 is a runtime setting; fp8 (the planner's cost model of it) is not a layout key here
-    precision = ["--parallel.mixed_precision=bf16"] if pb.precision == "bf16" else []
+    # the planned precision is the runtime's [parallel] mixed_precision (fp8: float8 matmuls, layout/fp8.py)
+    lay = dataclasses.replace(lay, mp=pb.precision)
     return " ".join(["ndtrain config check", f"--world {pb.world}", *model, f"--data.seq_len={pb.seq}",
-                     f"--train.global_batch={pb.global_batch}", *lay.override_args(), *precision])
+                     f"--train.global_batch={pb.global_batch}", *lay.override_args()])
 
 
 def header(pb: Problem) -> str:
