@@ -5,8 +5,11 @@ A group of `ranks` whose members are `stride` ranks apart spans stride x ranks c
 (the mesh puts tp innermost, then cp, dp_shard, dp_replicate, pp). It lies inside one NVLink
 domain when that span fits in `gpus_per_node`; otherwise it runs hierarchically, as NCCL's
 topology-aware rings and trees do: the q members of a node drive q NICs in parallel, so the
-cross-node part moves 1/q of the data, and across pods the qp members of a pod move 1/qp of it at
-NIC rate / oversubscription (every GPU sends across at once, sharing the pod's uplinks).
+cross-node part (a ring over the nodes) moves 1/q of the data. Above a pod the fabric is
+oversubscribed: a ring crosses each pod boundary once, so it slows only when a pod holds fewer
+of its nodes than the oversubscription ratio; all-to-all sends its cross-pod share at NIC rate /
+oversubscription (every GPU sends across at once); a pipeline boundary between pods shares the
+uplinks among the GPUs of one stage in the pod.
 
 Each level costs alpha-beta with the latency growing with its rank count: a ring step per rank
 (k - 1 steps for all-gather and reduce-scatter, 2(k - 1) for a ring all-reduce), or for
@@ -69,28 +72,31 @@ def collective_time(hw: Hardware, kind: str, ranks: int, stride: int, nbytes: fl
         return _flat(kind, ranks, nbytes, alpha, bw)
     ai, bi, ax, bx = links(hw, k)
     q = _members(stride, ranks, node)  # members per node
+    nodes = ranks // q
     pod = hw.pod_gpus if hw.pod_gpus and stride * ranks > hw.pod_gpus else 0
-    qp = _members(stride, ranks, pod) if pod else ranks  # members per pod
-    qp = max(q, qp)
-    up = bx / max(1.0, hw.oversubscription)  # per-GPU rate across pods
+    over = max(1.0, hw.oversubscription) if pod else 1.0
     if kind == "p2p":
         # a stage boundary crossing pods: the `stride` GPUs of one stage inside a pod send across
         # at once, sharing the pod's uplinks (pod x NIC / oversubscription)
         if pod:
-            bx = bx * min(1.0, pod / (max(1.0, hw.oversubscription) * min(pod, stride)))
+            bx *= min(1.0, pod / (over * min(pod, stride)))
         return _flat("p2p", 2, nbytes, ax, bx)
     if kind == "all_to_all":
+        qp = max(q, _members(stride, ranks, pod)) if pod else ranks  # members per pod
         on = nbytes * (q - 1) / ranks
         in_pod = nbytes * (qp - q) / ranks
-        across = nbytes * (ranks - qp) / ranks
-        wire = max(on / bi, (in_pod + across * max(1.0, hw.oversubscription)) / bx)
+        across = nbytes * (ranks - qp) / ranks  # every GPU sends across at once: NIC / oversubscription
+        wire = max(on / bi, (in_pod + across * over) / bx)
         return ax + (ranks - 1) * A2A_ISSUE_S + wire
-    nodes_in_pod, pods = qp // q, ranks // qp
-    if kind == "all_reduce":  # reduce-scatter down the levels, all-reduce at the top, all-gather back
-        inner = 2 * _flat("all_gather", q, nbytes, ai, bi)
-        if pods <= 1:
-            return inner + _flat("all_reduce", nodes_in_pod, nbytes / q, ax, bx)
-        return (inner + 2 * _flat("all_gather", nodes_in_pod, nbytes / q, ax, bx)
-                + _flat("all_reduce", pods, nbytes / qp, ax, up))
-    return (_flat(kind, q, nbytes, ai, bi) + _flat(kind, nodes_in_pod, nbytes / q, ax, bx)
-            + _flat(kind, pods, nbytes / qp, ax, up))
+    if pod:
+        # A ring over the nodes crosses each pod boundary once per ring; the pod's uplinks carry
+        # one flow per group passing through it and NIC: slower only when the group has fewer
+        # nodes in a pod than the oversubscription ratio.
+        nodes_in_pod = max(1, _members(stride, ranks, pod) // q)
+        bx *= min(1.0, nodes_in_pod / over)
+    if q == 1:
+        return _flat(kind, ranks, nbytes, ax, bx)
+    inter = _flat(kind, nodes, nbytes / q, ax, bx)
+    if kind == "all_reduce":  # reduce-scatter in the node, all-reduce across, all-gather in the node
+        return 2 * _flat("all_gather", q, nbytes, ai, bi) + inter
+    return _flat(kind, q, nbytes, ai, bi) + inter
