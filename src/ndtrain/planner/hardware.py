@@ -204,6 +204,9 @@ def this_machine(profile: str | os.PathLike | None = None) -> Hardware:
             raise NdtrainError(f"cannot read hardware profile {path}: {exc}") from exc
     elif profile:
         raise NdtrainError(f"hardware profile {path} does not exist (run `ndtrain calibrate --out {path}`)")
+    if data.get("kind") == "gpu":
+        raise NdtrainError(f"profile {path} was measured on a GPU ({data.get('catalog')}): plan with "
+                           f"--gpu {data.get('catalog')} --profile {path}")
     return from_profile(data, str(path) if data else "defaults")
 
 
@@ -262,6 +265,10 @@ def get_hardware(name: str | Hardware, profile: str | None = None) -> Hardware:
         return this_machine(profile)
     if key not in CATALOG:
         raise NdtrainError(f"unknown hardware {name!r}; choose one of {', '.join([*CATALOG, 'this-machine'])}")
+    if profile:  # a GPU calibration profile: its measured constants over the catalog's
+        from ndtrain.planner import profile as gpu_profile
+
+        return gpu_profile.apply(CATALOG[key], gpu_profile.load(profile), str(profile))
     return CATALOG[key]
 
 
