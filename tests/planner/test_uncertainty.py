@@ -78,3 +78,15 @@ def test_search_with_uncertainty_under_10_s_for_16384_gpus():
     elapsed = time.process_time() - start
     assert elapsed < 10.0, elapsed
     assert rob.worlds == 32 and len(rob.candidates) >= 8
+
+
+def test_sensitivity_reports_the_first_move_that_changes_the_plan():
+    from ndtrain.planner.sensitivity import first_change, sensitivity
+
+    pb = make_problem(preset("llama3-8b"), 8192, 128, 64, "h100")
+    rows = {r["constant"]: r for r in sensitivity(pb, names=["moe_imbalance", "fragmentation"])}
+    assert rows["moe_imbalance"]["down"] is None and rows["moe_imbalance"]["up"] is None  # a dense model
+    base = search(pb, top_k=1).top[0].layout
+    # memory squeezed hard enough, the fastest layout no longer fits
+    f, to = first_change(pb, "overhead_gib", (4.0, 16.0, 40.0), base)
+    assert f is not None and to and to != base.short()
