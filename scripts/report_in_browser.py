@@ -89,7 +89,8 @@ def check_page(html: Path, screenshot: Path | None = None, chromium: str | None 
     if chromium is None:
         raise RuntimeError("no chromium on PATH (apt-get install -y chromium)")
     url = Path(html).resolve().as_uri()
-    with tempfile.TemporaryDirectory(prefix="ndtrain-chromium-") as profile:
+    # Chromium's helper processes may still write into the profile as it exits: ignore that on cleanup.
+    with tempfile.TemporaryDirectory(prefix="ndtrain-chromium-", ignore_cleanup_errors=True) as profile:
         proc = subprocess.Popen([chromium, *FLAGS, f"--user-data-dir={profile}", f"--window-size={width},900",
                                  "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:

@@ -105,10 +105,10 @@ def test_fp8_refusals_name_their_key():
     assert [p.key for p in layout_problems(ParallelDims(mp="fp8", dp_shard=1), odd, 1, 64)] == ["parallel.mixed_precision"]
     with pytest.raises(ConfigError, match="parallel.fp8_recipe"):
         load_config(None, {"parallel": {"mixed_precision": "fp8", "fp8_recipe": "blockwise"}})
-    cfg = load_config(None, {"parallel": {"mixed_precision": "fp8", "tp": 2, "dp_shard": 1},
-                             "model": {"dim": 48, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 96}})
+    # 48 is a multiple of 16, not of 16 x tp: known without a world, so the config itself is refused.
     with pytest.raises(ConfigError, match="parallel.mixed_precision"):
-        resolve(cfg.parallel, 2, cfg.model, 64)  # 48 is a multiple of 16, not of 16 x tp
+        load_config(None, {"parallel": {"mixed_precision": "fp8", "tp": 2, "dp_shard": 1},
+                           "model": {"dim": 48, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 96}})
 
 
 def test_bad_fp8_layout_is_one_line_exit_2(tmp_path):
@@ -178,7 +178,7 @@ def test_fp8_tracks_bf16_under_fsdp(parity_base):
     from ndtrain.parallel.verify import layout_config
 
     base = _base(parity_base)
-    cfgs = [layout_config(base, f"dp_shard=2 mp={mp}") for mp in ("bf16", "fp8")]
+    cfgs = [layout_config(base, f"dp_shard=2,mp={mp}") for mp in ("bf16", "fp8")]
     (bf16, fp8), kinds = run_ranks(2, _fsdp_probe, cfgs, STEPS)[0]
     assert kinds == ["WeightWithDynamicFloat8CastTensor"]  # torchao's float8 all-gather weight
     _check_curves(fp8, bf16, "FSDP world 2 tensorwise")

@@ -34,9 +34,9 @@ def _holdings(cfgs) -> list[torch.Tensor]:
         seen = []
         loss_sum, fwd_bwd = trainer._loss_sum, trainer.forward_backward
 
-        def spy_loss(inputs, targets):  # each micro-batch's forward starts here
+        def spy_loss(inputs, targets, *rest):  # each micro-batch's forward starts here
             seen.append(_state(trainer))
-            return loss_sum(inputs, targets)
+            return loss_sum(inputs, targets, *rest)
 
         def spy_step(*args):  # ... and the last backward has ended when this returns
             total = fwd_bwd(*args)
