@@ -81,12 +81,21 @@ def test_search_with_uncertainty_under_10_s_for_16384_gpus():
 
 
 def test_sensitivity_reports_the_first_move_that_changes_the_plan():
-    from ndtrain.planner.sensitivity import first_change, sensitivity
+    from ndtrain.planner.sensitivity import constants_read, first_change, scan, sensitivity
 
     pb = make_problem(preset("llama3-8b"), 8192, 128, 64, "h100")
+    read = constants_read(pb)
+    assert {"gemm_eff", "attn_eff", "fragmentation", "overhead_gib"} <= read
+    assert not {"moe_imbalance", "fp8_gemm_eff", "fp8_cast_bytes"} & read  # a dense bf16 model
     rows = {r["constant"]: r for r in sensitivity(pb, names=["moe_imbalance", "fragmentation"])}
-    assert rows["moe_imbalance"]["down"] is None and rows["moe_imbalance"]["up"] is None  # a dense model
+    assert not rows["moe_imbalance"]["used"] and "down" not in rows["moe_imbalance"]
+    assert rows["fragmentation"]["used"]
     base = search(pb, top_k=1).top[0].layout
-    # memory squeezed hard enough, the fastest layout no longer fits
+    # memory squeezed hard enough, the fastest layout no longer fits: a change that matters
     f, to = first_change(pb, "overhead_gib", (4.0, 16.0, 40.0), base)
     assert f is not None and to and to != base.short()
+    r = scan(pb, "overhead_gib", (4.0, 16.0, 40.0), base)
+    assert r["change"] == f and r["matters"] is not None and r["matters"] >= f
+    # a move that changes nothing is reported as such
+    r = scan(pb, "overhead_gib", (1.0,), base)
+    assert r["change"] is None and r["matters"] is None

@@ -48,7 +48,9 @@ def layer_costs(pb: Problem, lay: Layout) -> dict:
     kappa = k["kappa_fused"] if st.fused_elementwise or lay.compile else k["kappa_eager"]
     a_none = activation_bytes(sh, st, pb.seq, b, t, sp, c, "none", elt)
     elem = kappa * a_none / hw.hbm_bw
-    cast_f, cast_b = (k["fp8_cast_bytes"] * mm[x] / hw.hbm_bw for x in ("cast_f", "cast_b"))
+    cast_f = cast_b = 0.0
+    if mm["cast_f"] or mm["cast_b"]:  # fp8 scaling and casts, only where a Linear runs in fp8
+        cast_f, cast_b = (k["fp8_cast_bytes"] * mm[x] / hw.hbm_bw for x in ("cast_f", "cast_b"))
     fwd = mm["F"] + attn + elem / 3 + cast_f
     bwd = mm["dgrad"] + 2 * attn + 2 * elem / 3 + cast_b
     rec = 0.0
