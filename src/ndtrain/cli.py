@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "verify": ("ndtrain.parallel.verify", "main", "check that parallel layouts match a single process"),
     "plan": ("ndtrain.planner.command", "plan_main", "predict memory/time/MFU of layouts and pick the best"),
     "goodput": ("ndtrain.planner.command", "goodput_main", "expected goodput and optimal checkpoint interval"),
-    "calibrate": ("ndtrain.planner.calibrate", "main", "measure this machine's FLOP/s and collective bandwidth"),
+    "calibrate": ("ndtrain.tools.calibrate_gpu", "main", "measure this machine (its GPUs, or its CPU ranks) for the planner"),
     "pipeline-report": ("ndtrain.parallel.pipeline_report", "main", "draw a pipeline schedule timeline"),
     "export": ("ndtrain.train.interop", "export_main", "export a checkpoint (safetensors or Hugging Face)"),
     "import": ("ndtrain.train.interop", "import_main", "import Hugging Face Llama weights"),

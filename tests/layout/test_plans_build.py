@@ -12,7 +12,8 @@ from ndtrain.cli import main as cli
 PLANS = [  # as in docs/planner.md ("Plans")
     ["--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--seq", "8192", "--global-batch-tokens", "1M"],
     ["--model", "llama3-70b", "--gpus", "256", "--gpu", "h100", "--seq", "8192", "--global-batch-tokens", "4M"],
-    ["--model", "llama3-405b", "--gpus", "16384", "--gpu", "h100", "--seq", "8192", "--global-batch-tokens", "16M"],
+    ["--model", "llama3-405b", "--gpus", "16384", "--gpu", "h100", "--seq", "8192", "--global-batch-tokens", "16M",
+     "--network", "pod=3072,oversub=7"],
     ["--model", "mixtral-8x7b", "--gpus", "64", "--gpu", "h800", "--seq", "4096", "--global-batch", "256"],
     ["--model", "deepseek-v3", "--gpus", "2048", "--gpu", "h800", "--seq", "4096", "--global-batch", "15360",
      "--precision", "fp8"],

@@ -78,3 +78,26 @@ def test_calibrate_writes_a_profile_the_catalog_loads(tmp_path, capsys):
 def test_this_machine_falls_back_to_defaults(tmp_path):
     with pytest.raises(Exception, match="does not exist"):
         this_machine(tmp_path / "missing.json")
+
+
+def test_plan_intervals_robustness_network_and_stack(capsys):
+    base = ["plan", "--model", "llama3-8b", "--gpus", "64", "--gpu", "h100", "--seq", "8192", "--global-batch", "128"]
+    assert cli(base + ["--network", "pod=32,oversub=4", "--stack", "megatron-core-2024", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "stack megatron-core-2024" in out and "over sampled constants" in out and "robustness:" in out
+    assert "#1 " in out and ("overlap" in out or "nominal fastest" in out)
+    assert cli(base + ["--samples", "0", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "robustness:" not in out and "over sampled constants" not in out
+    assert cli(base + ["--json", "--top", "2"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    lo, hi = js["layouts"][0]["step_time_interval_s"]
+    assert lo <= js["layouts"][0]["step_time_s"] <= hi and 0 <= js["robustness"]["share_within_2pct"] <= 1
+
+
+@pytest.mark.parametrize("bad", [["--network", "pods=4"], ["--network", "oversub=0.5"], ["--network", "pod=x"],
+                                 ["--samples", "-1"], ["--stack", "megatron-1999"]])
+def test_plan_new_flags_bad_values_are_one_line(capsys, bad):
+    assert cli(["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", *bad]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ndtrain plan: error:") and "\n" not in err

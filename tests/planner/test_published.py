@@ -1,48 +1,71 @@
-"""The model against published runs: Megatron-LM Table 1 (fitted), Llama 3 (fitted / held out)."""
+"""The model against published runs (planner/published_data.py): the fitted rows, the validation
+rows (never used to fit), and the fits that pin the constants."""
 
 import pytest
 
-from ndtrain.planner.hardware import A100_KAPPA, A100_MM_EFF, H100_MM_EFF
-from ndtrain.planner.published import (LLAMA3_TABLE4, TABLE1, fit_a100, fit_h100, predict_llama3, predict_row,
-                                       table1_problem)
+from ndtrain.planner import constants as C
+from ndtrain.planner.published import (error, fit_ampere, fit_hopper, fit_hopper_fp8, megatron_flops,
+                                       predict, row_model, rows)
+from ndtrain.planner.published_data import ROWS, SOURCES
 from ndtrain.planner.search import search
 
+FIT, VALIDATION = rows("fit"), rows("validation")
 
-@pytest.mark.parametrize("row", TABLE1, ids=[f"{r.params_b}B" for r in TABLE1])
-def test_table1_row_within_15_percent(row):
-    pred, tflops = predict_row(row)
+
+def test_every_row_cites_a_source_and_fitted_and_validation_rows_are_disjoint():
+    assert all(r.source in SOURCES for r in ROWS)
+    assert {r.role for r in ROWS} == {"fit", "validation"}
+    assert not {r.name for r in FIT} & {r.name for r in VALIDATION}
+    assert len(VALIDATION) >= 20 and len({r.source for r in VALIDATION}) >= 5
+
+
+@pytest.mark.parametrize("row", FIT, ids=[r.name for r in FIT])
+def test_fitted_rows_within_5_percent(row):
+    pred, value = predict(row)
     assert pred.fits
-    assert tflops == pytest.approx(row.tflops, rel=0.15), f"{row.params_b}B: {tflops:.1f} vs {row.tflops}"
-    lay = pred.layout
-    assert (lay.tp, lay.pp, lay.dp_replicate, lay.ac) == (row.tp, row.pp, row.dp, "full")
+    assert abs(error(row, value)) < 0.05, f"{row.name}: {value:.1f} vs {row.published}"
+    for key in ("tp", "pp", "cp"):  # the published degrees are what was costed
+        assert getattr(pred.layout, key) == row.fixed.get(key, getattr(pred.layout, key))
 
 
-@pytest.mark.parametrize("row", TABLE1, ids=[f"{r.params_b}B" for r in TABLE1])
-def test_planner_top_layout_beats_published_and_fits(row):
-    published, _ = predict_row(row)
-    res = search(table1_problem(row), top_k=1)
-    top = res.top[0]
-    assert top.fits and top.memory["total"] <= 80 * 2**30
-    assert top.step_time <= published.step_time * (1 + 1e-9)
+def test_validation_rows_80_percent_within_15_percent():
+    """The issue's bar, on rows no constant was fitted to. Every published layout must also fit
+    in memory (configurations known to have trained)."""
+    errs = []
+    for row in VALIDATION:
+        pred, value = predict(row)
+        assert pred.fits, row.name
+        errs.append(error(row, value))
+    within = sum(abs(e) <= 0.15 for e in errs)
+    assert within >= 0.8 * len(errs), sorted(zip(errs, [r.name for r in VALIDATION]))
 
 
-def test_pinned_constants_are_the_fit():
-    eff, kappa, worst = fit_a100(mm_grid=[0.615, 0.62, 0.625, 0.63, 0.635], kappa_grid=[4.5, 5.0, 5.5])
-    assert (eff, kappa) == (A100_MM_EFF, A100_KAPPA)
-    assert worst < 0.05
-    eff, worst = fit_h100(grid=[0.565, 0.57, 0.575, 0.58, 0.585])
-    assert eff == H100_MM_EFF and worst < 0.02
+def test_pinned_constants_are_the_fits():
+    """Each fitted constant is the optimum of its fit on its own rows (finer grids around it)."""
+    fit, worst = fit_ampere(gemm=[C.AMPERE_GEMM_EFF + d for d in (-0.005, 0.0, 0.005)],
+                            kappa=[C.EAGER_KAPPA - 0.5, C.EAGER_KAPPA, C.EAGER_KAPPA + 0.5])
+    assert fit == {"gemm_eff": C.AMPERE_GEMM_EFF, "kappa_eager": C.EAGER_KAPPA} and worst < 0.05
+    fit, worst = fit_hopper(gemm=[C.HOPPER_GEMM_EFF + d for d in (-0.005, 0.0, 0.005)])
+    assert fit == {"gemm_eff": C.HOPPER_GEMM_EFF} and worst < 0.03
+    fit, worst = fit_hopper_fp8(fp8=[C.HOPPER_FP8_GEMM_EFF + d for d in (-0.005, 0.0, 0.005)])
+    assert fit == {"fp8_gemm_eff": C.HOPPER_FP8_GEMM_EFF} and worst < 0.03
 
 
-def test_llama3_405b():
-    errs = [predict_llama3(row)[1] / row[-1] - 1 for row in LLAMA3_TABLE4]
-    assert abs(errs[0]) < 0.02 and abs(errs[1]) < 0.02  # fitted
-    assert abs(errs[2]) < 0.20  # 131K tokens with cp=16: held out
+def test_megatron_formula_is_ndtrain_count_with_full_recompute():
+    row = rows("fit", "narayanan2021")[-1]
+    cfg = row_model(row)
+    B, s, L, h, V = row.batch, row.seq, cfg.n_layers, cfg.dim, cfg.vocab_size
+    paper = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    assert megatron_flops(cfg, B, s) == pytest.approx(paper, rel=1e-3)
 
 
-def test_deepseek_v3_out_of_sample():
-    from ndtrain.planner.published import DEEPSEEK_V3, predict_deepseek_v3
+def test_planner_beats_the_2021_layouts():
+    """With what 2021 Megatron lacked (sequence parallelism, ZeRO, zero-bubble schedules), the
+    search finds a faster layout than each published Table 1 row, and it fits."""
+    from ndtrain.planner.published import row_problem
 
-    pred, per_gpu = predict_deepseek_v3()
-    assert pred.fits
-    assert per_gpu == pytest.approx(DEEPSEEK_V3["tokens_per_s_per_gpu"], rel=0.25)
+    for row in rows("fit", "narayanan2021")[::3]:
+        published, _ = predict(row)
+        top = search(row_problem(row), top_k=1).top[0]
+        assert top.fits and top.step_time <= published.step_time * (1 + 1e-9)
+

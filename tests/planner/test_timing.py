@@ -83,17 +83,24 @@ def test_zero3_moves_more_than_zero1():
 
 
 def test_fp8_prices_only_the_matmuls_the_runtime_converts():
-    """layout/fp8.py's rule: block Linears in fp8, head in bf16, and nothing when the dims are
-    not multiples of 16 (the runtime converts no layer; nor does the planner speed any up)."""
+    """layout/fp8.py's rule: block Linears in fp8 (at the fp8 ceiling, not the bf16 one applied to
+    the fp8 peak), head in bf16, and nothing when the dims are not multiples of 16 (the runtime
+    converts no layer; nor does the planner speed any up)."""
     lay = Layout(dp_shard=8, mb=1, ac="none")
 
-    def costs(cfg, precision):
-        return layer_costs(make_problem(cfg, 4096, 64, 8, "h100", precision=precision), lay)
+    def problem(cfg, precision, stack="ndtrain"):
+        return make_problem(cfg, 4096, 64, 8, "h100", precision=precision, stack=stack)
+
+    def costs(cfg, precision, stack="ndtrain"):
+        return layer_costs(problem(cfg, precision, stack), lay)
 
     llama = preset("llama3-8b")
-    assert costs(llama, "fp8")["W"] == pytest.approx(costs(llama, "bf16")["W"] * H100.peak_bf16 / H100.peak_fp8)
+    k = problem(llama, "fp8").k
+    speedup = costs(llama, "bf16")["W"] / costs(llama, "fp8")["W"]
+    assert speedup == pytest.approx(H100.peak_fp8 * k["fp8_gemm_eff"] / (H100.peak_bf16 * k["gemm_eff"]), rel=0.03)
     assert costs(llama, "fp8")["head"] == pytest.approx(costs(llama, "bf16")["head"])
     odd = preset("llama3-8b", dim=4104, n_heads=36, n_kv_heads=6)
     assert costs(odd, "fp8")["W"] == pytest.approx(costs(odd, "bf16")["W"])
-    moe = preset("deepseek-v3")  # routed and shared experts, router: bf16
+    moe = preset("deepseek-v3")  # routed and shared experts, router: bf16 in ndtrain, fp8 in DeepSeek's stack
     assert costs(moe, "bf16")["W"] / 2 < costs(moe, "fp8")["W"] < costs(moe, "bf16")["W"]
+    assert costs(moe, "fp8", "deepseek-2024")["W"] < costs(moe, "fp8")["W"]

@@ -100,6 +100,16 @@ def fp8_matmul_fraction(model, tp: int = 1) -> float:
     return fp8 / total if total else 0.0
 
 
+def _any_converts(model, tp: int) -> bool:
+    """Whether fp8_linears(model, tp) is non-empty, checking one layer of each kind (dense, MoE):
+    layers of a kind share their Linear shapes, and the head never converts. The planner asks
+    this for every layout it searches, so it must not walk every layer."""
+    firsts = {}
+    for layer in range(model.n_layers):
+        firsts.setdefault(model.is_moe_layer(layer), layer)
+    return any(converts(n, i, o, tp) for layer in firsts.values() for n, i, o in block_linears(model, layer))
+
+
 def problems(lay, model, seq_len: int | None = None) -> list[tuple[str, str]]:
     """(config key, one-line reason) for each way this fp8 layout cannot run; [] when it can (or
     when mixed precision is not fp8). `lay` is a resolved ndtrain.layout.Layout (mp, fp8_recipe,
@@ -110,7 +120,7 @@ def problems(lay, model, seq_len: int | None = None) -> list[tuple[str, str]]:
     if lay.mp != "fp8":
         return out
     tp, cp = lay.tp, lay.cp
-    if not fp8_linears(model, tp):
+    if not _any_converts(model, tp):
         out.append(("parallel.mixed_precision", f"fp8 would convert no Linear layer of this model: block "
                                                 f"Linear dimensions must be multiples of {ALIGN} x tp = {ALIGN * tp}"))
     if seq_len and (seq_len // cp) % ALIGN:

@@ -22,6 +22,11 @@ def _hardware(profile) -> Hardware:
     if isinstance(profile, Hardware):
         return profile
     if isinstance(profile, (os.PathLike, Path)) or str(profile).endswith(".json"):
+        from ndtrain.planner import profile as profiles
+
+        data = profiles.load(profile)
+        if profiles.is_gpu(data):  # a GPU's calibration: its catalog entry with what was measured
+            return get_hardware(data.get("catalog", ""), str(profile))
         return this_machine(profile)
     return get_hardware(str(profile))
 

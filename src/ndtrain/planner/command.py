@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -13,9 +14,14 @@ from ndtrain.layout.schedules import NAMES as SCHEDULES
 from ndtrain.layout.schedules import canonical_schedule
 from ndtrain.planner.problem import make_problem
 from ndtrain.planner.stack import PLANNED_AC, PRECISIONS, STACKS
-from ndtrain.planner.report import check_command, goodput_text, plan_text
+from ndtrain.planner.report import check_command, goodput_text, plan_text, robust_json
 from ndtrain.planner.search import Evaluator, SearchResult, search
 from ndtrain.planner.shapes import parse_count, parse_duration, resolve_model
+from ndtrain.planner.uncertainty import assess
+
+# `--network` keys -> (Hardware field, scale)
+NETWORK_KEYS = {"nvlink": ("gpus_per_node", 1), "pod": ("pod_gpus", 1), "oversub": ("oversubscription", 1.0),
+                "nic": ("nic_bw", 1e9)}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,7 +44,8 @@ def plan_parser() -> argparse.ArgumentParser:
                    "[,experts=,active_experts=,shared_experts=,expert_ffn=,dense_layers=]")
     p.add_argument("--gpus", required=True, type=int)
     p.add_argument("--gpu", default="h100", help="a100-40, a100-80, h100, h200, b200, h800, this-machine")
-    p.add_argument("--profile", help="hardware JSON for this-machine (default ~/.cache/ndtrain/hardware.json)")
+    p.add_argument("--profile", help="calibration profile from `ndtrain calibrate`: this-machine's (default "
+                   "~/.cache/ndtrain/hardware.json), or a GPU's, whose measured constants replace the catalog's")
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--global-batch-tokens", help="tokens per step; k/M suffixes are binary (16M = 2048 x 8192)")
     p.add_argument("--global-batch", type=int, help="sequences per step")
@@ -50,13 +57,20 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--mb", help="micro-batch sizes to try, e.g. 1,2,4 (default powers of two to 64)")
     p.add_argument("--schedules", help=f"comma list from {', '.join(SCHEDULES)}")
     p.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
-    p.add_argument("--stack", default="ndtrain", choices=list(STACKS))
+    p.add_argument("--stack", default="ndtrain", choices=list(STACKS),
+                   help="the software the run uses: which kernels it has and which communication it overlaps "
+                        "(docs/planner.md, Stacks)")
+    p.add_argument("--network", help="the network as built: nvlink=GPUS (NVLink domain), pod=GPUS (full bisection "
+                   "below), oversub=R (above the pod), nic=GB/s (per GPU and direction), e.g. pod=3072,oversub=7")
+    p.add_argument("--samples", type=int, default=32,
+                   help="sampled worlds of the constants' ranges for intervals and robustness (0: off)")
     p.add_argument("--strict", action="store_true",
                    help="only layouts the ndtrain runtime builds (the default; kept for scripts that pass it)")
     p.add_argument("--relaxed", action="store_true",
                    help="also layouts only other runtimes build (Megatron-LM's kv-head replication, GeLU MLPs): "
                         "for comparing with published runs; ndtrain cannot train them")
-    p.add_argument("--explain", action="store_true", help="say why the runner-up and other meshes lost")
+    p.add_argument("--explain", action="store_true",
+                   help="say why the runner-up and other meshes lost, and why near-equals were ranked as they are")
     p.add_argument("--json", action="store_true")
     p.add_argument("--replicas-across", metavar="BW[,LATENCY]", help="the dp_replicate replicas sit on different "
                    "sites joined by BW per site (10Gbit, 1.25GB/s) with LATENCY one way (default 10ms): compare "
@@ -73,6 +87,26 @@ def _fixed(text: str | None) -> dict:
     out = parse_items(text, "--fix")
     if "ac" in out and out["ac"] not in PLANNED_AC:
         raise NdtrainError(f"--fix: ac must be one of {', '.join(PLANNED_AC)}")
+    return out
+
+
+def _network(text: str | None) -> dict | None:
+    """`--network` items -> Hardware fields."""
+    if not text:
+        return None
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in NETWORK_KEYS:
+            raise NdtrainError(f"--network: bad item {item!r}; keys are {', '.join(NETWORK_KEYS)}")
+        field, scale = NETWORK_KEYS[key]
+        try:
+            number = float(value)
+        except ValueError as exc:
+            raise NdtrainError(f"--network: {key}={value!r} is not a number") from exc
+        if number <= 0 or (key == "oversub" and number < 1):
+            raise NdtrainError(f"--network: {key} must be positive" + (" and at least 1" if key == "oversub" else ""))
+        out[field] = type(scale)(number * scale) if isinstance(scale, int) else number * scale
     return out
 
 
@@ -94,10 +128,12 @@ def plan_main(argv: list[str]) -> int:
     else:
         raise NdtrainError("give --global-batch SEQUENCES or --global-batch-tokens TOKENS")
     budget = _count(args.tokens)
+    if args.samples < 0:
+        raise NdtrainError("--samples must be 0 (off) or a positive number of sampled worlds")
     pb = make_problem(cfg, args.seq, batch, args.gpus, args.gpu, stack=args.stack, precision=args.precision,
-                      strict=not args.relaxed, profile=args.profile)
+                      strict=not args.relaxed, profile=args.profile, network=_network(args.network))
     if args.layout:
-        lay = parse_layout(args.layout, args.gpus)
+        lay = dataclasses.replace(parse_layout(args.layout, args.gpus), mp=args.precision)
         ev = Evaluator(pb)
         pred = ev(lay)
         res = SearchResult(top=[pred], considered=1, evaluated=1, fitting=int(pred.fits), seconds=0.0)
@@ -107,13 +143,16 @@ def plan_main(argv: list[str]) -> int:
         except ValueError as exc:
             raise NdtrainError(f"--mb must be a comma list of integers, got {args.mb!r}") from exc
         scheds = tuple(canonical_schedule(s) for s in args.schedules.split(",")) if args.schedules else None
-        res = search(pb, top_k=max(1, args.top), fixed=_fixed(args.fix), mb_options=mbs, schedules=scheds)
+        # more candidates than shown: the robustness check re-times them in sampled worlds
+        res = search(pb, top_k=max(8, args.top), fixed=_fixed(args.fix), mb_options=mbs, schedules=scheds)
+    rob = assess(pb, res, worlds=args.samples) if args.samples else None
+    shown = (rob.ranked(res.top) if rob else res.top)[:max(1, args.top)]
     across = None
-    if args.replicas_across and res.top:
+    if args.replicas_across and shown:
         from ndtrain.planner import diloco
 
         bw, latency = diloco.parse_across(args.replicas_across)
-        across = diloco.across_report(pb, res.top[0].layout, bw, latency,
+        across = diloco.across_report(pb, shown[0].layout, bw, latency,
                                       diloco.parse_variants(args.diloco or diloco.DEFAULT_VARIANTS))
     if args.json:
         out = {
@@ -122,14 +161,17 @@ def plan_main(argv: list[str]) -> int:
             "search": {"considered": res.considered, "sized": res.sized, "evaluated": res.evaluated, "fitting": res.fitting,
                        "seconds": res.seconds},
             "layouts": [{**p.to_json(budget, args.gpus, pb.hw.tdp_w), "layout_text": p.layout.text(),
-                         "config_check": check_command(pb, p.layout)} for p in res.top],
+                         "config_check": check_command(pb, p.layout), **robust_json(rob, p)} for p in shown],
             "fastest_over_cap": res.fastest_over_cap.to_json() if res.fastest_over_cap else None,
+            "robustness": {"worlds": rob.worlds, "share_within_2pct": rob.share, "reason": rob.reason,
+                           "constants": pb.k} if rob else None,
             **({"replicas_across": across} if across else {}),
         }
         json.dump(out, sys.stdout, indent=1)
         print()
     else:
-        print(plan_text(pb, res, budget, args.explain) + (diloco.across_text(across) if across else ""))
+        print(plan_text(pb, res, budget, args.explain, rob=rob, shown=shown)
+              + (diloco.across_text(across) if across else ""))
     return 0 if res.top else 1
 
 

@@ -4,14 +4,17 @@ Numbers are vendor datasheet values (dense, no sparsity). Bandwidths are in byte
 `nvlink_bw` is the bidirectional NVLink figure vendors quote per GPU, `nic_bw` is the scale-out
 network per GPU per direction (one NIC per GPU, as on DGX/HGX nodes).
 
-Two constants are *not* datasheet values and are the only ones the planner fits: `mm_eff` (the
-fraction of peak that GEMMs sustain inside a training step) and `kappa` (bytes of HBM traffic the
-non-matmul kernels move per byte of stored activations, over a forward and backward).
-  A100: mm_eff and kappa from Megatron-LM's Table 1 (ten GPT runs, 32 to 3072 GPUs).
-  H100: mm_eff from Llama 3 405B's two 8K-sequence runs (8,192 and 16,384 GPUs); kappa is the
-        A100's (it describes kernels, not chips). H200, H800 and B200 reuse the H100's numbers:
-        same Hopper-class kernels; nothing published was fitted for them, so DeepSeek-V3 on H800
-        is an out-of-sample check. See `published.py` and docs/planner.md.
+Efficiencies are not datasheet values: for GPUs they live in planner/constants.py, per GPU
+generation (`generation` below), with their ranges and sources. The SM count and the GEMM tile
+are facts of the chip and its cuBLAS/CUTLASS kernels (wave quantization, planner/gemm.py).
+
+The network as built: `gpus_per_node` GPUs share an NVLink domain; a pod of `pod_gpus` GPUs has
+full bisection bandwidth (0: the whole cluster does); above the pod the fabric is oversubscribed
+`oversubscription` : 1 (Llama 3's cluster: pods of 3,072 GPUs, 1:7 above, Dubey et al. 2024
+section 3.3.1). `ndtrain plan --network` changes these per run.
+
+"this-machine" (CPU ranks, calibrated by `ndtrain calibrate`) keeps its own two fitted numbers,
+`mm_eff` and `kappa`, and measured collective fits.
 """
 
 from __future__ import annotations
@@ -27,14 +30,12 @@ from ndtrain.errors import NdtrainError
 
 GiB = 1024**3
 
-# Fitted on Narayanan et al. 2021, Table 1 (all ten rows), by `published.fit_a100()`: worst row 4.0%.
+# "this-machine" (CPU ranks): mm_eff is fitted at calibration; kappa is the eager-kernel value.
 A100_MM_EFF = 0.625
 A100_KAPPA = 5.0
-# Fitted on Dubey et al. 2024 (Llama 3), Table 4, 8K rows, by `published.fit_h100()`: worst row 0.7%.
-H100_MM_EFF = 0.575
 
-# Achieved fraction of the link rate that NCCL collectives reach (nccl-tests bus bandwidth on
-# DGX systems is ~80% of NVLink and ~90% of InfiniBand line rate). Assumed, not fitted.
+# Achieved fraction of the link rate for the calibrated CPU loopback stand-in (its collectives are
+# measured fits; these only size the unused link fields). GPUs take theirs from constants.py.
 NVLINK_EFF = 0.80
 NIC_EFF = 0.90
 
@@ -83,6 +84,13 @@ class Hardware:
     # {world: {collective: fit}}: Gloo fits measured with that many ranks on the machine; the
     # cost of a collective depends on how many ranks share the cores, not only on its group
     collectives_by_world: dict = field(default_factory=dict, compare=False, hash=False)
+    generation: str = "cpu"  # ampere | hopper | blackwell: which constants apply; cpu: this-machine
+    sms: int = 0  # streaming multiprocessors (wave quantization of GEMMs)
+    tile: tuple = (128, 128)  # output tile (rows, cols) of the training GEMM kernels
+    pod_gpus: int = 0  # GPUs under one full-bisection fabric; 0 = the whole cluster
+    oversubscription: float = 1.0  # above the pod
+    # Constants measured by a GPU calibration profile (planner/profile.py): {name: value}
+    measured: dict = field(default_factory=dict, compare=False, hash=False)
 
     def peak(self, precision: str) -> float:
         if precision == "fp8":
@@ -137,26 +145,27 @@ class Hardware:
         return self.nic_bw * NIC_EFF
 
 
-def _gpu(name, desc, bf16, fp8, hbm_gib, hbm_tbs, nvlink_gbs, nic_gbs, tdp, **kw) -> Hardware:
+def _gpu(name, desc, bf16, fp8, hbm_gib, hbm_tbs, nvlink_gbs, nic_gbs, tdp, generation, sms, **kw) -> Hardware:
+    tile = (128, 128) if generation == "ampere" else (128, 256)  # CUTLASS/cuBLAS bf16 main tiles
     return Hardware(name=name, description=desc, peak_bf16=bf16 * 1e12, peak_fp8=fp8 * 1e12,
                     hbm_bytes=hbm_gib * GiB, hbm_bw=hbm_tbs * 1e12, nvlink_bw=nvlink_gbs * 1e9,
-                    nic_bw=nic_gbs * 1e9, gpus_per_node=8, tdp_w=tdp, **kw)
+                    nic_bw=nic_gbs * 1e9, gpus_per_node=8, tdp_w=tdp, generation=generation, sms=sms, tile=tile, **kw)
 
 
 CATALOG: dict[str, Hardware] = {
     h.name: h
     for h in [
         # A100: 312 TFLOP/s bf16, NVLink3 600 GB/s, HDR InfiniBand 200 Gb/s = 25 GB/s per GPU.
-        _gpu("a100-40", "NVIDIA A100 SXM 40GB, HDR IB", 312, 0, 40, 1.555, 600, 25, 400),
-        _gpu("a100-80", "NVIDIA A100 SXM 80GB, HDR IB", 312, 0, 80, 2.039, 600, 25, 400),
+        _gpu("a100-40", "NVIDIA A100 SXM 40GB, HDR IB", 312, 0, 40, 1.555, 600, 25, 400, "ampere", 108),
+        _gpu("a100-80", "NVIDIA A100 SXM 80GB, HDR IB", 312, 0, 80, 2.039, 600, 25, 400, "ampere", 108),
         # H100 SXM: ~989 TFLOP/s bf16, NVLink4 900 GB/s, NDR 400 Gb/s = 50 GB/s per GPU.
-        _gpu("h100", "NVIDIA H100 SXM 80GB, NDR IB", 989, 1979, 79.6, 3.35, 900, 50, 700, mm_eff=H100_MM_EFF),
-        _gpu("h200", "NVIDIA H200 SXM 141GB, NDR IB", 989, 1979, 140.4, 4.8, 900, 50, 700, mm_eff=H100_MM_EFF),
+        _gpu("h100", "NVIDIA H100 SXM 80GB, NDR IB", 989, 1979, 79.6, 3.35, 900, 50, 700, "hopper", 132),
+        _gpu("h200", "NVIDIA H200 SXM 141GB, NDR IB", 989, 1979, 140.4, 4.8, 900, 50, 700, "hopper", 132),
         # B200 (HGX): 2.25 PFLOP/s dense bf16, NVLink5 1.8 TB/s, ConnectX-7 400 Gb/s.
-        _gpu("b200", "NVIDIA B200 180GB, NDR IB", 2250, 4500, 179, 8.0, 1800, 50, 1000, mm_eff=H100_MM_EFF),
+        _gpu("b200", "NVIDIA B200 180GB, NDR IB", 2250, 4500, 179, 8.0, 1800, 50, 1000, "blackwell", 148),
         # H800: H100 compute with NVLink cut to 400 GB/s (DeepSeek-V3 reports 160 GB/s achieved,
         # i.e. 80% of one direction) and 8 x 400 Gb/s IB.
-        _gpu("h800", "NVIDIA H800 SXM 80GB, NDR IB", 989, 1979, 79.6, 3.35, 400, 50, 700, mm_eff=H100_MM_EFF),
+        _gpu("h800", "NVIDIA H800 SXM 80GB, NDR IB", 989, 1979, 79.6, 3.35, 400, 50, 700, "hopper", 132),
     ]
 }
 ALIASES = {"a100": "a100-80", "h100-sxm": "h100", "h100sxm": "h100", "a100-80gb": "a100-80",
@@ -195,6 +204,9 @@ def this_machine(profile: str | os.PathLike | None = None) -> Hardware:
             raise NdtrainError(f"cannot read hardware profile {path}: {exc}") from exc
     elif profile:
         raise NdtrainError(f"hardware profile {path} does not exist (run `ndtrain calibrate --out {path}`)")
+    if data.get("kind") == "gpu":
+        raise NdtrainError(f"profile {path} was measured on a GPU ({data.get('catalog')}): plan with "
+                           f"--gpu {data.get('catalog')} --profile {path}")
     return from_profile(data, str(path) if data else "defaults")
 
 
@@ -253,6 +265,10 @@ def get_hardware(name: str | Hardware, profile: str | None = None) -> Hardware:
         return this_machine(profile)
     if key not in CATALOG:
         raise NdtrainError(f"unknown hardware {name!r}; choose one of {', '.join([*CATALOG, 'this-machine'])}")
+    if profile:  # a GPU calibration profile: its measured constants over the catalog's
+        from ndtrain.planner import profile as gpu_profile
+
+        return gpu_profile.apply(CATALOG[key], gpu_profile.load(profile), str(profile))
     return CATALOG[key]
 
 

@@ -29,19 +29,33 @@ from ndtrain.planner.problem import Problem, Split
 from ndtrain.planner.shapes import Shape
 from ndtrain.planner.stack import Stack
 
-FRAGMENTATION = 0.10  # of the allocations that churn every step (activations, logits, buffers)
+# Caching-allocator slack, a share of the allocations that churn every step (activations, logits,
+# buffers); for GPUs the constant `fragmentation` (planner/constants.py, with its range) replaces it.
+FRAGMENTATION = 0.10
 DDP_BUCKETS = 2 * 25e6 * 4  # two 25 MB-element gradient buckets in flight
 
 
-def activation_terms(shape: Shape, stack: Stack, ac: str) -> tuple[float, float, float]:
+def activation_terms(shape: Shape, stack: Stack, ac: str, fp8: bool = False) -> tuple[float, float, float]:
     """(R, S, score coefficient) of the module docstring for one layer, after `ac` is applied;
-    full recompute is handled by the caller (it keeps only the layer input)."""
+    full recompute is handled by the caller (it keeps only the layer input). `fp8`: the stack
+    keeps fp8 Linears' inputs as fp8 (the two norm outputs, a copy of the attention output, the
+    MLP's last input at one byte)."""
     a, h, w = shape.heads, shape.dim, shape.mlp_act_width
     r = 8.0 + (2.0 if stack.dropout else 0.0)
-    mlp = (4.0 if shape.gelu else 8.0) * w / h
-    if ac == "selective" and stack.selective_mlp:
+    # a fused SwiGLU kernel recomputes silu(gate) in its backward: gate, up and the product stay
+    mlp = (4.0 if shape.gelu else 6.0 if stack.fused_elementwise else 8.0) * w / h
+    if fp8:
+        r -= 2.0
+        mlp -= w / h
+    moe = 4.0 * shape.active_experts * shape.moe_layer_frac
+    if ac == "selective" and stack.selective == "ops":
+        # the layer input, the attention output, and every other matmul output (Q, K, V, the
+        # attention projection, the MLP's up/gate outputs, its down projection)
+        mm_out = 2.0 + 4.0 * shape.gqa_ratio + 2.0 + (2.0 if shape.gelu else 4.0) * w / h + 2.0
+        return 2.0, 2.0 + mm_out / 2 + moe, 0.0
+    if ac == "selective" and stack.selective == "act":
         mlp /= 2  # the activation function's output is recomputed from its stored input
-    s = 4.0 + 4.0 * shape.gqa_ratio + mlp + 4.0 * shape.active_experts * shape.moe_layer_frac
+    s = 4.0 + 4.0 * shape.gqa_ratio + mlp + moe + (1.0 if fp8 else 0.0)
     if stack.flash_attention or ac == "selective":
         score = 0.0  # selective recompute exists to drop exactly this term
     else:
@@ -51,13 +65,13 @@ def activation_terms(shape: Shape, stack: Stack, ac: str) -> tuple[float, float,
 
 @lru_cache(maxsize=1 << 16)
 def activation_bytes(shape: Shape, stack: Stack, seq: int, b: int, t: int = 1, sp: bool = False,
-                     cp: int = 1, ac: str = "none", elt: int = 2) -> float:
+                     cp: int = 1, ac: str = "none", elt: int = 2, fp8: bool = False) -> float:
     """Bytes one layer keeps for backward for one micro-batch on one device."""
     s_loc = seq / cp
     sbh = s_loc * b * shape.dim * (elt / 2)
     if ac == "full":
         return 2 * sbh / (t if sp else 1)
-    r, s, score = activation_terms(shape, stack, ac)
+    r, s, score = activation_terms(shape, stack, ac, fp8)
     stored = sbh * (r / (t if sp else 1) + s / t)
     # scores: each device holds its s/cp queries against the full key length
     stored += score * s_loc * seq * b * (elt / 2) / t
@@ -107,8 +121,9 @@ def memory_breakdown(pb: Problem, lay: Layout, split: Split) -> dict:
     p, t, sp = lay.pp, lay.tp, lay.sp and lay.tp > 1
     m = lay.micro_batches(pb.global_batch)
     first_inf, last_inf = in_flight(lay.schedule, p, lay.v, m)
-    per_layer = activation_bytes(sh, st, pb.seq, lay.mb, t, sp, lay.cp, lay.ac, elt)
-    working = activation_bytes(sh, st, pb.seq, lay.mb, t, sp, lay.cp, "none", elt) if lay.ac == "full" else 0.0
+    fp8 = pb.precision == "fp8" and st.fp8_saves_fp8
+    per_layer = activation_bytes(sh, st, pb.seq, lay.mb, t, sp, lay.cp, lay.ac, elt, fp8)
+    working = activation_bytes(sh, st, pb.seq, lay.mb, t, sp, lay.cp, "none", elt, fp8) if lay.ac == "full" else 0.0
     logit_elems = lay.mb * pb.seq / lay.cp * sh.vocab / t
     shard = lay.shard_degree
     zero = lay.effective_zero
@@ -141,9 +156,9 @@ def memory_breakdown(pb: Problem, lay: Layout, split: Split) -> dict:
             buffers = (dense + expert) * pbytes * (1 - 1 / shard) + DDP_BUCKETS
         else:
             buffers = DDP_BUCKETS
-        frag = FRAGMENTATION * (acts + logits + buffers)
+        frag = pb.k.get("fragmentation", FRAGMENTATION) * (acts + logits + buffers)
         parts = {"params": dp_ + ep_, "grads": dg + eg, "optimizer": do + eo, "activations": acts,
-                 "logits": logits, "buffers": buffers, "overhead": pb.hw.overhead_bytes, "fragmentation": frag}
+                 "logits": logits, "buffers": buffers, "overhead": pb.overhead_bytes, "fragmentation": frag}
         total = sum(parts.values())
         if best is None or total > best["total"]:
             best = {**parts, "total": total, "device": name, "layers": layers}

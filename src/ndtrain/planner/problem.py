@@ -4,7 +4,8 @@ asks ndtrain.layout whether a layout is valid."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 from ndtrain.errors import NdtrainError
 from ndtrain.layout import Layout, problems
@@ -12,7 +13,8 @@ from ndtrain.layout import schedules as registry
 from ndtrain.layout.flops import layer_forward_flops
 from ndtrain.layout.partition import partition_problem, pipeline_split, rank_layer_counts
 from ndtrain.model.config import ModelConfig
-from ndtrain.planner.hardware import Hardware, get_hardware
+from ndtrain.planner import constants as consts
+from ndtrain.planner.hardware import GiB, Hardware, get_hardware
 from ndtrain.planner.shapes import Shape, shape_of
 from ndtrain.planner.stack import PRECISIONS, STACKS, Stack
 
@@ -30,10 +32,26 @@ class Problem:
     # True: only layouts the ndtrain runtime builds (problems() strict). False also admits what
     # only other runtimes build (published Megatron-LM layouts: kv-head replication, GeLU MLPs).
     strict: bool = True
+    # The constants of the time and memory models (planner/constants.py), resolved for this GPU
+    # generation; a sampled world (planner/uncertainty.py) is this problem with other values.
+    k: dict = field(default_factory=dict)
 
     @property
     def act_bytes(self) -> int:
         return PRECISIONS[self.precision]
+
+    @property
+    def gpu(self) -> bool:
+        """An accelerator (the mechanistic model); False for calibrated CPU ranks."""
+        return self.hw.generation != "cpu"
+
+    @property
+    def overhead_bytes(self) -> float:
+        return self.k["overhead_gib"] * GiB if self.gpu else self.hw.overhead_bytes
+
+    def with_constants(self, values: dict) -> "Problem":
+        """This problem in another world: the same run with other constants."""
+        return dataclasses.replace(self, k={**self.k, **values})
 
     @property
     def tokens_per_step(self) -> int:
@@ -48,7 +66,11 @@ class Problem:
 
 def make_problem(cfg: ModelConfig, seq: int, global_batch: int, world: int, hardware: str | Hardware,
                  stack: str | Stack = "ndtrain", precision: str = "bf16", strict: bool = True,
-                 profile: str | None = None) -> Problem:
+                 profile: str | None = None, constants: dict | None = None, network: dict | None = None) -> Problem:
+    """`profile`: for "this-machine" its calibration; for a catalog GPU a GPU calibration profile
+    (`ndtrain calibrate` on that GPU), whose measured constants replace the catalog's. `constants`
+    overrides constants by name; `network` the network as built (planner/hardware.py:
+    gpus_per_node, pod_gpus, oversubscription, nic_bw in bytes/s)."""
     if seq < 1 or global_batch < 1 or world < 1:
         raise NdtrainError("seq, global batch and GPU count must be positive")
     if precision not in PRECISIONS:
@@ -57,9 +79,18 @@ def make_problem(cfg: ModelConfig, seq: int, global_batch: int, world: int, hard
     if st is None:
         raise NdtrainError(f"unknown stack {stack!r}; choose one of {', '.join(STACKS)}")
     hw = get_hardware(hardware, profile).for_world(world)
+    if network:
+        hw = dataclasses.replace(hw, **network)
     hw.peak(precision)  # raises for fp8 on hardware without it
+    if hw.generation == "cpu":
+        k = {"fragmentation": FRAGMENTATION_CPU}
+    else:
+        k = consts.resolve(hw.generation, {**hw.measured, **(constants or {})})
     return Problem(cfg=cfg, shape=shape_of(cfg), seq=seq, global_batch=global_batch, world=world, hw=hw,
-                   stack=st, precision=precision, strict=strict)
+                   stack=st, precision=precision, strict=strict, k=k)
+
+
+FRAGMENTATION_CPU = 0.10  # the CPU model's allocator slack (unchanged from its calibration)
 
 
 @dataclass(frozen=True)

@@ -1,163 +1,153 @@
-"""Published runs the planner is fitted on or checked against, and the fit itself.
+"""The model against published runs (planner/published_data.py): predictions, errors, and the
+fits of the few constants that are fitted, each on its own rows only.
 
-Fitted: Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters
-Using Megatron-LM"), Table 1: GPT models on A100 80GB, seq 2048, vocab 51200, interleaved 1F1B,
-full activation recomputation. The reported TFLOP/s/GPU use eq. (3), which counts the recomputed
-forward pass (closer to HFU than MFU).
+Fitting discipline: a constant is fitted per GPU generation (or per kind of kernel), on the rows
+marked "fit", never per row; the "validation" rows are never used to choose a value. The fitted
+values are pinned in planner/constants.py and tests check they are still the optimum of these
+fits (`fit_ampere`, `fit_hopper`, `fit_hopper_fp8`).
 
-Checked, not fitted: ZeRO (Rajbhandari et al. 2020) model-state sizes; Llama 3 405B (Dubey et al.
-2024: 16,384 H100, tp=8 cp=1 pp=16 dp=128, seq 8192, 16M-token batches, 400 TFLOP/s/GPU, 38-43%
-MFU); Young/Daly checkpoint intervals.
+    python -m ndtrain.planner.published        # the fitted and validation tables
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
 
 from ndtrain.layout.flops import flops_per_token, recompute_flops_per_token
-from ndtrain.model.config import ModelConfig, preset
-from ndtrain.planner.hardware import A100_KAPPA, A100_MM_EFF, CATALOG, with_constants
+from ndtrain.model.config import ModelConfig
 from ndtrain.planner.problem import make_problem
+from ndtrain.planner.published_data import ROWS, SOURCES, Row
 from ndtrain.planner.search import Prediction, search
-from ndtrain.planner.shapes import gpt_shape
-
-
-@dataclass(frozen=True)
-class Table1Row:
-    params_b: float
-    heads: int
-    hidden: int
-    layers: int
-    tp: int
-    pp: int
-    gpus: int
-    batch: int
-    tflops: float  # published, per GPU
-
-    @property
-    def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
-
-
-TABLE1 = [
-    Table1Row(1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    Table1Row(3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    Table1Row(7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    Table1Row(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    Table1Row(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    Table1Row(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    Table1Row(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    Table1Row(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    Table1Row(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    Table1Row(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
-]
-TABLE1_SEQ = 2048
-TABLE1_VOCAB = 51200
+from ndtrain.planner.shapes import resolve_model
 
 # ZeRO paper, section 5 example: 7.5B parameters, N_d = 64, K = 12 -> GB per device.
 ZERO_EXAMPLE = {"params": 7.5e9, "dp": 64, "gb": {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}}
 
-# Llama 3 405B (Dubey et al. 2024, Table 4): H100 80GB, BF16. (gpus, tp, cp, pp, dp, seq,
-# sequences per step, reported TFLOP/s/GPU). Their MFU is 6N-plus-attention FLOPs over 989 TFLOP/s.
-LLAMA3_TABLE4 = [
-    (8192, 8, 1, 16, 64, 8192, 2048, 430),
-    (16384, 8, 1, 16, 128, 8192, 2048, 400),
-    (16384, 8, 16, 16, 8, 131072, 128, 380),
-]
+
+def row_model(row: Row) -> ModelConfig:
+    return resolve_model(None, row.model) if "=" in row.model else resolve_model(row.model, None)
 
 
-def predict_llama3(row: tuple, hw=None) -> tuple[Prediction, float]:
-    """(best completion of a Llama 3 layout, predicted TFLOP/s/GPU counting the causal half of
-    attention). The planner's own convention counts the full s x s scores; Meta's numbers are only
-    consistent with the causal count (at 131K tokens the two differ by 40%)."""
-    gpus, tp, cp, pp, dp, seq, batch, _ = row
-    cfg = preset("llama3-405b")
-    pb = make_problem(cfg, seq, batch, gpus, hw or CATALOG["h100"], strict=False)
-    res = search(pb, top_k=1, fixed=dict(tp=tp, cp=cp, pp=pp, dp_shard=dp, dp_replicate=1,
-                                         schedule="Interleaved1F1B"))
-    best = res.top[0]
-    full, causal = flops_per_token(cfg, seq, "full"), flops_per_token(cfg, seq, "causal")
-    return best, best.tflops_per_gpu * causal / full
-
-
-# DeepSeek-V3 (DeepSeek-AI 2024): 2,048 H800, FP8, pp=16 (DualPipe), ep=64, ZeRO-1 dp=128, seq 4K,
-# 15,360-sequence batches; 2.664M GPU-hours for 14.8T pre-training tokens = 1,543 tokens/s/GPU.
-DEEPSEEK_V3 = {"gpus": 2048, "seq": 4096, "global_batch": 15360, "tokens_per_s_per_gpu": 14.8e12 / 2.664e6 / 3600,
-               "fixed": dict(tp=1, cp=1, pp=16, ep=64, dp_shard=128, dp_replicate=1, zero=1, schedule="DualPipeV")}
-
-
-def predict_deepseek_v3(hw=None) -> tuple[Prediction, float]:
-    """(best completion of DeepSeek-V3's layout on H800 in fp8, predicted tokens/s/GPU). Out of
-    sample: nothing was fitted on H800 or on a mixture of experts."""
-    d = DEEPSEEK_V3
-    pb = make_problem(preset("deepseek-v3"), d["seq"], d["global_batch"], d["gpus"], hw or CATALOG["h800"],
-                      precision="fp8", strict=False)
-    best = search(pb, top_k=1, fixed=d["fixed"]).top[0]
-    return best, best.tokens_per_s / d["gpus"]
-
-
-def fit_h100(grid=None) -> tuple[float, float]:
-    """mm_eff for the H100 from Llama 3's two 8K-sequence rows (kappa stays the A100's).
-    Returns (mm_eff, worst error); the 131K row is left out as a check."""
-    best = None
-    for eff in grid or [x / 1000 for x in range(480, 600, 5)]:
-        hw = with_constants(CATALOG["h100"], mm_eff=eff)
-        worst = max(abs(predict_llama3(row, hw)[1] / row[-1] - 1) for row in LLAMA3_TABLE4[:2])
-        if best is None or worst < best[1]:
-            best = (eff, worst)
-    return best
-
-
-def table1_problem(row: Table1Row, hw=None):
-    cfg = gpt_shape(row.hidden, row.layers, row.heads, TABLE1_VOCAB)
-    return make_problem(cfg, TABLE1_SEQ, row.batch, row.gpus, hw or CATALOG["a100-80"], stack="megatron-2021",
-                        strict=False)
+def row_problem(row: Row, constants: dict | None = None):
+    return make_problem(row_model(row), row.seq, row.batch, row.gpus, row.gpu, stack=row.stack,
+                        precision=row.precision, strict=False, constants=constants, network=row.network or None)
 
 
 def megatron_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
     """Narayanan et al. 2021 eq. (3): 96 B s l h^2 (1 + s/6h + V/16lh), FLOPs per step including
     the recomputed forward pass. For their GPT shapes it is exactly ndtrain's count with full
-    attention plus full recompute (tested). Their "TFLOP/s per GPU" is this / time / GPUs."""
+    attention plus full recompute (tested)."""
     return batch * seq * (flops_per_token(cfg, seq, "full") + recompute_flops_per_token(cfg, seq, "full", "full"))
 
 
-def published_layout(row: Table1Row) -> dict:
-    """The degrees Table 1 reports; micro-batch and virtual stages are not reported, so the
-    planner picks them (the paper tuned them too)."""
-    fixed = dict(tp=row.tp, pp=row.pp, cp=1, ep=1, dp_shard=1, dp_replicate=row.dp, ac="full", sp=False)
-    if row.pp > 1:
-        fixed["schedule"] = "Interleaved1F1B"
-    return fixed
+def metric(row: Row, pred: Prediction, cfg: ModelConfig) -> float:
+    """The prediction in the row's published metric."""
+    tokens = row.batch * row.seq
+    if row.metric == "step_s":
+        return pred.step_time
+    if row.metric == "tokens_per_gpu":
+        return tokens / pred.step_time / row.gpus
+    if row.metric == "tflops_megatron":
+        return megatron_flops(cfg, row.batch, row.seq) / pred.step_time / row.gpus / 1e12
+    if row.metric == "tflops_causal":
+        return flops_per_token(cfg, row.seq, "causal") * tokens / pred.step_time / row.gpus / 1e12
+    raise ValueError(f"unknown metric {row.metric!r}")
 
 
-def predict_row(row: Table1Row, hw=None) -> tuple[Prediction, float]:
-    """(best completion of the published layout, predicted TFLOP/s/GPU in the paper's accounting)."""
-    pb = table1_problem(row, hw)
-    res = search(pb, top_k=1, fixed=published_layout(row))
+def predict(row: Row, constants: dict | None = None) -> tuple[Prediction, float]:
+    """(best completion of the published layout, the prediction in the row's metric)."""
+    pb = row_problem(row, constants)
+    res = search(pb, top_k=1, fixed=dict(row.fixed), mb_options=list(row.mb) or None)
     if not res.top:
-        raise RuntimeError(f"published layout of the {row.params_b}B row does not fit: {res.fastest_over_cap}")
-    best = res.top[0]
-    return best, megatron_flops(pb.cfg, row.batch, TABLE1_SEQ) / best.step_time / row.gpus / 1e12
+        over = res.fastest_over_cap
+        raise RuntimeError(f"{row.name}: the published layout does not fit"
+                           + (f" ({over.memory['total'] / 2**30:.1f} GiB)" if over else ""))
+    return res.top[0], metric(row, res.top[0], pb.cfg)
 
 
-def table1_errors(hw=None) -> list[float]:
-    return [predict_row(row, hw)[1] / row.tflops - 1 for row in TABLE1]
+def error(row: Row, value: float) -> float:
+    """Relative error of a prediction; for step times the error of the implied throughput, so
+    that every row's sign means the same (+ = the model is optimistic)."""
+    if row.metric == "step_s":
+        return row.published / value - 1
+    return value / row.published - 1
 
 
-def fit_a100(mm_grid=None, kappa_grid=None) -> tuple[float, float, float]:
-    """Grid search for (mm_eff, kappa) minimising the worst relative error over Table 1.
-    Returns (mm_eff, kappa, worst error). Slow-ish (a few seconds); the result is pinned in
-    hardware.py and re-checked by tests/planner/test_published.py."""
-    base = CATALOG["a100-80"]
-    best = None
-    for eff in mm_grid or [x / 100 for x in range(60, 86, 2)]:
-        for kappa in kappa_grid or [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0]:
-            errs = table1_errors(with_constants(base, mm_eff=eff, kappa=kappa))
-            worst = max(abs(e) for e in errs)
-            if best is None or worst < best[2]:
-                best = (eff, kappa, worst)
+def rows(role: str | None = None, source: str | None = None) -> list[Row]:
+    return [r for r in ROWS if (role is None or r.role == role) and (source is None or r.source == source)]
+
+
+def errors(selected: list[Row], constants: dict | None = None) -> list[float]:
+    return [error(r, predict(r, constants)[1]) for r in selected]
+
+
+def _grid_fit(selected: list[Row], grids: dict[str, list[float]]) -> tuple[dict, float]:
+    """The grid point minimising the worst relative error over `selected` rows."""
+    names = list(grids)
+    best: tuple[dict, float] | None = None
+
+    def walk(i, chosen):
+        nonlocal best
+        if i == len(names):
+            worst = max(abs(e) for e in errors(selected, chosen))
+            if best is None or worst < best[1]:
+                best = (dict(chosen), worst)
+            return
+        for value in grids[names[i]]:
+            walk(i + 1, {**chosen, names[i]: value})
+
+    walk(0, {})
     return best
 
 
-__all__ = ["TABLE1", "ZERO_EXAMPLE", "LLAMA3_TABLE4", "predict_llama3", "fit_h100", "DEEPSEEK_V3", "predict_deepseek_v3", "predict_row", "table1_errors", "fit_a100",
-           "A100_MM_EFF", "A100_KAPPA"]
+def fit_ampere(gemm=None, kappa=None) -> tuple[dict, float]:
+    """Ampere GEMM ceiling and the eager elementwise traffic, on Megatron-LM 2021 Table 1."""
+    return _grid_fit(rows("fit", "narayanan2021"), {"gemm_eff": gemm or [x / 100 for x in range(64, 86, 2)],
+                                                      "kappa_eager": kappa or [3.0, 4.0, 5.0, 6.0, 7.0]})
+
+
+def fit_hopper(gemm=None) -> tuple[dict, float]:
+    """Hopper bf16 GEMM ceiling, on Llama 3's two 8K rows (the 131K row is validation)."""
+    return _grid_fit(rows("fit", "llama3"), {"gemm_eff": gemm or [x / 100 for x in range(56, 80, 2)]})
+
+
+def fit_hopper_fp8(fp8=None) -> tuple[dict, float]:
+    """Hopper fp8 GEMM ceiling, on NeMo 24.07's LLAMA2-7B fp8 row (one node, no model parallelism)."""
+    return _grid_fit(rows("fit", "nemo2407"), {"fp8_gemm_eff": fp8 or [x / 100 for x in range(40, 70, 2)]})
+
+
+def table(role: str, constants: dict | None = None) -> list[dict]:
+    out = []
+    for r in rows(role):
+        pred, value = predict(r, constants)
+        out.append({"row": r, "predicted": value, "error": error(r, value), "layout": pred.layout.short(),
+                    "memory_gib": pred.memory["total"] / 2**30})
+    return out
+
+
+def markdown(entries: list[dict]) -> str:
+    lines = ["| run | source | metric | published | predicted | error | planner's completion | GiB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for e in entries:
+        r = e["row"]
+        fmt = (lambda x: f"{x:,.0f}") if r.published >= 100 else (lambda x: f"{x:.1f}")
+        lines.append(f"| {r.name} | {r.source} | {r.metric} | {fmt(r.published)} | {fmt(e['predicted'])} | "
+                     f"{e['error']:+.1%} | {e['layout']} | {e['memory_gib']:.1f} |")
+    within = sum(abs(e["error"]) <= 0.15 for e in entries)
+    lines.append(f"\n{within} of {len(entries)} rows within ±15%; worst {max(abs(e['error']) for e in entries):.1%}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    for role in ("fit", "validation"):
+        print(f"## {role} rows\n")
+        print(markdown(table(role)))
+        print()
+    print("sources:")
+    for key, text in SOURCES.items():
+        print(f"  {key}: {text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

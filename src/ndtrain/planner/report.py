@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from ndtrain.model.config import PRESETS, num_params
 from ndtrain.planner.problem import Problem
 from ndtrain.planner.search import Prediction, SearchResult
+from ndtrain.planner.uncertainty import headroom, moving_parts
 
 GiB = 1024**3
 MEM_KEYS = ("params", "grads", "optimizer", "activations", "logits", "buffers", "overhead", "fragmentation")
@@ -34,10 +37,10 @@ def check_command(pb: Problem, lay) -> str:
                  if getattr(cfg, k)] + ["--model.max_seq_len=1048576"]
         model += ["--model.tie_embeddings=true"] if cfg.tie_embeddings else []
         model += [f"--model.mlp={cfg.mlp}"] if cfg.mlp != "swiglu" else []
-    # bf16 is a runtime setting; fp8 (the planner's cost model of it) is not a layout key here
-    precision = ["--parallel.mixed_precision=bf16"] if pb.precision == "bf16" else []
+    # the planned precision is the runtime's [parallel] mixed_precision (fp8: float8 matmuls, layout/fp8.py)
+    lay = dataclasses.replace(lay, mp=pb.precision)
     return " ".join(["ndtrain config check", f"--world {pb.world}", *model, f"--data.seq_len={pb.seq}",
-                     f"--train.global_batch={pb.global_batch}", *lay.override_args(), *precision])
+                     f"--train.global_batch={pb.global_batch}", *lay.override_args()])
 
 
 def header(pb: Problem) -> str:
@@ -52,7 +55,23 @@ def header(pb: Problem) -> str:
             f"; MFU counts full s x s attention")
 
 
-def layout_block(rank: str, pred: Prediction, pb: Problem, budget: float) -> list[str]:
+def robust_json(rob, p: Prediction) -> dict:
+    """Interval and robustness fields of one layout for `--json` (empty without sampling)."""
+    if rob is None:
+        return {}
+    lo, hi = rob.interval(p)
+    return {"step_time_interval_s": [lo, hi], "within_2pct_share": rob.share_within(p),
+            "moving_parts": moving_parts(p)}
+
+
+def _interval(rob, pred: Prediction, pb: Problem) -> str:
+    if rob is None:
+        return ""
+    lo, hi = rob.interval(pred)
+    return f" ({human(pb.tokens_per_step / hi)}-{human(pb.tokens_per_step / lo)} over sampled constants)"
+
+
+def layout_block(rank: str, pred: Prediction, pb: Problem, budget: float, rob=None) -> list[str]:
     t, mem = pred.time, pred.memory
     comm = ", ".join(f"{k} {seconds(t['comm'][k])}" for k in COMM_KEYS if t["comm"][k] > 5e-4)
     recompute = f" (recompute {seconds(t['recompute'])})" if t["recompute"] > 0 else ""
@@ -62,7 +81,7 @@ def layout_block(rank: str, pred: Prediction, pb: Problem, budget: float) -> lis
     mwh = pb.world * pb.hw.tdp_w * days * 86400 / 3.6e9
     return [
         f"{rank} {pred.layout.short()}",
-        f"    throughput {human(pred.tokens_per_s)} tokens/s, {pred.tflops_per_gpu:.3g} TFLOP/s/GPU, "
+        f"    throughput {human(pred.tokens_per_s)} tokens/s{_interval(rob, pred, pb)}, {pred.tflops_per_gpu:.3g} TFLOP/s/GPU, "
         f"MFU {pred.mfu:.1%}, HFU {pred.hfu:.1%}" + (" (of the bf16 peak)" if pb.precision == "fp8" else ""),
         f"    step {seconds(pred.step_time)} = compute {seconds(t['compute'])}{recompute} + exposed comm "
         f"{seconds(t['exposed_comm'])}" + (f" ({comm})" if comm else "") +
@@ -75,7 +94,9 @@ def layout_block(rank: str, pred: Prediction, pb: Problem, budget: float) -> lis
     ]
 
 
-def plan_text(pb: Problem, res: SearchResult, budget: float, explain: bool) -> str:
+def plan_text(pb: Problem, res: SearchResult, budget: float, explain: bool, rob=None,
+              shown: list[Prediction] | None = None) -> str:
+    shown = shown if shown is not None else res.top
     if res.considered == 1:
         lines = [header(pb), "the given layout:", ""]
     else:
@@ -89,13 +110,24 @@ def plan_text(pb: Problem, res: SearchResult, budget: float, explain: bool) -> s
         if res.fastest_over_cap:
             lines += layout_block("closest:", res.fastest_over_cap, pb, budget)
         return "\n".join(lines)
-    for i, pred in enumerate(res.top, 1):
-        lines += layout_block(f"#{i}", pred, pb, budget) + [""]
+    for i, pred in enumerate(shown, 1):
+        lines += layout_block(f"#{i}", pred, pb, budget, rob) + [""]
+    if rob is not None and res.considered > 1:
+        lines += [robust_line(rob), ""]
     if pb.strict:
-        lines += ["check #1 with the runtime's own rules, no GPU needed:", "  " + check_command(pb, res.top[0].layout), ""]
+        lines += ["check #1 with the runtime's own rules, no GPU needed:", "  " + check_command(pb, shown[0].layout), ""]
     if explain:
-        lines += explain_text(pb, res)
+        lines += explain_text(pb, res, shown[0], rob)
     return "\n".join(lines).rstrip()
+
+
+def robust_line(rob) -> str:
+    n = len(rob.candidates)
+    text = (f"robustness: #1 is within 2% of the best of {n} candidates in {rob.share:.0%} of {rob.worlds} sampled "
+            f"worlds (every constant drawn over its range, docs/planner.md)")
+    if rob.chosen.layout != rob.nominal.layout:
+        text += "; it is not the nominal fastest (--explain says why)"
+    return text
 
 
 def _components(p: Prediction) -> dict:
@@ -112,20 +144,27 @@ def compare(win: Prediction, other: Prediction) -> str:
     diff = [f"{k} {'+' if d >= 0 else '-'}{seconds(abs(d))}" for d, k in deltas if abs(d) > 1e-3 * win.step_time][:4]
     wl, ol = win.layout.as_dict(), other.layout.as_dict()
     changed = [f"{k} {wl[k]}->{ol[k]}" for k in wl if wl[k] != ol[k]]
-    return (f"{other.layout.short()}: {seconds(other.step_time - win.step_time)} slower per step "
-            f"({(other.step_time / win.step_time - 1):.2%}); differs in {', '.join(changed) or 'nothing'}; "
+    gap = other.step_time - win.step_time
+    speed = f"{seconds(gap)} slower" if gap >= 0 else f"{seconds(-gap)} faster at nominal constants"
+    return (f"{other.layout.short()}: {speed} per step "
+            f"({abs(other.step_time / win.step_time - 1):.2%}); differs in {', '.join(changed) or 'nothing'}; "
             f"time moves: {', '.join(diff) or 'none above 0.1%'}")
 
 
-def explain_text(pb: Problem, res: SearchResult) -> list[str]:
-    win = res.top[0]
+def explain_text(pb: Problem, res: SearchResult, win: Prediction | None = None, rob=None) -> list[str]:
+    win = win or res.top[0]
     lines = ["why the others lost:"]
-    if len(res.top) > 1:
-        lines.append("  runner-up " + compare(win, res.top[1]))
+    ranked = rob.ranked(res.top) if rob else res.top
+    runner = next((p for p in ranked if p.layout != win.layout), None)
+    if runner:
+        lines.append("  runner-up " + compare(win, runner))
     mesh = (win.layout.tp, win.layout.cp, win.layout.pp, win.layout.ep)
-    others = sorted((p for m, p in res.best_by_mesh.items() if m != mesh), key=lambda p: p.step_time)
+    others = sorted((p for m, p in res.best_by_mesh.items() if m != mesh and (runner is None or p.layout != runner.layout)),
+                    key=lambda p: p.step_time)
     for p in others[:3]:
         lines.append("  best other mesh " + compare(win, p))
+    if rob is not None:
+        lines += robust_explain(pb, rob)
     if res.fastest_over_cap:
         o = res.fastest_over_cap
         lines.append(f"  faster but too big: {o.layout.short()} would take {seconds(o.step_time)} but needs "
@@ -146,3 +185,20 @@ def goodput_text(r: dict) -> str:
     lines.append(f"expected = Daly's closed form; simulated = {r['trials']} Monte-Carlo runs of "
                  f"{r['work_days']:g} days of work each")
     return "\n".join(lines)
+
+
+def robust_explain(pb: Problem, rob) -> list[str]:
+    """Why near-equals are ranked as they are: which overlap the nominal winner, and the choice."""
+    lines = []
+    if rob.reason:
+        lines.append(f"  #1 {rob.reason}")
+    elif rob.overlapping:
+        lines.append(f"  #1 is the nominal fastest; of those whose intervals overlap it, none has fewer moving parts "
+                     f"({len(moving_parts(rob.chosen))}) with as much headroom ({headroom(pb, rob.chosen) / GiB:.1f} GiB)")
+    else:
+        lines.append(f"  #1 is the nominal fastest and no other candidate's interval overlaps it")
+    for c, faster in [(c, f) for c, f in rob.overlapping if c.layout != rob.chosen.layout][:3]:
+        lo, hi = rob.interval(c)
+        lines.append(f"  overlaps: {c.layout.short()} (faster in {faster:.0%} of worlds; step {lo:.2f}-{hi:.2f} s; "
+                     f"{len(moving_parts(c))} moving parts; {headroom(pb, c) / GiB:.1f} GiB headroom)")
+    return lines

@@ -156,6 +156,8 @@ def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: l
     acs = [a for a in PLANNED_AC if a in ac_options and fixed.get("ac", a) == a]
     knobs = {k: getattr(base or Layout(), k) for k in ("split", "layers_per_stage", "ac_every", "mp", "offload",
                                                          "compile", "cp_attention")}
+    if base is None:  # the runtime's mixed precision is the planned one (fp8: the fp8 rules apply)
+        knobs["mp"] = pb.precision
     heap: list = []
     by_mesh: dict = {}
     stats = {"considered": 0, "fitting": 0, "over": None, "over_lb": math.inf, "n": 0}
@@ -181,7 +183,7 @@ def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: l
         expert = sh.layers / p * sh.expert_params_layer / e
         se = max(1, shard // e)
         return (sum(state_bytes(dense, z if shard > 1 else 0, shard, pbytes, p == 1 and z >= 2))
-                + sum(state_bytes(expert, z if se > 1 else 0, se, pbytes, p == 1 and z >= 2)) + hw.overhead_bytes)
+                + sum(state_bytes(expert, z if se > 1 else 0, se, pbytes, p == 1 and z >= 2)) + pb.overhead_bytes)
 
     def layout(dp, ds, t, c, p, e, z, mb, v, ac, sp, sched) -> Layout:
         return Layout(dp_replicate=dp // ds, dp_shard=ds, tp=t, cp=c, pp=p, ep=e, zero=z,
@@ -293,9 +295,8 @@ def _schedules(p: int, m: int, layers: int, allowed: tuple[str, ...] | None, fix
         yield "1F1B", 1
     elif ok("GPipe") and fixed.get("v", 1) == 1:
         yield "GPipe", 1  # same bubble as 1F1B, more memory: only where 1F1B cannot run
-    for v in range(2, min(layers // p, 8) + 1):
-        if "v" in fixed and fixed["v"] != v:
-            continue
+    # v up to 8 when searched; a pinned v (a published layout) may be larger
+    for v in ([fixed["v"]] if fixed.get("v", 1) > 1 else range(2, min(layers // p, 8) + 1)):
         for name in INTERLEAVED:
             if ok(name):
                 yield name, v

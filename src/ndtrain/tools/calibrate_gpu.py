@@ -1,0 +1,252 @@
+"""`ndtrain calibrate`: measure this machine and write the profile the planner reads.
+
+On a CUDA GPU (or with --device gpu) it measures what the planner's GPU model needs and writes a
+GPU profile (planner/profile.py fits the constants from the raw measurements):
+  * GEMM time over shapes, bf16 and (Hopper and later) fp8 through torch._scaled_mm, each the
+    median of timed repetitions after warm-up (CUDA events);
+  * causal flash attention (SDPA) forward + backward at a few sequence lengths;
+  * HBM copy bandwidth;
+  * memory the allocator does not see (CUDA context, cuBLAS workspace, NCCL) from
+    torch.cuda.mem_get_info, and the caching allocator's slack after a training-like pattern
+    (layer activations kept for the backward, freed in reverse, several micro-batches);
+  * NCCL all-reduce, all-gather, reduce-scatter, all-to-all and p2p over the node's GPUs at message
+    sizes from 4 KiB to 256 MiB (spawned processes, one per GPU), fitted alpha-beta per collective.
+Without a GPU (or with --device cpu) it runs the CPU calibration of "this-machine"
+(ndtrain.planner.calibrate), as before.
+
+The planner itself never imports torch: this module sits on the top floor and only writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from ndtrain.errors import NdtrainError
+
+DEFAULT_GPU_PROFILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ndtrain" / "gpu.json"
+GEMM_SHAPES = [(m, n, k) for m in (1024, 4096, 16384) for n in (1024, 4096, 8192) for k in (512, 2048, 8192)] + \
+    [(256, 8192, 8192), (8192, 256, 8192), (8192, 8192, 256), (132 * 128 + 128, 256, 8192)]
+COLLECTIVE_SIZES = [1 << p for p in range(12, 29, 2)]  # 4 KiB .. 256 MiB
+
+
+def _time_cuda(fn, reps: int = 10, warmup: int = 3) -> float:
+    """Median seconds of `fn` on the current CUDA stream."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def measure_gemm(shapes, reps: int, fp8: bool) -> list:
+    import torch
+
+    out = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        out.append([m, n, k, "bf16", _time_cuda(lambda: a @ b, reps)])
+        if fp8 and m % 16 == 0 and n % 16 == 0 and k % 16 == 0:
+            a8 = a.to(torch.float8_e4m3fn)
+            b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major second operand
+            one = torch.ones((), device="cuda")
+            out.append([m, n, k, "fp8", _time_cuda(
+                lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), reps)])
+        del a, b
+    return out
+
+
+def measure_attention(seqs=(2048, 8192), heads: int = 32, head_dim: int = 128, tokens: int = 16384, reps: int = 5) -> list:
+    import torch
+    import torch.nn.functional as F
+
+    out = []
+    for s in seqs:
+        b = max(1, tokens // s)
+        q, k, v = (torch.randn(b, heads, s, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        grad = torch.randn(b, heads, s, head_dim, device="cuda", dtype=torch.bfloat16)
+
+        def step():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+        out.append([b, heads, s, head_dim, _time_cuda(step, reps)])
+    return out
+
+
+def measure_hbm(gib: float = 1.0, reps: int = 10) -> dict:
+    import torch
+
+    n = int(gib * 2**30) // 4
+    src, dst = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
+    seconds = _time_cuda(lambda: dst.copy_(src), reps)
+    return {"copy_bw": 2 * n * 4 / seconds}
+
+
+def measure_memory(layers: int = 16, micro_batches: int = 4, mib: int = 64) -> dict:
+    """Bytes outside the allocator, and reserved / allocated - 1 after a training-like pattern:
+    per micro-batch, each layer keeps a few activations of varied sizes; the backward frees them
+    in reverse while gradients of other sizes come and go."""
+    import torch
+
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    overhead = total - free - torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    unit = mib * 2**20 // 2
+    for _ in range(micro_batches):
+        kept = []
+        for layer in range(layers):
+            kept.append([torch.empty(unit * f // 4, dtype=torch.bfloat16, device="cuda") for f in (4, 3, 7, 2)])
+        while kept:
+            acts = kept.pop()
+            grads = [torch.empty(a.numel() * 5 // 4, dtype=torch.bfloat16, device="cuda") for a in acts[:2]]
+            del acts, grads
+    peak_alloc, peak_reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    return {"overhead_bytes": overhead, "fragmentation": peak_reserved / max(peak_alloc, 1) - 1,
+            "peak_allocated": peak_alloc, "peak_reserved": peak_reserved}
+
+
+def _collective_worker(rank: int, world: int, port: int, sizes: list, reps: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    rows = {k: [] for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}
+    probe = torch.ones(1 << 20, device="cuda")
+    dist.all_reduce(probe)  # NCCL's communicator and buffers now exist
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    overhead = total - free - torch.cuda.memory_reserved()
+    for n in sizes:
+        elems = max(world, n // 2 // world * world)
+        full = torch.ones(elems, dtype=torch.bfloat16, device="cuda")
+        part = torch.ones(elems // world, dtype=torch.bfloat16, device="cuda")
+        ops = {
+            "all_reduce": lambda: dist.all_reduce(full),
+            "all_gather": lambda: dist.all_gather_into_tensor(full, part),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
+            "all_to_all": lambda: dist.all_to_all_single(full, full.clone()),
+        }
+        for kind, op in ops.items():
+            rows[kind].append([world, 2 * elems, _time_cuda(op, reps)])
+        peer = rank ^ 1
+        if peer < world:
+            def p2p():
+                if rank % 2 == 0:
+                    dist.send(full, peer)
+                else:
+                    dist.recv(full, peer)
+            rows["p2p"].append([2, 2 * elems, _time_cuda(p2p, reps)])
+        dist.barrier()
+    if rank == 0:
+        Path(out).write_text(json.dumps({"rows": rows, "overhead_bytes": overhead}))
+    dist.destroy_process_group()
+
+
+def measure_collectives(world: int, sizes=COLLECTIVE_SIZES, reps: int = 10) -> dict:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "rows.json")
+        mp.start_processes(_collective_worker, args=(world, port, list(sizes), reps, out), nprocs=world,
+                           start_method="spawn")
+        return json.loads(Path(out).read_text())
+
+
+def calibrate_gpu(quick: bool = False):
+    """(catalog entry, raw measurements of this GPU node: the dict planner.profile.build fits)."""
+    import torch
+
+    from ndtrain.planner.hardware import CATALOG, catalog_name
+
+    props = torch.cuda.get_device_properties(0)
+    name = catalog_name(props.name, props.total_memory)
+    if name is None:
+        raise NdtrainError(f"{props.name} is not in the planner's catalog ({', '.join(CATALOG)}); "
+                           "its constants have no generation to start from")
+    hw = CATALOG[name]
+    reps = 3 if quick else 10
+    shapes = GEMM_SHAPES[::4] if quick else GEMM_SHAPES
+    torch.ones(1, device="cuda") @ torch.ones(1, 1, device="cuda")  # context + cuBLAS workspace
+    measured = {"device_name": props.name, "gpus": torch.cuda.device_count(),
+                "calibrated": time.strftime("%Y-%m-%d"), "memory": measure_memory(layers=4 if quick else 16)}
+    measured["gemm"] = measure_gemm(shapes, reps, fp8=bool(hw.peak_fp8) and hasattr(torch, "_scaled_mm"))
+    measured["attention"] = measure_attention(seqs=(2048,) if quick else (2048, 8192), reps=reps)
+    measured["hbm"] = measure_hbm(0.25 if quick else 1.0, reps)
+    world = torch.cuda.device_count()
+    if world >= 2:
+        sizes = COLLECTIVE_SIZES[::2] if quick else COLLECTIVE_SIZES
+        got = measure_collectives(world, sizes, reps)
+        measured["collectives"] = got["rows"]
+        # with NCCL's communicator and buffers the memory outside the allocator is larger
+        measured["memory"]["overhead_bytes"] = max(measured["memory"]["overhead_bytes"], got["overhead_bytes"])
+    return hw, measured
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="ndtrain calibrate", description=__doc__.split("\n\n")[0], add_help=False)
+    p.add_argument("--device", default="auto", choices=("auto", "gpu", "cpu"),
+                   help="gpu: measure the GPUs of this node; cpu: this machine's CPU ranks; auto: gpu if CUDA is there")
+    p.add_argument("--out", help="profile path (default ~/.cache/ndtrain/gpu.json on a GPU, hardware.json on CPU)")
+    p.add_argument("--quick", action="store_true", help="fewer shapes, sizes and repetitions")
+    p.add_argument("-h", "--help", action="store_true")
+    args, rest = p.parse_known_args(argv)
+    device = args.device
+    if device != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            if device == "gpu":
+                raise NdtrainError("--device gpu: no CUDA device is visible")
+            device = "cpu"
+        else:
+            device = "gpu"
+    if device == "cpu" or args.help:
+        from ndtrain.planner import calibrate as cpu
+
+        if args.help:
+            p.print_help()
+            print("\nCPU options (this-machine):")
+        forwarded = rest + (["--out", args.out] if args.out else []) + (["--quick"] if args.quick else [])
+        return cpu.main(forwarded + (["--help"] if args.help else []))
+    if rest:
+        raise NdtrainError(f"unknown option(s) for the GPU calibration: {' '.join(rest)}")
+    from ndtrain.planner import profile
+    from ndtrain.planner.calibrate import fit_alpha_beta
+
+    start = time.perf_counter()
+    hw, measured = calibrate_gpu(args.quick)
+    prof = profile.build(hw, measured, fit_alpha_beta)
+    prof["seconds"] = time.perf_counter() - start
+    out = Path(args.out or DEFAULT_GPU_PROFILE).expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(prof, indent=1))
+    print(f"wrote {out} ({prof['seconds']:.0f} s): {prof['device_name']} -> catalog {prof['catalog']}")
+    for name, value in sorted(prof["constants"].items()):
+        print(f"  {name:<14} {value:.4g}")
+    for kind, fit in prof["collectives"].items():
+        print(f"  {kind:<14} alpha {fit['alpha'] * 1e6:.1f} us, beta {fit['beta'] / 1e9:.1f} GB/s")
+    print(f"plan with it: ndtrain plan --gpu {prof['catalog']} --profile {out} ...")
+    return 0
