@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import tomllib
 import typing
@@ -79,6 +80,9 @@ class TrainConfig:
     backend: str = "auto"  # auto | gloo | nccl
     autocast_bf16: bool = False
     output_dir: str = ""  # default runs/<config-name>-<timestamp>
+    # A fresh run in a directory that holds another run's checkpoints or metrics is refused;
+    # true moves the old run aside (to <output_dir>.replaced-<time>/) instead. Nothing is deleted.
+    overwrite: bool = False
     val_interval: int = 50
     val_batches: int = 4
     log_interval: int = 1
@@ -143,6 +147,8 @@ def _coerce(key: str, value, typ):
         raise ConfigError(key, f"expected an integer, got {value!r}")
     if typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # TOML spells nan and inf; no ndtrain key means either
+                raise ConfigError(key, f"must be a finite number, got {value!r}")
             return float(value)
         raise ConfigError(key, f"expected a number, got {value!r}")
     if typ is str:
@@ -264,6 +270,9 @@ def validate(cfg: JobConfig) -> None:
         ("optimizer.grad_clip", o.grad_clip >= 0, f"must be >= 0 (0 disables), got {o.grad_clip}"),
         ("optimizer.implementation", o.implementation in ("foreach", "fused", "for-loop"), f"must be foreach, fused or for-loop, got {o.implementation!r}"),
         ("train.steps", t.steps > 0, f"must be positive, got {t.steps}"),
+        ("train.seed", t.seed >= 0, f"must be >= 0, got {t.seed}"),
+        ("train.sample_tokens", t.sample_tokens >= 0, f"must be >= 0 (0 disables the sample), got {t.sample_tokens}"),
+        ("data.vocab_size", d.vocab_size >= 1, f"must be positive, got {d.vocab_size}"),
         ("train.global_batch", t.global_batch > 0, f"must be positive, got {t.global_batch}"),
         ("train.micro_batch", t.micro_batch > 0, f"must be positive, got {t.micro_batch}"),
         ("train.device", t.device in ("auto", "cpu", "cuda"), f"must be auto, cpu or cuda, got {t.device!r}"),

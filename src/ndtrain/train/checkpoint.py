@@ -1,9 +1,12 @@
 """Checkpoints on torch.distributed.checkpoint (DCP): sharded, layout-independent, atomic, async.
 
-Saving writes DCP shards of model and optimizer state into `.step_XXXXXXXX.partial/`; rank 0
-then adds `train_state.json` (step, tokens seen, loader position, RNG, data fingerprint,
-resolved config), `manifest.json` (sizes + SHA-256) and the COMPLETE marker, and renames the
-directory to `step_XXXXXXXX/`. Nothing older is touched until that rename has happened.
+Saving writes DCP shards of model and optimizer state into `.step_XXXXXXXX.partial/`; each rank
+hashes the shards it wrote (ckpt_digest.py); rank 0 then adds `train_state.json` (step, tokens
+seen, loader position, RNG, data fingerprint, resolved config, timeline), `manifest.json` (sizes
++ SHA-256, combined from the ranks' digests) and the COMPLETE marker, and renames the directory
+to `step_XXXXXXXX/`. Nothing older is touched until that rename has happened; a save that fails
+(a full disk) removes its partial directory and leaves the previous checkpoint published.
+Retention and timelines: ckpt_policy.py.
 
 With `checkpoint.async = true` the step only pays for copying the state into RAM; a background
 thread writes it through its own Gloo group (sharing the training group with a concurrent
@@ -17,10 +20,12 @@ keys, so any layout (FSDP, TP, pipeline stages, one process) loads any other's c
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import os
 import shutil
 import threading
+import uuid
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -35,17 +40,17 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from ndtrain.config import to_dict
-from ndtrain.errors import NdtrainError
-from ndtrain.train.ckpt_store import (FORMAT, MARKER, TRAIN_STATE, dcp_load, fsync_dir, list_checkpoints, partials,
-                                      read_train_state, step_name, step_of, verify, write_manifest, write_marker)
+from ndtrain.errors import NdtrainError, RunError
+from ndtrain.train import ckpt_policy
+from ndtrain.train.ckpt_digest import collect_digests, total_bytes, verify_shared, write_manifest_from, write_own_digests
+from ndtrain.train.ckpt_store import (FORMAT, MARKER, MODEL_KEYS, TRAIN_STATE, dcp_load, fsync_dir, list_checkpoints,
+                                      model_mismatch, read_train_state, step_name, step_of, verify, write_marker)
 
-__all__ = ["Checkpointer", "list_checkpoints", "read_train_state", "verify", "MARKER"]
+__all__ = ["Checkpointer", "list_checkpoints", "read_train_state", "verify", "MARKER", "MODEL_KEYS"]
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # One process saving alone is intended (world 1), not a misconfiguration worth a warning per save.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-MODEL_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "n_experts", "expert_ffn_dim",
-              "n_shared_experts", "moe_dense_layers", "tie_embeddings")
 
 
 def _dist() -> bool:
@@ -94,6 +99,13 @@ class Checkpointer:
         self.pending: _Pending | None = None
         self.last_saved_step: int | None = None
         self.loaded_from: Path | None = None
+        # Verification verdicts (None = intact) of checkpoints this process wrote or checked:
+        # retention never hashes them again.
+        self.verdicts: dict[str, str | None] = {}
+        self._last_bytes = 0  # the size of the last checkpoint published: what the next one needs
+        # Which line of history the checkpoints continue (ckpt_policy): new unless resumed from
+        # the newest checkpoint of this directory.
+        self.timeline = {"id": uuid.uuid4().hex[:12], "parent": None}
         # Created once, by every rank, before any save: the async writer's collectives must never
         # share a group with the training loop's.
         # Its timeout covers the slowest rank's whole write (a hung peer is caught by the training
@@ -107,8 +119,8 @@ class Checkpointer:
             # Kept for the whole run: it reuses its RAM copies, so later saves skip allocation.
             self._stager = DefaultStager(StagingOptions(False, False, False, False))
         if self.is_main:
-            for stale in partials(self.root):  # never published; left by a killed save
-                shutil.rmtree(stale, ignore_errors=True)
+            ckpt_policy.clear_leftovers(self.root)  # never published; left by a killed save
+            ckpt_policy.finish_abandoning(self.root, self._info)  # a timeline switch a crash interrupted
         _barrier()
 
     @property
@@ -146,7 +158,7 @@ class Checkpointer:
                 "rng": {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()},
                 "data": data_fingerprint(t.train_set.manifest), "config": to_dict(self.cfg),
                 "layout": t.dims.describe(), "world_size": t.rt.world_size, "dp_size": t.dp_size,
-                "saved_at": time.time()}
+                "timeline": dict(self.timeline), "saved_at": time.time()}
 
     # ---- saving ------------------------------------------------------------------------------
     def save(self, final: bool = False) -> Path:
@@ -158,13 +170,17 @@ class Checkpointer:
         self.wait()  # one save in flight: its RAM copy and the directory names are reused
         tmp = self.root / f".{name}.partial"
         if self.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+            except OSError as exc:
+                raise self._write_failure(exc, name) from None
         _barrier()
         meta = self.train_state()
         t0 = time.perf_counter()
         state = self._state()
+        rank = t.rt.rank
         if self.async_ and not final:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg,
                                     async_stager=self._stager, no_dist=not _dist())
@@ -174,23 +190,50 @@ class Checkpointer:
                                                      name="ndtrain-ckpt-publish", daemon=True)
                 pending.publisher.start()
             else:
-                future.add_done_callback(lambda _f: pending.done_at.append(time.perf_counter()))
+                future.add_done_callback(lambda f: self._report_written(f, pending, tmp, rank))
             self.pending = pending
             self.last_saved_step = t.step
             self.fault("save", t.step)
             return self.root / name
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist())
-        if self.is_main:
-            self._publish(tmp, name, meta)
+        error = None
+        try:
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist())
+            write_own_digests(tmp, rank)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            error = exc
+        if _any_rank(error is not None, t.rt.device):
+            _barrier()
+            self._discard(tmp)
+            raise self._write_failure(error, name)
         _barrier()
+        if self.is_main:
+            try:
+                self._publish(tmp, name, meta)
+            except OSError as exc:
+                error = exc
+        if _any_rank(error is not None, t.rt.device):
+            self._discard(tmp)
+            raise self._write_failure(error, name)
         total = time.perf_counter() - t0
         self._record(t.step, "sync", total, total)
         self.last_saved_step = t.step
         return self.root / name
 
+    def _report_written(self, future, pending: _Pending, tmp: Path, rank: int) -> None:
+        """A non-zero rank's part of an async save is on disk: hash it for rank 0's manifest."""
+        if future.exception() is None:
+            try:
+                write_own_digests(tmp, rank)
+            except OSError:
+                pass  # rank 0 times out waiting for these digests and reports the save as failed
+        pending.done_at.append(time.perf_counter())
+
     def _publish_when_written(self, pending: _Pending, tmp: Path, meta: dict) -> None:
         try:
             pending.future.result()
+            write_own_digests(tmp, 0)
             self._publish(tmp, pending.name, meta)
             pending.done_at.append(time.perf_counter())
         except BaseException as exc:  # reported to every rank by wait(); never published
@@ -198,7 +241,8 @@ class Checkpointer:
 
     def _publish(self, tmp: Path, name: str, meta: dict) -> None:
         (tmp / TRAIN_STATE).write_text(json.dumps(meta, indent=1))
-        write_manifest(tmp)
+        world = self.trainer.rt.world_size
+        self._last_bytes = write_manifest_from(tmp, collect_digests(tmp, world, self.cfg.train.timeout_s))
         self.fault("publish", meta["step"])
         write_marker(tmp, name)
         self.fault("rename", meta["step"])
@@ -211,14 +255,48 @@ class Checkpointer:
             self._info(f"checkpoint {target} existed from an earlier attempt; moved it to {aside.name}")
         os.replace(tmp, target)
         fsync_dir(self.root)
+        self.verdicts[str(target)] = None  # hashed as it was written
         self._retain()
 
     def _retain(self) -> None:
-        keep_last, keep_every = self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every
-        for ckpt in list_checkpoints(self.root)[:-keep_last]:
-            if keep_every and step_of(ckpt) % keep_every == 0:
-                continue
-            shutil.rmtree(ckpt, ignore_errors=True)
+        ckpt_policy.retain(self.root, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every,
+                           self._verdict, self._info)
+
+    def _verdict(self, ckpt: Path) -> str | None:
+        key = str(ckpt)
+        if key not in self.verdicts:  # older than this process and not checked at resume
+            self.verdicts[key] = verify(ckpt)
+        return self.verdicts[key]
+
+    # ---- failed writes -----------------------------------------------------------------------
+    def _discard(self, tmp: Path) -> None:
+        """Rank 0 removes a partial save that failed (it was never published)."""
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _write_failure(self, error: BaseException | None, name: str) -> RunError:
+        """One line: what could not be written where, the bytes it needs, and what is still safe."""
+        cause = _os_error(error)
+        kept = list_checkpoints(self.root)
+        safe = (f"{kept[-1]} is still the newest published checkpoint" if kept else "no checkpoint was published")
+        if cause is not None and cause.errno == errno.ENOSPC or "No space left" in str(error):
+            needed = self._last_bytes or self._state_bytes()
+            free = shutil.disk_usage(_existing(self.root)).free
+            what = (f"no space left on the device of {self.root}: checkpoint {name} needs about "
+                    f"{needed / 1e6:,.1f} MB ({needed:,} bytes), {free / 1e6:,.1f} MB are free")
+        elif cause is not None:
+            what = f"cannot write checkpoint {name}: {cause.strerror or cause}: {cause.filename or self.root}"
+        else:
+            first = next((ln.strip() for ln in str(error or "failed on another rank").splitlines() if ln.strip()), "")
+            what = f"checkpoint {name} could not be written to {self.root}: {first[:200]}"
+        return RunError(f"{what}; the partial checkpoint was removed and {safe}", all_ranks=True)
+
+    def _state_bytes(self) -> int:
+        """This rank's model + optimizer bytes times the world: a checkpoint's size, roughly."""
+        local = 0
+        for value in _flat_tensors(self._state()):
+            local += value.numel() * value.element_size()
+        return local * self.trainer.rt.world_size
 
     def _record(self, step: int, mode: str, stall_s: float, total_s: float) -> None:
         row = {"step": step, "checkpoint_mode": mode, "checkpoint_stall_s": stall_s, "checkpoint_total_s": total_s}
@@ -245,7 +323,8 @@ class Checkpointer:
         if failed:
             if self.last_saved_step == p.step:
                 self.last_saved_step = None
-            raise NdtrainError(f"checkpoint {p.name} could not be written: {error or 'failed on another rank'}")
+            self._discard(self.root / f".{p.name}.partial")
+            raise self._write_failure(error, p.name)
         self._record(p.step, "async", p.stall_s, (p.done_at[0] if p.done_at else time.perf_counter()) - p.started)
 
     def finish(self) -> None:
@@ -255,56 +334,93 @@ class Checkpointer:
             self._stager = None
 
     # ---- resuming ----------------------------------------------------------------------------
-    def latest_good(self, root: Path | None = None) -> Path | None:
-        for ckpt in reversed(list_checkpoints(root or self.root)):
-            problem = verify(ckpt)
-            if problem is None:
-                return ckpt
-            self._info(f"checkpoint {ckpt} skipped: {problem}; trying the previous one (nothing deleted)")
-        return None
-
-    def _choose(self, spec: str) -> tuple[Path | None, str | None]:
-        """Rank 0 picks (every rank must load the same directory); returns (path, error)."""
+    def _candidates(self, spec: str) -> tuple[list[str], str | None, bool]:
+        """Rank 0: the checkpoints to try, newest first, whether they are from an explicit path
+        (which must verify), or an error."""
         if spec == "auto":
-            return self.latest_good(), None
+            return [str(c) for c in reversed(list_checkpoints(self.root))], None, False
         path = Path(spec)
         if path.is_dir() and not (path / MARKER).exists() and not (path / TRAIN_STATE).exists():
             for root in (path, path / "checkpoints"):  # a checkpoints/ or run directory: its newest good one
-                if list_checkpoints(root):
-                    found = self.latest_good(root)
-                    return (found, None) if found else (None, f"no intact checkpoint under {root}")
-        problem = verify(path)
-        return (path, None) if problem is None else (None, f"cannot resume from {path}: {problem}")
+                found = list_checkpoints(root)
+                if found:
+                    return [str(c) for c in reversed(found)], None, False
+            return [], f"cannot resume from {path}: it holds no checkpoint (no step_XXXXXXXX/ with a COMPLETE marker)", False
+        return [str(path)], None, True
+
+    def _choose(self, spec: str) -> tuple[Path | None, str | None]:
+        """Every rank: the newest candidate that verifies (the hashing shared out over the ranks,
+        a few candidates at a time); the same answer everywhere."""
+        plan = self._candidates(spec) if self.is_main else None
+        candidates, error, explicit = _broadcast(plan)
+        if error:
+            return None, error
+        batch = max(1, self.cfg.checkpoint.keep_last)  # also pre-verifies what retention will count
+        for i in range(0, len(candidates), batch):
+            verdicts = verify_shared([Path(c) for c in candidates[i:i + batch]])
+            self.verdicts.update(verdicts)
+            for c in candidates[i:i + batch]:
+                if verdicts[c] is None:
+                    return Path(c), None
+                if explicit:
+                    return None, f"cannot resume from {c}: {verdicts[c]}"
+                self._set_aside(Path(c), verdicts[c])
+        return None, None
+
+    def _set_aside(self, ckpt: Path, problem: str) -> None:
+        if not self.is_main:
+            return
+        if ckpt.parent.resolve() == self.root.resolve():  # never rearrange another run's directory
+            target = ckpt_policy.move_aside(ckpt, self.root)
+            self._info(f"checkpoint {ckpt} skipped: {problem}; moved to {target} (nothing deleted); "
+                       f"trying the previous one")
+        else:
+            self._info(f"checkpoint {ckpt} skipped: {problem}; trying the previous one (nothing deleted)")
 
     def resume(self, spec: str) -> Path | None:
-        path, error = self._choose(spec) if self.is_main else (None, None)
-        path, error = _broadcast((str(path) if path else None, error))
+        path, error = self._choose(spec)
         if error:
-            raise NdtrainError(error)
+            raise NdtrainError(error, all_ranks=True)
         if path is None:
             self._info(f"no checkpoint under {self.root}: starting from scratch")
             return None
-        self.load(Path(path))
-        return Path(path)
+        state = read_train_state(path) if self.is_main else None
+        state = _broadcast(state)
+        self._start_timeline(path, state)
+        _barrier()
+        self.load(path, state)
+        return path
+
+    def _start_timeline(self, path: Path, state: dict) -> None:
+        """Continuing the newest checkpoint of this directory continues its timeline; resuming an
+        older one starts a new timeline, and the newer checkpoints move aside (ckpt_policy)."""
+        ours = path.parent.resolve() == self.root.resolve()
+        newest = ours and all(step_of(c) <= step_of(path) for c in list_checkpoints(self.root))
+        saved = state.get("timeline") or {}
+        if newest and saved.get("id"):
+            self.timeline = dict(saved)
+        else:
+            self.timeline = {"id": uuid.uuid4().hex[:12], "parent": f"{path.name}@{saved.get('id', '?')}"}
+        if ours and not newest and self.is_main:
+            ckpt_policy.abandon_newer(self.root, step_of(path), self._info)
 
     def check_compatible(self, path: Path, state: dict) -> None:
-        saved_model = state.get("config", {}).get("model", {})
-        for key in MODEL_KEYS:
-            if key in saved_model and saved_model[key] != getattr(self.cfg.model, key):
-                raise NdtrainError(f"checkpoint {path} has model.{key}={saved_model[key]} but this run has "
-                                   f"{getattr(self.cfg.model, key)}: it belongs to a different model shape")
+        problem = model_mismatch(self.cfg.model, state)
+        if problem:
+            raise NdtrainError(f"checkpoint {path} {problem}", all_ranks=True)
         if state.get("kind", "full") != "full":
             return
         saved, here = state.get("data"), data_fingerprint(self.trainer.train_set.manifest)
         if saved and saved != here:
             diff = [k for k in here if saved.get(k) != here[k]]
             raise NdtrainError(f"checkpoint {path} was trained on different data ({', '.join(diff)} differ from "
-                               f"{self.cfg.data.path}); resuming would not continue the same sample stream")
+                               f"{self.cfg.data.path}); resuming would not continue the same sample stream",
+                               all_ranks=True)
 
-    def load(self, path: Path) -> None:
+    def load(self, path: Path, state: dict | None = None) -> None:
         t = self.trainer
         self.wait()
-        state = read_train_state(path)
+        state = state or read_train_state(path)
         self.check_compatible(path, state)
         module = self._module()
         if state.get("kind", "full") != "full":  # imported weights: model only, fresh optimizer and data
@@ -337,3 +453,38 @@ def _any_rank(flag: bool, device) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item() > 0)
+
+
+def _os_error(exc: BaseException | None) -> OSError | None:
+    """The OSError behind a failed write, wherever DCP wrapped it (its CheckpointException keeps
+    each rank's exception in `failures`)."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        todo += [e.__cause__, e.__context__]
+        for failure in getattr(e, "failures", {}).values():
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+    return None
+
+
+def _existing(path: Path) -> Path:
+    path = Path(path)
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def _flat_tensors(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _flat_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _flat_tensors(v)
+    elif isinstance(obj, torch.Tensor):
+        yield obj.to_local() if hasattr(obj, "to_local") else obj

@@ -33,6 +33,12 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
+def run_id() -> str:
+    """torchrun's id of this job ('' when none): the same for every restart attempt."""
+    rid = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return "" if rid == "none" else rid
+
+
 def launcher_run_dir(cfg) -> Path | None:
     """runs/<name>-<rdzv id> under torchrun with a run id: the same directory on every restart
     attempt (a timestamp would give each attempt a new one, with no checkpoint to resume)."""
@@ -178,6 +184,7 @@ class Preemption:
 
     def __init__(self):
         self.requested = False
+        self.signal_name = ""  # the first stop signal this rank received
         self.previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
@@ -185,6 +192,7 @@ class Preemption:
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
+        self.signal_name = self.signal_name or signal.Signals(signum).name
         signal.signal(signum, signal.SIG_DFL)
 
     def agreed(self, device) -> bool:

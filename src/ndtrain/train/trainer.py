@@ -283,7 +283,6 @@ def default_run_dir(cfg: JobConfig) -> Path:
 def train(cfg: JobConfig) -> dict:
     """Run a whole job: train, validate, checkpoint, sample. Returns a summary (rank 0's view)."""
     from ndtrain.train import recovery
-    from ndtrain.train.checkpoint import Checkpointer
 
     # Under torchrun the run id is stable across restarts, so a restarted group finds its checkpoints.
     run_dir = recovery.launcher_run_dir(cfg) or default_run_dir(cfg)
@@ -293,6 +292,59 @@ def train(cfg: JobConfig) -> dict:
         holder = [str(run_dir)]
         torch.distributed.broadcast_object_list(holder, src=0)
         run_dir = Path(holder[0])
+    lock = _claim_run(cfg, run_dir)
+    try:
+        return _train(cfg, run_dir)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _claim_run(cfg: JobConfig, run_dir: Path):
+    """Before anything is built: the checks that need no model (preflight.py), then the run
+    directory (rundir.py). Rank 0 decides, every rank learns the verdict, rank 0 holds the lock
+    unless the `--nproc` launcher already does."""
+    from ndtrain.train import preflight, recovery, rundir
+
+    rt = distributed.setup(cfg.train)
+    lock, error = None, None
+    if rt.is_main:
+        try:
+            preflight.check_all(cfg)
+            if not rundir.held_by_launcher(run_dir):
+                lock = rundir.claim(cfg, run_dir, restart=recovery.restart_count() > 0,
+                                    run_id=recovery.run_id(), log=lambda text: print(text, flush=True))
+        except NdtrainError as exc:
+            error = (str(exc), exc.exit_code)
+        except OSError as exc:  # e.g. the lock file cannot be created: one line, and no rank left waiting
+            error = (f"{exc.strerror or exc}: {exc.filename or run_dir}", 1)
+    if rt.world_size > 1:
+        holder = [error]
+        torch.distributed.broadcast_object_list(holder, src=0)
+        error = holder[0]
+    if error:
+        exc = NdtrainError(error[0], all_ranks=True)
+        exc.exit_code = error[1]
+        raise exc
+    return lock
+
+
+def _train(cfg: JobConfig, run_dir: Path) -> dict:
+    peers = distributed.peer_table()  # who is who, should a peer die later
+    try:
+        return _train_loop(cfg, run_dir)
+    except Exception as exc:
+        if peers and distributed.is_peer_failure(exc):
+            from ndtrain.errors import RunError
+
+            raise RunError(distributed.peer_failure_message(exc, peers, torch.distributed.get_rank())) from None
+        raise
+
+
+def _train_loop(cfg: JobConfig, run_dir: Path) -> dict:
+    from ndtrain.train import recovery
+    from ndtrain.train.checkpoint import Checkpointer, list_checkpoints
+
     trainer = Trainer(cfg, run_dir)
     rt, log = trainer.rt, trainer.logger
     ckpt = Checkpointer(cfg, run_dir, trainer)
@@ -309,7 +361,7 @@ def train(cfg: JobConfig) -> dict:
     if trainer.auto_choice:
         log.info(f"auto layout (planner): {describe_auto(trainer.auto_choice)}")
     step_times: list[float] = []
-    last_val, preempted = None, False
+    last_val, preempted, interrupted, path = None, False, False, None
     guard = recovery.Recovery(cfg, trainer, ckpt, run_dir)  # watchdog, non-finite rollback, stragglers
     try:
         while trainer.step < cfg.train.steps:
@@ -336,6 +388,10 @@ def train(cfg: JobConfig) -> dict:
                 ckpt.save()
         path = ckpt.save(final=True)
         ckpt.finish()
+    except KeyboardInterrupt:  # Ctrl-C: stop now, save nothing more (a save in flight finishes on its own)
+        interrupted = True
+        published = list_checkpoints(ckpt.root)
+        path = published[-1] if published else None
     finally:
         guard.close()
     if trainer.auto_choice and len(step_times) > 3:
@@ -343,8 +399,9 @@ def train(cfg: JobConfig) -> dict:
         log.info(f"auto layout: measured {measured:.3f} s/step vs predicted "
                  f"{trainer.auto_choice['predicted_step_time']:.3f} s/step")
     summary = {"run_dir": str(run_dir), "steps": trainer.step, "val_loss": last_val, "checkpoint": str(path),
-               "preempted": preempted}
-    if rt.is_main and cfg.train.sample_tokens > 0 and path is not None and not preempted:
+               "preempted": preempted, "interrupted": interrupted,
+               "stop_signal": guard.preemption.signal_name if preempted else ""}
+    if rt.is_main and cfg.train.sample_tokens > 0 and path is not None and not (preempted or interrupted):
         from ndtrain.train.generate import generate_from_checkpoint
 
         text = generate_from_checkpoint(path, cfg.train.sample_prompt, cfg.train.sample_tokens, seed=cfg.train.seed)
