@@ -36,7 +36,9 @@ def launch_local(nproc: int, max_restarts: int, argv: list[str]) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # The agent's own log (closing signals, failure tables) would bury the workers' one line.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     args = ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
             "-m", "ndtrain", "train", *argv]
     try:
@@ -98,7 +100,14 @@ def _run(cfg) -> int:
     from ndtrain.train.recovery import EXIT_PREEMPTED
     from ndtrain.train.trainer import train
 
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop (or while a peer was failing)
+        if not _under_launcher():
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print("ndtrain train: interrupted before training started", file=sys.stderr, flush=True)
+        os._exit(EXIT_INTERRUPTED)
     if summary is None:
         return 1
     rank0 = os.environ.get("RANK", "0") == "0"
@@ -108,11 +117,17 @@ def _run(cfg) -> int:
         if rank0:
             last = f"last checkpoint {ckpt}; {again}" if ckpt and ckpt != "None" else "no checkpoint was saved"
             print(f"ndtrain train: interrupted at step {summary['steps']}; {last}", file=sys.stderr, flush=True)
+        if _under_launcher():  # its peers are stopping too: skip the process group's slow teardown
+            sys.stdout.flush()
+            os._exit(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
     if summary.get("preempted"):
         if rank0:
             print(f"ndtrain train: stopped by {summary.get('stop_signal') or 'a signal'} at step {summary['steps']}; "
                   f"saved {ckpt}; {again}", file=sys.stderr, flush=True)
+        if _under_launcher():  # saved and published: skip the process group's slow teardown
+            sys.stdout.flush()
+            os._exit(EXIT_PREEMPTED)
         return EXIT_PREEMPTED  # saved and stopped on a signal: nonzero so schedulers run it again
     return 0
 

@@ -117,8 +117,16 @@ def _alive(pid: int) -> bool:
 
 
 def peer_failure_message(exc: BaseException, peers: list[tuple[str, int]], rank: int) -> str:
+    import time
+
     host = socket.gethostname()
-    dead = [r for r, (h, pid) in enumerate(peers) if r != rank and h == host and not _alive(pid)]
+    local = [r for r, (h, _) in enumerate(peers) if r != rank and h == host]
+    deadline = time.monotonic() + 2.0  # a killed peer's sockets close a moment before it is gone
+    while True:
+        dead = [r for r in local if not _alive(peers[r][1])]
+        if dead or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
     first = first.split("] ", 1)[-1].split(". This is typically")[0][:160]
     if dead:
