@@ -272,6 +272,7 @@ def validate(cfg: JobConfig) -> None:
         ("train.steps", t.steps > 0, f"must be positive, got {t.steps}"),
         ("train.seed", t.seed >= 0, f"must be >= 0, got {t.seed}"),
         ("train.sample_tokens", t.sample_tokens >= 0, f"must be >= 0 (0 disables the sample), got {t.sample_tokens}"),
+        ("train.sample_prompt", t.sample_tokens == 0 or t.sample_prompt != "", "must not be empty when sample_tokens > 0"),
         ("data.vocab_size", d.vocab_size >= 1, f"must be positive, got {d.vocab_size}"),
         ("train.global_batch", t.global_batch > 0, f"must be positive, got {t.global_batch}"),
         ("train.micro_batch", t.micro_batch > 0, f"must be positive, got {t.micro_batch}"),

@@ -19,12 +19,12 @@ import fcntl
 import json
 import os
 import socket
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ndtrain.errors import ConfigError, NdtrainError
+from ndtrain.paths import check_creatable
 
 LOCK_NAME = ".ndtrain.lock"
 LAUNCHER_ENV = "NDTRAIN_RUN_LOCK_PID"  # set by `ndtrain train --nproc` for its workers: the lock's holder
@@ -32,34 +32,6 @@ LAUNCHER_ENV = "NDTRAIN_RUN_LOCK_PID"  # set by `ndtrain train --nproc` for its 
 
 def checkpoint_root(cfg, run_dir: Path) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
-
-
-# ---- paths ------------------------------------------------------------------------------------
-def check_creatable(path: Path, key: str) -> None:
-    """`path` is a directory we can write, or can be created as one. Probed for real (as root,
-    access() says yes to everything) and without leaving anything behind."""
-    path = Path(path)
-    if path.exists():
-        if not path.is_dir():
-            raise ConfigError(key, f"{path} exists and is not a directory")
-        try:
-            fd, probe = tempfile.mkstemp(prefix=".ndtrain-probe-", dir=path)
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as exc:
-            raise ConfigError(key, f"cannot write in {path}: {exc.strerror}") from None
-        return
-    first_missing = path
-    while not first_missing.parent.exists() and first_missing.parent != first_missing:
-        first_missing = first_missing.parent
-    parent = first_missing.parent
-    if not parent.is_dir():
-        raise ConfigError(key, f"cannot create {path}: {parent} is a file, not a directory")
-    try:
-        first_missing.mkdir()
-        first_missing.rmdir()
-    except OSError as exc:
-        raise ConfigError(key, f"cannot create {path}: {exc.strerror} ({parent})") from None
 
 
 # ---- what an earlier run left ---------------------------------------------------------------
