@@ -210,7 +210,9 @@ def _merge(base: dict, extra: dict) -> dict:
     merged = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
     for section, values in extra.items():
         if isinstance(values, dict):
-            merged.setdefault(section, {}).update(values)
+            if not isinstance(merged.setdefault(section, {}), dict):
+                raise ConfigError(section, f"must be a table, got {merged[section]!r}")
+            merged[section].update(values)
         else:
             merged[section] = values
     return merged

@@ -281,6 +281,8 @@ def import_hf(src: str | Path, out_root: str | Path) -> Path:
     target, tmp = out_root / name, out_root / f".{name}.partial"
     if target.exists():
         raise NdtrainError(f"{target} already exists; choose another --out")
+    if out_root.is_dir() and any(p.name.startswith(("step_", ".step_")) for p in out_root.iterdir()):
+        raise NdtrainError(f"--out {out_root} already holds checkpoints (another run's?); import into a new directory")
     check_creatable(out_root, "--out")
     mcfg, tensors = read_hf(src)
     model = build_model(mcfg, "cpu")
