@@ -102,12 +102,19 @@ def _run(cfg) -> int:
 
     try:
         summary = train(cfg)
-    except KeyboardInterrupt:  # Ctrl-C before the training loop (or while a peer was failing)
-        if not _under_launcher():
-            raise
+    except KeyboardInterrupt as exc:  # Ctrl-C outside the loop's own handling (start-up, a failing collective)
         if os.environ.get("RANK", "0") == "0":
-            print("ndtrain train: interrupted before training started", file=sys.stderr, flush=True)
-        os._exit(EXIT_INTERRUPTED)
+            from ndtrain.train.ckpt_store import list_checkpoints
+            from ndtrain.train.rundir import checkpoint_root
+
+            step = getattr(exc, "step", None)
+            found = list_checkpoints(checkpoint_root(cfg, cfg.train.output_dir or "."))
+            last = f"last checkpoint {found[-1]}" if found else "no checkpoint was saved"
+            print(f"ndtrain train: interrupted{f' at step {step}' if step is not None else ''}; {last}",
+                  file=sys.stderr, flush=True)
+        if _under_launcher():
+            os._exit(EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
     if summary is None:
         return 1
     rank0 = os.environ.get("RANK", "0") == "0"

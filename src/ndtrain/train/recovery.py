@@ -207,6 +207,41 @@ class Preemption:
             signal.signal(sig, handler)
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, carrying how far the run got (for the one line the user sees)."""
+
+    def __init__(self, step: int | None = None):
+        super().__init__()
+        self.step = step
+
+
+def hold_sigterm() -> None:
+    """From here on a SIGTERM does not end this process (it is about to end on its own)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: None)
+
+
+class InterruptRecord:
+    """Notes that this process got SIGINT, then raises KeyboardInterrupt as Python would. A
+    KeyboardInterrupt raised while a collective fails can be lost inside torch; the note is
+    not, so a rank whose peer stopped on Ctrl-C does not report that peer as dead."""
+
+    def __init__(self):
+        self.seen = False
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def close(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            self.previous = None
+
+
 # ---- fault injection -----------------------------------------------------------------------
 class FaultPlan:
     """NDTRAIN_FAULTS="attempt:rank:step:point[:delay],..." kills (SIGKILL) or hangs this rank on

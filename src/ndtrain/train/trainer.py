@@ -330,18 +330,36 @@ def _claim_run(cfg: JobConfig, run_dir: Path):
 
 
 def _train(cfg: JobConfig, run_dir: Path) -> dict:
+    from ndtrain.train import recovery
+
     peers = distributed.peer_table()  # who is who, should a peer die later
+    progress = {"step": None}
+    interrupt = recovery.InterruptRecord()
     try:
-        return _train_loop(cfg, run_dir)
+        return _train_loop(cfg, run_dir, progress)
+    except KeyboardInterrupt:
+        raise recovery.Interrupted(progress["step"]) from None
     except Exception as exc:
         if peers and distributed.is_peer_failure(exc):
             from ndtrain.errors import RunError
 
+            # A peer that stopped on Ctrl-C looks dead from here; this rank's own signal is on
+            # its way (a launcher signals its workers one by one): wait for it. A SIGTERM now is
+            # the launcher stopping the group after the death: say what happened, then go.
+            recovery.hold_sigterm()
+            try:
+                time.sleep(1.0)
+            except KeyboardInterrupt:
+                pass
+            if interrupt.seen:
+                raise recovery.Interrupted(progress["step"]) from None
             raise RunError(distributed.peer_failure_message(exc, peers, torch.distributed.get_rank())) from None
         raise
+    finally:
+        interrupt.close()
 
 
-def _train_loop(cfg: JobConfig, run_dir: Path) -> dict:
+def _train_loop(cfg: JobConfig, run_dir: Path, progress: dict) -> dict:
     from ndtrain.train import recovery
     from ndtrain.train.checkpoint import Checkpointer, list_checkpoints
 
@@ -367,6 +385,7 @@ def _train_loop(cfg: JobConfig, run_dir: Path) -> dict:
         while trainer.step < cfg.train.steps:
             guard.before_step()
             result = trainer.train_step()
+            progress["step"] = trainer.step
             action = guard.after_step(result)
             if action == "rollback":
                 continue
