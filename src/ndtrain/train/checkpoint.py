@@ -20,12 +20,10 @@ keys, so any layout (FSDP, TP, pipeline stages, one process) loads any other's c
 from __future__ import annotations
 
 import base64
-import errno
 import json
 import os
 import shutil
 import threading
-import uuid
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -41,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from ndtrain.config import to_dict
 from ndtrain.errors import NdtrainError, RunError
+from ndtrain.train.ckpt_failure import state_bytes, write_failure
 from ndtrain.train import ckpt_policy
 from ndtrain.train.ckpt_digest import collect_digests, total_bytes, verify_shared, write_manifest_from, write_own_digests
 from ndtrain.train.ckpt_store import (FORMAT, MARKER, MODEL_KEYS, TRAIN_STATE, dcp_load, fsync_dir, list_checkpoints,
@@ -105,7 +104,7 @@ class Checkpointer:
         self._last_bytes = 0  # the size of the last checkpoint published: what the next one needs
         # Which line of history the checkpoints continue (ckpt_policy): new unless resumed from
         # the newest checkpoint of this directory.
-        self.timeline = {"id": uuid.uuid4().hex[:12], "parent": None}
+        self.timeline = ckpt_policy.new_timeline()
         # Created once, by every rank, before any save: the async writer's collectives must never
         # share a group with the training loop's.
         # Its timeout covers the slowest rank's whole write (a hung peer is caught by the training
@@ -275,28 +274,8 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _write_failure(self, error: BaseException | None, name: str) -> RunError:
-        """One line: what could not be written where, the bytes it needs, and what is still safe."""
-        cause = _os_error(error)
-        kept = list_checkpoints(self.root)
-        safe = (f"{kept[-1]} is still the newest published checkpoint" if kept else "no checkpoint was published")
-        if cause is not None and cause.errno == errno.ENOSPC or "No space left" in str(error):
-            needed = self._last_bytes or self._state_bytes()
-            free = shutil.disk_usage(_existing(self.root)).free
-            what = (f"no space left on the device of {self.root}: checkpoint {name} needs about "
-                    f"{needed / 1e6:,.1f} MB ({needed:,} bytes), {free / 1e6:,.1f} MB are free")
-        elif cause is not None:
-            what = f"cannot write checkpoint {name}: {cause.strerror or cause}: {cause.filename or self.root}"
-        else:
-            first = next((ln.strip() for ln in str(error or "failed on another rank").splitlines() if ln.strip()), "")
-            what = f"checkpoint {name} could not be written to {self.root}: {first[:200]}"
-        return RunError(f"{what}; the partial checkpoint was removed and {safe}", all_ranks=True)
-
-    def _state_bytes(self) -> int:
-        """This rank's model + optimizer bytes times the world: a checkpoint's size, roughly."""
-        local = 0
-        for value in _flat_tensors(self._state()):
-            local += value.numel() * value.element_size()
-        return local * self.trainer.rt.world_size
+        return write_failure(error, name, self.root,
+                             lambda: self._last_bytes or state_bytes(self._state(), self.trainer.rt.world_size))
 
     def _record(self, step: int, mode: str, stall_s: float, total_s: float) -> None:
         row = {"step": step, "checkpoint_mode": mode, "checkpoint_stall_s": stall_s, "checkpoint_total_s": total_s}
@@ -334,24 +313,10 @@ class Checkpointer:
             self._stager = None
 
     # ---- resuming ----------------------------------------------------------------------------
-    def _candidates(self, spec: str) -> tuple[list[str], str | None, bool]:
-        """Rank 0: the checkpoints to try, newest first, whether they are from an explicit path
-        (which must verify), or an error."""
-        if spec == "auto":
-            return [str(c) for c in reversed(list_checkpoints(self.root))], None, False
-        path = Path(spec)
-        if path.is_dir() and not (path / MARKER).exists() and not (path / TRAIN_STATE).exists():
-            for root in (path, path / "checkpoints"):  # a checkpoints/ or run directory: its newest good one
-                found = list_checkpoints(root)
-                if found:
-                    return [str(c) for c in reversed(found)], None, False
-            return [], f"cannot resume from {path}: it holds no checkpoint (no step_XXXXXXXX/ with a COMPLETE marker)", False
-        return [str(path)], None, True
-
     def _choose(self, spec: str) -> tuple[Path | None, str | None]:
         """Every rank: the newest candidate that verifies (the hashing shared out over the ranks,
         a few candidates at a time); the same answer everywhere."""
-        plan = self._candidates(spec) if self.is_main else None
+        plan = ckpt_policy.resume_candidates(spec, self.root) if self.is_main else None
         candidates, error, explicit = _broadcast(plan)
         if error:
             return None, error
@@ -365,6 +330,8 @@ class Checkpointer:
                 if explicit:
                     return None, f"cannot resume from {c}: {verdicts[c]}"
                 self._set_aside(Path(c), verdicts[c])
+        if spec != "auto" and candidates:  # the user named a directory: none of it is usable
+            return None, f"no intact checkpoint under {spec} (each failed verification; see the log)"
         return None, None
 
     def _set_aside(self, ckpt: Path, problem: str) -> None:
@@ -386,23 +353,10 @@ class Checkpointer:
             return None
         state = read_train_state(path) if self.is_main else None
         state = _broadcast(state)
-        self._start_timeline(path, state)
+        self.timeline = ckpt_policy.continue_timeline(path, self.root, state, self.is_main, self._info)
         _barrier()
         self.load(path, state)
         return path
-
-    def _start_timeline(self, path: Path, state: dict) -> None:
-        """Continuing the newest checkpoint of this directory continues its timeline; resuming an
-        older one starts a new timeline, and the newer checkpoints move aside (ckpt_policy)."""
-        ours = path.parent.resolve() == self.root.resolve()
-        newest = ours and all(step_of(c) <= step_of(path) for c in list_checkpoints(self.root))
-        saved = state.get("timeline") or {}
-        if newest and saved.get("id"):
-            self.timeline = dict(saved)
-        else:
-            self.timeline = {"id": uuid.uuid4().hex[:12], "parent": f"{path.name}@{saved.get('id', '?')}"}
-        if ours and not newest and self.is_main:
-            ckpt_policy.abandon_newer(self.root, step_of(path), self._info)
 
     def check_compatible(self, path: Path, state: dict) -> None:
         problem = model_mismatch(self.cfg.model, state)
@@ -454,37 +408,3 @@ def _any_rank(flag: bool, device) -> bool:
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item() > 0)
 
-
-def _os_error(exc: BaseException | None) -> OSError | None:
-    """The OSError behind a failed write, wherever DCP wrapped it (its CheckpointException keeps
-    each rank's exception in `failures`)."""
-    seen, todo = set(), [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError):
-            return e
-        todo += [e.__cause__, e.__context__]
-        for failure in getattr(e, "failures", {}).values():
-            todo.append(failure[0] if isinstance(failure, tuple) else failure)
-    return None
-
-
-def _existing(path: Path) -> Path:
-    path = Path(path)
-    while not path.exists() and path.parent != path:
-        path = path.parent
-    return path
-
-
-def _flat_tensors(obj):
-    if isinstance(obj, dict):
-        for v in obj.values():
-            yield from _flat_tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _flat_tensors(v)
-    elif isinstance(obj, torch.Tensor):
-        yield obj.to_local() if hasattr(obj, "to_local") else obj

@@ -17,9 +17,10 @@ from __future__ import annotations
 import os
 import shutil
 import time
+import uuid
 from pathlib import Path
 
-from ndtrain.train.ckpt_store import list_checkpoints, step_of
+from ndtrain.train.ckpt_store import MARKER, TRAIN_STATE, list_checkpoints, step_of
 
 CORRUPT = "corrupt"
 ABANDONING = ".abandoning-from-"
@@ -98,3 +99,36 @@ def retain(root: Path, keep_last: int, keep_every: int, verdict, log) -> None:
         doomed = ckpt.with_name(f".{ckpt.name}.deleting")  # unmarked at once: never half-deleted yet listed
         os.replace(ckpt, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
+
+
+def new_timeline(parent: str | None = None) -> dict:
+    return {"id": uuid.uuid4().hex[:12], "parent": parent}
+
+
+def resume_candidates(spec: str, root: Path) -> tuple[list[str], str | None, bool]:
+    """What `checkpoint.resume = spec` may load, newest first; whether it is one explicit
+    checkpoint (which must verify, no fallback); or an error."""
+    if spec == "auto":
+        return [str(c) for c in reversed(list_checkpoints(root))], None, False
+    path = Path(spec)
+    if path.is_dir() and not (path / MARKER).exists() and not (path / TRAIN_STATE).exists():
+        for sub in (path, path / "checkpoints"):  # a checkpoints/ or run directory: its newest good one
+            found = list_checkpoints(sub)
+            if found:
+                return [str(c) for c in reversed(found)], None, False
+        return [], f"cannot resume from {path}: it holds no checkpoint (no step_XXXXXXXX/ with a COMPLETE marker)", False
+    return [str(path)], None, True
+
+
+def continue_timeline(path: Path, root: Path, state: dict, is_main: bool, log) -> dict:
+    """The timeline checkpoints continue after resuming from `path`: its own when it is the
+    newest checkpoint of this directory; a new one otherwise, and then (rank 0) the newer
+    checkpoints move to abandoned-<time>/."""
+    ours = Path(path).parent.resolve() == Path(root).resolve()
+    newest = ours and all(step_of(c) <= step_of(path) for c in list_checkpoints(root))
+    saved = state.get("timeline") or {}
+    if ours and not newest and is_main:
+        abandon_newer(root, step_of(path), log)
+    if newest and saved.get("id"):
+        return dict(saved)
+    return new_timeline(f"{Path(path).name}@{saved.get('id', '?')}")

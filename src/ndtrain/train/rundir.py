@@ -208,3 +208,34 @@ def _refusal(run_dir: Path, traces: list[str], spec: str) -> str:
     return (f"{run_dir} holds an earlier run ({'; '.join(traces)}) and {why}: continue it with "
             f"--checkpoint.resume=auto, choose another --train.output_dir, or pass --train.overwrite=true "
             f"to move the old run aside (nothing is deleted)")
+
+
+def claim_for_group(cfg, run_dir: Path) -> RunLock | None:
+    """Before anything is built: the checks that need no model (preflight.py), then the run
+    directory. Rank 0 decides, every rank learns the verdict, rank 0 holds the lock
+    unless the `--nproc` launcher already does."""
+    import torch
+
+    from ndtrain.train import distributed, preflight, recovery
+
+    rt = distributed.setup(cfg.train)
+    lock, error = None, None
+    if rt.is_main:
+        try:
+            preflight.check_all(cfg)
+            if not held_by_launcher(run_dir):
+                lock = claim(cfg, run_dir, restart=recovery.restart_count() > 0, run_id=recovery.run_id(),
+                             log=lambda text: print(text, flush=True))
+        except NdtrainError as exc:
+            error = (str(exc), exc.exit_code)
+        except OSError as exc:  # e.g. the lock file cannot be created: one line, and no rank left waiting
+            error = (f"{exc.strerror or exc}: {exc.filename or run_dir}", 1)
+    if rt.world_size > 1:
+        holder = [error]
+        torch.distributed.broadcast_object_list(holder, src=0)
+        error = holder[0]
+    if error:
+        exc = NdtrainError(error[0], all_ranks=True)
+        exc.exit_code = error[1]
+        raise exc
+    return lock

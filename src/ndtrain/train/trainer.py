@@ -292,41 +292,14 @@ def train(cfg: JobConfig) -> dict:
         holder = [str(run_dir)]
         torch.distributed.broadcast_object_list(holder, src=0)
         run_dir = Path(holder[0])
-    lock = _claim_run(cfg, run_dir)
+    from ndtrain.train.rundir import claim_for_group
+
+    lock = claim_for_group(cfg, run_dir)
     try:
         return _train(cfg, run_dir)
     finally:
         if lock is not None:
             lock.release()
-
-
-def _claim_run(cfg: JobConfig, run_dir: Path):
-    """Before anything is built: the checks that need no model (preflight.py), then the run
-    directory (rundir.py). Rank 0 decides, every rank learns the verdict, rank 0 holds the lock
-    unless the `--nproc` launcher already does."""
-    from ndtrain.train import preflight, recovery, rundir
-
-    rt = distributed.setup(cfg.train)
-    lock, error = None, None
-    if rt.is_main:
-        try:
-            preflight.check_all(cfg)
-            if not rundir.held_by_launcher(run_dir):
-                lock = rundir.claim(cfg, run_dir, restart=recovery.restart_count() > 0,
-                                    run_id=recovery.run_id(), log=lambda text: print(text, flush=True))
-        except NdtrainError as exc:
-            error = (str(exc), exc.exit_code)
-        except OSError as exc:  # e.g. the lock file cannot be created: one line, and no rank left waiting
-            error = (f"{exc.strerror or exc}: {exc.filename or run_dir}", 1)
-    if rt.world_size > 1:
-        holder = [error]
-        torch.distributed.broadcast_object_list(holder, src=0)
-        error = holder[0]
-    if error:
-        exc = NdtrainError(error[0], all_ranks=True)
-        exc.exit_code = error[1]
-        raise exc
-    return lock
 
 
 def _train(cfg: JobConfig, run_dir: Path) -> dict:
