@@ -59,7 +59,7 @@ class ModelConfig:
             if not getattr(self, key) > 0:  # also false for nan
                 errs.append((f"model.{key}", f"must be positive, got {getattr(self, key)}"))
         for key in ("n_experts", "n_active_experts", "n_shared_experts", "expert_ffn_dim", "moe_dense_layers",
-                    "aux_loss_coef", "aux_free_update_rate"):
+                    "aux_loss_coef", "aux_free_update_rate", "capacity_factor"):
             if not getattr(self, key) >= 0:
                 errs.append((f"model.{key}", f"must be >= 0, got {getattr(self, key)}"))
         if errs:
