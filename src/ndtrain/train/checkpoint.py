@@ -210,7 +210,7 @@ class Checkpointer:
         if self.is_main:
             try:
                 self._publish(tmp, name, meta)
-            except OSError as exc:
+            except Exception as exc:  # every rank must learn it, or they wait in the next collective
                 error = exc
         if _any_rank(error is not None, t.rt.device):
             self._discard(tmp)
