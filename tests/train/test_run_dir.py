@@ -281,3 +281,22 @@ def _save_fsdp(base: dict, root: str, _tag: str) -> None:
     ck = Checkpointer(cfg, Path(root), trainer)
     ck.save()
     ck.finish()
+
+
+def test_a_rank_that_died_after_writing_is_hashed_by_rank_0(tmp_path):
+    """Its digests never come; its shard is complete, so rank 0 hashes it after the grace period
+    and the checkpoint is published all the same (and verifies)."""
+    import hashlib
+
+    from ndtrain.train.ckpt_digest import collect_digests, write_own_digests
+
+    tmp = tmp_path / ".step_00000001.partial"
+    tmp.mkdir()
+    for rank in (0, 1):
+        (tmp / f"__{rank}_0.distcp").write_bytes(bytes([rank]) * 1000)
+    (tmp / ".metadata").write_bytes(b"meta")
+    write_own_digests(tmp, 0)  # rank 1 died before writing its digests
+    entries = collect_digests(tmp, world=2, grace_s=0.2)
+    assert set(entries) == {"__0_0.distcp", "__1_0.distcp", ".metadata"}
+    assert entries["__1_0.distcp"]["sha256"] == hashlib.sha256(bytes([1]) * 1000).hexdigest()
+    assert not list(tmp.glob(".digests-*"))

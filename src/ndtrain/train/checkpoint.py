@@ -41,7 +41,8 @@ from ndtrain.config import to_dict
 from ndtrain.errors import NdtrainError, RunError
 from ndtrain.train.ckpt_failure import state_bytes, write_failure
 from ndtrain.train import ckpt_policy
-from ndtrain.train.ckpt_digest import collect_digests, total_bytes, verify_shared, write_manifest_from, write_own_digests
+from ndtrain.train.ckpt_digest import (collect_digests, has_digests, verify_shared, write_manifest_from,
+                                       write_own_digests)
 from ndtrain.train.ckpt_store import (FORMAT, MARKER, MODEL_KEYS, TRAIN_STATE, dcp_load, fsync_dir, list_checkpoints,
                                       model_mismatch, read_train_state, step_name, step_of, verify, write_marker)
 
@@ -232,16 +233,22 @@ class Checkpointer:
     def _publish_when_written(self, pending: _Pending, tmp: Path, meta: dict) -> None:
         try:
             pending.future.result()
-            write_own_digests(tmp, 0)
             self._publish(tmp, pending.name, meta)
             pending.done_at.append(time.perf_counter())
         except BaseException as exc:  # reported to every rank by wait(); never published
             pending.error.append(exc)
 
     def _publish(self, tmp: Path, name: str, meta: dict) -> None:
+        grace = 5.0
+        if not has_digests(tmp, 0):  # async (the sync path hashed before its barrier)
+            t0 = time.perf_counter()
+            write_own_digests(tmp, 0)
+            # The other ranks hash shards of about this size: wait a few times that long for
+            # their digests, then hash what is missing here (a rank that died after writing).
+            grace += 3 * (time.perf_counter() - t0)
         (tmp / TRAIN_STATE).write_text(json.dumps(meta, indent=1))
         world = self.trainer.rt.world_size
-        self._last_bytes = write_manifest_from(tmp, collect_digests(tmp, world, self.cfg.train.timeout_s))
+        self._last_bytes = write_manifest_from(tmp, collect_digests(tmp, world, grace))
         self.fault("publish", meta["step"])
         write_marker(tmp, name)
         self.fault("rename", meta["step"])
