@@ -1,13 +1,22 @@
-"""Model-state bytes per rank for DDP, ZeRO-2 and ZeRO-3 at world 4, next to the ZeRO formulas.
+"""Model-state bytes per rank for DDP and the ZeRO stages at world N, next to the ZeRO paper's
+formulas (Rajbhandari et al. 2020).
 
     .venv/bin/python benchmarks/memory_report.py [--preset tiny] [--world 4]
 
-Rank-local tensor sizes are the honest measure on CPU (RSS mixes in allocator caches): after one
-step it sums this rank's parameter shards, gradient shards and AdamW state, and separately the
-unsharded (gathered) parameters alive between forward and backward, the part ZeRO-2 keeps.
-Formulas (Rajbhandari et al. 2020) for mixed-precision Adam, K = 12: DDP 16Ψ, ZeRO-2
-2Ψ + 14Ψ/N, ZeRO-3 16Ψ/N. With fp32 sharded parameters (FSDP2 keeps them fp32 and computes in
-bf16), our split is params 4 + grads 4 + Adam 8 = 16 bytes, the same total.
+Rank-local tensor sizes are the honest measure on CPU (RSS mixes in allocator caches). Each
+layout trains two steps of two micro-batches; the table is what rank 0 holds across the second
+step's micro-batch boundary (after micro-batch 1's backward, before micro-batch 2's forward),
+which is where the stages differ: ZeRO-1 and -2 keep the gathered parameters, ZeRO-1 also the
+whole (unreduced) gradients; ZeRO-2 and -3 hold only their gradient shard; ZeRO-3 nothing
+gathered. Columns: sharded (fp32) parameters, gathered compute copies, gradients (sharded
+reduced ones plus unsharded accumulating ones), AdamW state (exp_avg, exp_avg_sq).
+
+Formulas with Ψ parameters, N ranks, K bytes of optimizer state per parameter:
+- mixed precision (`mixed_precision = "bf16"`: bf16 compute copies and gradients in the paper,
+  fp32 master weights + Adam's two moments = K 12): DDP 16Ψ, ZeRO-1 2Ψ + 2Ψ + 12Ψ/N,
+  ZeRO-2 2Ψ + 14Ψ/N, ZeRO-3 16Ψ/N;
+- fp32 (`mixed_precision = "fp32"`: the parameters are the master weights, so K = 8 for the two
+  moments; 4-byte gradients): DDP 16Ψ, ZeRO-1 4Ψ + 4Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N, ZeRO-3 16Ψ/N.
 """
 
 from __future__ import annotations
@@ -20,8 +29,8 @@ import torch
 
 from common import synthetic_tokens
 
-LAYOUTS = {"DDP": "dp_replicate={w} mp=bf16", "ZeRO-2": "dp_shard={w} zero=2 mp=bf16",
-           "ZeRO-3": "dp_shard={w} zero=3 mp=bf16"}
+LAYOUTS = {"DDP": "dp_replicate={w},ga=2", "ZeRO-1": "dp_shard={w},zero=1,ga=2", "ZeRO-2": "dp_shard={w},zero=2,ga=2",
+           "ZeRO-3": "dp_shard={w},zero=3,ga=2"}
 
 
 def _local_bytes(t) -> int:
@@ -32,28 +41,47 @@ def _local_bytes(t) -> int:
     return t.numel() * t.element_size()
 
 
+def _held(trainer) -> list[float]:
+    """[sharded params, gathered compute copies, gradients, AdamW state] bytes on this rank."""
+    gathered = unsharded_grads = 0
+    for part in trainer.model_parts:
+        for module in part.modules():
+            get = getattr(module, "_get_fsdp_state", None)
+            group = get()._fsdp_param_group if get is not None else None
+            if group is None:
+                continue
+            for fp in group.fsdp_params:
+                if group.is_unsharded:
+                    gathered += fp._orig_size.numel() * fp.param_dtype.itemsize if fp.param_dtype else \
+                        fp._orig_size.numel() * fp.sharded_param.element_size()
+                acc = fp.unsharded_accumulated_grad
+                grad = getattr(fp, "_unsharded_param", None)
+                grad = grad.grad if grad is not None else None
+                unsharded_grads += _local_bytes(acc) + _local_bytes(grad)
+    params = sum(_local_bytes(p) for p in trainer.params)
+    grads = sum(_local_bytes(p.grad) for p in trainer.params) + unsharded_grads
+    optim = sum(_local_bytes(v) for s in trainer.optimizer.state.values() for k, v in s.items()
+                if torch.is_tensor(v) and k != "step")
+    return [params, gathered, grads, optim]
+
+
 def measure(cfgs):
     from ndtrain.train.trainer import Trainer
 
     out = []
     for cfg in cfgs:
         t = Trainer(cfg, None, log=False)
-        batch = t.loader.next_batch(cfg.train.global_batch)
-        inputs = batch.inputs[: cfg.train.micro_batch]
-        logits = t.model(inputs)  # forward only: what is still gathered now is held until backward
-        gathered = 0
-        for m in t.model.modules():
-            state = getattr(m, "_get_fsdp_state", None)
-            group = state()._fsdp_param_group if state is not None else None
-            if group is not None and group.is_unsharded:
-                gathered += sum(p._orig_size.numel() * 2 for p in group.fsdp_params)  # bf16 copies
-        logits.float().sum().backward()
-        t.optimizer.step()
-        params = sum(_local_bytes(p) for p in t.params)
-        grads = sum(_local_bytes(p.grad) for p in t.params)
-        optim = sum(_local_bytes(v) for s in t.optimizer.state.values() for k, v in s.items()
-                    if torch.is_tensor(v) and k != "step")
-        out.append(torch.tensor([params, grads, optim, gathered], dtype=torch.float64))
+        seen = []
+        loss_sum = t._loss_sum
+
+        def spy(inputs, targets):  # each micro-batch's forward starts here
+            seen.append(_held(t))
+            return loss_sum(inputs, targets)
+
+        t._loss_sum = spy
+        t.train_step()
+        t.train_step()
+        out.append(torch.tensor(seen[-1], dtype=torch.float64))  # step 2, before micro-batch 2
         t.close()
     return out
 
@@ -70,24 +98,32 @@ def main() -> None:
 
     shape = preset(a.preset)
     data = synthetic_tokens(Path(tempfile.mkdtemp()) / "data", shape.vocab_size, 400_000)
-    base = {"model": {"preset": a.preset}, "data": {"path": str(data), "seq_len": 128},
-            "train": {"global_batch": a.world, "micro_batch": 1}}
-    load_config(None, base)
-    cfgs = [layout_config(base, spec.format(w=a.world)) for spec in LAYOUTS.values()]
-    per_rank = run_ranks(a.world, measure, cfgs, timeout_s=600)
     psi, n = num_params(shape), a.world
-    formula = {"DDP": 16 * psi, "ZeRO-2": 2 * psi + 14 * psi / n, "ZeRO-3": 16 * psi / n}
     mib = 2**20
-    print(f"{a.preset}: Ψ = {psi:,} parameters, N = {n}\n")
-    print("| layout | params | grads | AdamW | model state (rank 0) | + gathered bf16 params (fwd→bwd) | formula | measured / formula |")
-    print("|---|---|---|---|---|---|---|---|")
-    for i, name in enumerate(LAYOUTS):
-        p, g, o, gathered = per_rank[0][i].tolist()
-        state = p + g + o
-        total = state + (gathered if name == "ZeRO-2" else 0)
-        print(f"| {name} | {p / mib:.1f} MiB | {g / mib:.1f} MiB | {o / mib:.1f} MiB | {state / mib:.1f} MiB | "
-              f"{gathered / mib:.1f} MiB | {formula[name] / mib:.1f} MiB | {total / formula[name]:.3f} |")
-    print("\nZeRO-2's measured column adds the gathered bf16 parameters it keeps from forward to backward.")
+    print(f"{a.preset}: Ψ = {psi:,} parameters, N = {n}; held across a micro-batch boundary on rank 0\n")
+    for mp in ("bf16", "fp32"):
+        base = {"model": {"preset": a.preset}, "data": {"path": str(data), "seq_len": 128},
+                "train": {"global_batch": 2 * a.world}, "parallel": {"mixed_precision": mp}}
+        load_config(None, base)
+        cfgs = [layout_config(base, spec.format(w=a.world)) for spec in LAYOUTS.values()]
+        per_rank = run_ranks(a.world, measure, cfgs, timeout_s=600)
+        if mp == "bf16":
+            formula = {"DDP": 16 * psi, "ZeRO-1": 4 * psi + 12 * psi / n, "ZeRO-2": 2 * psi + 14 * psi / n,
+                       "ZeRO-3": 16 * psi / n}
+            text = {"DDP": "16Ψ", "ZeRO-1": "2Ψ + 2Ψ + 12Ψ/N", "ZeRO-2": "2Ψ + 14Ψ/N", "ZeRO-3": "16Ψ/N"}
+        else:
+            formula = {"DDP": 16 * psi, "ZeRO-1": 8 * psi + 8 * psi / n, "ZeRO-2": 4 * psi + 12 * psi / n,
+                       "ZeRO-3": 16 * psi / n}
+            text = {"DDP": "16Ψ", "ZeRO-1": "4Ψ + 4Ψ + 8Ψ/N", "ZeRO-2": "4Ψ + 12Ψ/N", "ZeRO-3": "16Ψ/N"}
+        print(f"mixed_precision = {mp}\n")
+        print("| layout | sharded params | gathered params | gradients | AdamW | total | formula | formula value | measured / formula |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for i, name in enumerate(LAYOUTS):
+            p, g, gr, o = per_rank[0][i].tolist()
+            total = p + g + gr + o
+            print(f"| {name} | {p / mib:.2f} MiB | {g / mib:.2f} MiB | {gr / mib:.2f} MiB | {o / mib:.2f} MiB | "
+                  f"{total / mib:.2f} MiB | {text[name]} | {formula[name] / mib:.2f} MiB | {total / formula[name]:.3f} |")
+        print()
 
 
 if __name__ == "__main__":

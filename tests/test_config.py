@@ -69,8 +69,15 @@ BAD = [
     (["--train.log_interval=0"], "train.log_interval"),
     (["--train.timeout_s=0"], "train.timeout_s"),
     (["--train.batch_ramp=[[0]]"], "train.batch_ramp"),
-    (["--parallel.zero=1"], "parallel.zero"),
-    (["--parallel.mixed_precision=fp8"], "parallel.mixed_precision"),
+    (["--parallel.zero=4"], "parallel.zero"),
+    (["--parallel.zero=2"], "parallel.zero"),  # changed meaning: must say which one (README)
+    (["--parallel.zero=1", "--parallel.reshard_after_forward=true"], "parallel.reshard_after_forward"),
+    (["--parallel.pp_schedule=Bogus"], "parallel.pp_schedule"),  # checked even with pp = 1
+    (["--parallel.tp=3"], "parallel.tp"),  # no world needed to know 8 heads do not split 3 ways
+    (["--parallel.cp=3", "--data.seq_len=64"], "data.seq_len"),
+    (["--parallel.pp=8"], "parallel.pp"),  # 4 layers cannot make 8 stages, whatever the world
+    (["--parallel.mixed_precision=fp4"], "parallel.mixed_precision"),
+    (["--parallel.fp8_recipe=blockwise"], "parallel.fp8_recipe"),
     (["--parallel.activation_checkpoint=some"], "parallel.activation_checkpoint"),
     (["--parallel.ac_every=0"], "parallel.ac_every"),
     (["--parallel.cp_attention=flash"], "parallel.cp_attention"),

@@ -3,7 +3,6 @@ overrides, validated up front so a bad value fails with one message naming its k
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import sys
@@ -18,12 +17,17 @@ from ndtrain.model.config import PRESETS, ModelConfig
 
 @dataclass
 class DataConfig:
-    path: str = "data/stdlib-byte"  # prepared directory (tokens.bin + manifest.json)
+    path: str = "data/stdlib-byte"  # prepared directory (token shards + manifest.json); with mix, their parent
     sources: list[str] = field(default_factory=list)  # empty = the Python standard library
     tokenizer: str = "byte"  # byte | bpe
     vocab_size: int = 8192  # for bpe
     max_mb: float = 16.0  # cap on the default corpus, in MB of text
     seq_len: int = 256
+    # Attention stays inside each document of a packed sequence; RoPE positions restart per document.
+    document_mask: bool = False
+    # [[name, weight], ...]: sample from several prepared corpora <path>/<name> in these proportions.
+    mix: list = field(default_factory=list)
+    prefetch: int = 2  # batches built ahead on a background thread (0 = off)
 
 
 @dataclass
@@ -42,7 +46,8 @@ class OptimizerConfig:
 @dataclass
 class ParallelConfig:
     # Mesh degrees, outermost first in the mesh: [pp, dp_replicate, dp_shard, cp, tp]. One may be
-    # -1 ("the rest of the world").
+    # -1 ("the rest of the world"); ep = -1 takes the whole shard group (dp_shard x cp).
+    # The rules they obey are ndtrain.layout's (problems()).
     dp_replicate: int = 1
     dp_shard: int = -1
     tp: int = 1
@@ -50,10 +55,16 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 1
     sequence_parallel: bool = True
-    # Data-parallel sharding: 3 = ZeRO-3 (reshard after forward), 2 = ZeRO-2-like (keep gathered
-    # parameters until backward). dp_shard=1 makes either plain replication (DDP).
+    # The ZeRO stage over the shard group dp_shard x cp, in the paper's sense: 1 = optimizer
+    # state sharded, 2 = also gradients, 3 = also parameters. Moot when dp_shard x cp = 1 (DDP).
     zero: int = 3
-    mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 params/compute, fp32 gradient reduction)
+    # ZeRO-3 only: free a block's gathered parameters after its forward (and gather them again
+    # for its backward), or keep them until the backward (more memory, one gather fewer).
+    reshard_after_forward: bool = True
+    # fp32 | bf16 (bf16 params/compute, fp32 gradient reduction) | fp8 (bf16, and the qualifying
+    # Linear layers' matmuls in float8 through torchao; see docs/fp8.md)
+    mixed_precision: str = "fp32"
+    fp8_recipe: str = "tensorwise"  # tensorwise | rowwise: torchao's Float8LinearConfig scaling recipe
     cpu_offload: bool = False
     activation_checkpoint: str = "none"  # none | full | every_n | selective
     ac_every: int = 2  # for every_n: checkpoint every N-th layer
@@ -66,7 +77,11 @@ class ParallelConfig:
     # How layers are split when layers_per_stage is empty: balanced (FLOPs + parameters) | uniform
     # | llama3 (even, one layer fewer on the first and last stage).
     pp_split: str = "balanced"
-    auto: bool = False  # let the planner choose the degrees for this world size
+    auto: bool = False  # let the planner choose the whole layout for this world size
+    # What auto plans for: "" = this machine (the GPU model from torch.cuda, mapped to the
+    # planner's catalog; the calibrated profile on CPU), a catalog name (h100, a100-80, ...) or a
+    # hardware profile JSON written by `ndtrain calibrate`.
+    auto_hardware: str = ""
 
 
 @dataclass
@@ -105,10 +120,22 @@ class CheckpointConfig:
     dir: str = ""  # default <output_dir>/checkpoints
 
 
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+
 @dataclass
 class LoggingConfig:
-    tensorboard: bool = True
+    # Where rank 0 sends the scalar metrics besides metrics.jsonl (always written). wandb runs
+    # offline and mlflow into a file store under the run directory unless told otherwise.
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    tensorboard: bool = True  # false drops "tensorboard" from trackers (the key predates trackers)
     progress: str = "auto"  # auto (only on a TTY) | on | off
+    project: str = "ndtrain"  # W&B project and MLflow experiment name
+    wandb_mode: str = "offline"  # offline | online
+    mlflow_uri: str = ""  # "" = file store <run dir>/mlruns; or a tracking server / database URI
+    # pp > 1: time every rank's F/B/W actions during this step and keep the timeline in the run
+    # directory (pipeline_trace.json) for `ndtrain report`'s Gantt chart; 0 = never.
+    pipeline_trace_step: int = 3
 
 
 @dataclass
@@ -155,6 +182,10 @@ def _coerce(key: str, value, typ):
         if isinstance(value, str):
             return value
         raise ConfigError(key, f"expected a string, got {value!r}")
+    if typ is list:  # a free-form list (data.mix), checked by validate()
+        if isinstance(value, list):
+            return value
+        raise ConfigError(key, f"expected a list, got {value!r}")
     if origin is list:
         (inner,) = typing.get_args(typ)
         if not isinstance(value, list):
@@ -218,7 +249,29 @@ def _merge(base: dict, extra: dict) -> dict:
     return merged
 
 
-def load_config(path: str | None = None, overrides: list[str] | dict | None = None) -> JobConfig:
+ZERO2_CHANGED = ("zero = 2 now means ZeRO-2 in the paper's sense (gradients and optimizer state sharded, parameters "
+                 "replicated); it used to mean zero = 3 keeping gathered parameters until backward. Say which you "
+                 "want: add reshard_after_forward = false to keep zero = 2 (ZeRO-2), or set zero = 3 with "
+                 "reshard_after_forward = false (the old behaviour)")
+
+
+def _zero_meaning(raw: dict, translate: bool) -> None:
+    """`zero = 2` changed meaning: a config that sets it without `reshard_after_forward` was
+    written for the old one, and must not silently train differently. A user's file or override
+    is refused with the choice spelt out; a stored config (a checkpoint's, translate=True) is read
+    with the meaning it was written with."""
+    par = raw.get("parallel")
+    if not isinstance(par, dict) or par.get("zero") != 2 or "reshard_after_forward" in par:
+        return
+    if not translate:
+        raise ConfigError("parallel.zero", ZERO2_CHANGED)
+    par.update(zero=3, reshard_after_forward=False)
+
+
+def load_config(path: str | None = None, overrides: list[str] | dict | None = None,
+                stored: bool = False) -> JobConfig:
+    """The job config from a TOML file and overrides, validated. stored=True reads a config
+    written by ndtrain itself (a checkpoint's), whose keys may predate a change of meaning."""
     raw: dict = {}
     name = "debug"
     if path:
@@ -233,6 +286,8 @@ def load_config(path: str | None = None, overrides: list[str] | dict | None = No
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
     raw = _merge(raw, overrides or {})
+    _zero_meaning(raw, translate=stored)
+    zero_stage_only = isinstance(raw.get("parallel"), dict) and "reshard_after_forward" not in raw["parallel"]
     cfg = JobConfig(name=raw.pop("name", name) if isinstance(raw.get("name"), str) else name)
     raw.pop("name", None)
     for section, values in raw.items():
@@ -247,13 +302,26 @@ def load_config(path: str | None = None, overrides: list[str] | dict | None = No
                 raise ConfigError("model.preset", f"unknown preset {preset_name!r} (presets: {', '.join(PRESETS)})")
             cfg.model = ModelConfig(preset=preset_name, **PRESETS[preset_name])
         _apply(getattr(cfg, section), section, values)
+    if cfg.parallel.zero in (1, 2) and (zero_stage_only or "parallel" not in raw):
+        cfg.parallel.reshard_after_forward = False  # ZeRO-1/2 never reshard: parameters stay gathered
     validate(cfg)
     return cfg
 
 
+def _mix_problem(mix: list) -> str | None:
+    for entry in mix:
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and entry[0]
+                and isinstance(entry[1], (int, float)) and not isinstance(entry[1], bool) and entry[1] > 0):
+            return f'must be a list of [name, weight] pairs with positive weights, e.g. [["web", 0.7], ["code", 0.3]]; got {entry!r}'
+    names = [e[0] for e in mix]
+    if len(set(names)) != len(names):
+        return f"names must be unique, got {names}"
+    return None
+
+
 def validate(cfg: JobConfig) -> None:
-    """Checks that need no process group. Layout checks against the world size live in
-    parallel/mesh.py; they run before any process group exists too."""
+    """Checks that need no process group and no world size. `config check --world N` (and the
+    trainer, before any process group exists) run the layout's rules for a given world."""
     for key, msg in cfg.model.validate():
         raise ConfigError(key, msg)
     d, o, t, p, c = cfg.data, cfg.optimizer, cfg.train, cfg.parallel, cfg.checkpoint
@@ -262,6 +330,8 @@ def validate(cfg: JobConfig) -> None:
         ("data.seq_len", d.seq_len > 0, f"must be positive, got {d.seq_len}"),
         ("data.seq_len", d.seq_len <= cfg.model.max_seq_len, f"{d.seq_len} exceeds model.max_seq_len {cfg.model.max_seq_len}"),
         ("data.max_mb", d.max_mb > 0, f"must be positive, got {d.max_mb}"),
+        ("data.prefetch", d.prefetch >= 0, f"must be >= 0 (0 disables prefetching), got {d.prefetch}"),
+        ("data.mix", _mix_problem(d.mix) is None, _mix_problem(d.mix) or ""),
         ("optimizer.lr", o.lr > 0, f"must be positive, got {o.lr}"),
         ("optimizer.min_lr_ratio", 0 <= o.min_lr_ratio <= 1, f"must be in [0, 1], got {o.min_lr_ratio}"),
         ("optimizer.warmup_steps", o.warmup_steps >= 0, f"must be >= 0, got {o.warmup_steps}"),
@@ -289,27 +359,34 @@ def validate(cfg: JobConfig) -> None:
         ("train.straggler_threshold", t.straggler_threshold >= 0, f"must be >= 0 (0 disables), got {t.straggler_threshold}"),
         ("train.straggler_window", t.straggler_window >= 1, f"must be >= 1, got {t.straggler_window}"),
         ("train.batch_ramp", all(len(r) == 2 and r[0] >= 0 and r[1] > 0 for r in t.batch_ramp), "must be a list of [tokens_seen, global_batch] pairs"),
-        ("parallel.zero", p.zero in (2, 3), f"must be 2 or 3, got {p.zero}"),
-        ("parallel.mixed_precision", p.mixed_precision in ("fp32", "bf16"), f"must be fp32 or bf16, got {p.mixed_precision!r}"),
-        ("parallel.activation_checkpoint", p.activation_checkpoint in ("none", "full", "every_n", "selective"), f"must be none, full, every_n or selective, got {p.activation_checkpoint!r}"),
-        ("parallel.ac_every", p.ac_every > 0, f"must be positive, got {p.ac_every}"),
-        ("parallel.cp_attention", p.cp_attention in ("ring", "allgather"), f"must be ring or allgather, got {p.cp_attention!r}"),
-        ("parallel.pp_virtual_stages", p.pp_virtual_stages > 0, f"must be positive, got {p.pp_virtual_stages}"),
-        ("parallel.pp_microbatches", p.pp_microbatches >= 0, f"must be >= 0, got {p.pp_microbatches}"),
-        ("parallel.pp_split", p.pp_split in ("balanced", "uniform", "llama3"), f"must be balanced, uniform or llama3, got {p.pp_split!r}"),
         ("checkpoint.interval_steps", c.interval_steps >= 0, f"must be >= 0, got {c.interval_steps}"),
         ("checkpoint.keep_last", c.keep_last >= 1, f"must be >= 1 (the newest checkpoint is always kept), got {c.keep_last}"),
         ("checkpoint.keep_every", c.keep_every >= 0, f"must be >= 0, got {c.keep_every}"),
         ("logging.progress", cfg.logging.progress in ("auto", "on", "off"), f"must be auto, on or off, got {cfg.logging.progress!r}"),
+        ("logging.trackers", all(t in TRACKERS for t in cfg.logging.trackers), f"must name trackers among {', '.join(TRACKERS)}, got {cfg.logging.trackers}"),
+        ("logging.trackers", len(set(cfg.logging.trackers)) == len(cfg.logging.trackers), f"names a tracker twice: {cfg.logging.trackers}"),
+        ("logging.wandb_mode", cfg.logging.wandb_mode in ("offline", "online"), f"must be offline or online, got {cfg.logging.wandb_mode!r}"),
+        ("logging.pipeline_trace_step", cfg.logging.pipeline_trace_step >= 0, f"must be >= 0 (0 = never), got {cfg.logging.pipeline_trace_step}"),
     ]
-    for key in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep"):
-        val = getattr(p, key)
-        checks.append((f"parallel.{key}", val == -1 or val >= 1, f"must be >= 1 or -1 (the rest of the world), got {val}"))
-    checks.append(("parallel", sum(getattr(p, k) == -1 for k in ("dp_replicate", "dp_shard", "tp", "cp", "pp")) <= 1,
-                   "at most one degree may be -1"))
     for key, ok, msg in checks:
         if not ok:
             raise ConfigError(key, msg)
+    # The layout: every rule a world size cannot change (ndtrain.layout.problems(), world unknown).
+    # With the world, `config check --world N` and `train` run the rest.
+    from ndtrain.layout import from_config, problems
+
+    found = problems(from_config(p, t, d), cfg.model, None, d.seq_len, layout_batches(t))
+    if found:
+        raise ConfigError(found[0].key, str(found[0]))
+
+
+def layout_batches(train: TrainConfig) -> list[int]:
+    """Every global batch (sequences) a run uses: the batch first, then each stage of its ramp."""
+    out = [train.global_batch]
+    for _, b in sorted(train.batch_ramp):
+        if b > 0 and b not in out:
+            out.append(b)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,14 +423,34 @@ def to_toml(cfg: JobConfig) -> str:
 def from_dict(d: dict) -> JobConfig:
     """Rebuild a JobConfig from `to_dict` output (e.g. the config stored in a checkpoint)."""
     d = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
-    return load_config(None, d)
+    return load_config(None, d, stored=True)
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="ndtrain config", description="Print the resolved configuration.")
-    parser.add_argument("action", choices=["show"])
-    parser.add_argument("--config", help="TOML file (default: built-in defaults)")
-    args, rest = parser.parse_known_args(argv)
-    cfg = load_config(args.config, rest)
+    """`ndtrain config show [--config F] [overrides]`: the resolved config (checked for what any
+    world would have wrong); `ndtrain config check --world N ...`: everything for N ranks."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: ndtrain config show [--config F] [--section.key=value ...]\n"
+              "       ndtrain config check --world N [--config F] [--section.key=value ...]")
+        return 0
+    action, rest = argv[0], argv[1:]
+    if action == "check":
+        from ndtrain.parallel.config_check import main as check_main
+
+        return check_main(rest)
+    if action != "show":
+        raise NdtrainError(f"unknown config action {action!r}; use `config show` or `config check --world N`")
+    path = None
+    if "--config" in rest:
+        i = rest.index("--config")
+        if i + 1 >= len(rest):
+            raise NdtrainError("--config needs a file")
+        path, rest = rest[i + 1], rest[:i] + rest[i + 2:]
+    else:
+        for i, a in enumerate(rest):
+            if a.startswith("--config="):
+                path, rest = a.split("=", 1)[1], rest[:i] + rest[i + 1:]
+                break
+    cfg = load_config(path, rest)
     sys.stdout.write(to_toml(cfg))
     return 0

@@ -88,7 +88,7 @@ def test_windows_are_shifted_slices_of_the_token_stream(data):
     assert batch.inputs.dtype == batch.targets.dtype == torch.int64
     assert batch.inputs.is_contiguous() and batch.targets.is_contiguous()
     assert torch.equal(batch.inputs[:, 1:], batch.targets[:, :-1])
-    tokens = np.fromfile(data / "tokens.bin", dtype=np.uint16)
+    tokens = np.concatenate([np.fromfile(f, dtype=np.uint16) for f in sorted(data.glob("tokens-*.bin"))])
     for row, j in enumerate(batch.indices.tolist()):
         window = torch.from_numpy(tokens[j * SEQ : j * SEQ + SEQ + 1].astype(np.int64))
         assert torch.equal(batch.inputs[row], window[:-1]) and torch.equal(batch.targets[row], window[1:])
@@ -98,7 +98,9 @@ def test_windows_are_shifted_slices_of_the_token_stream(data):
 def test_splits_do_not_overlap(data):
     train, val = TokenDataset(data, "train"), TokenDataset(data, "val")
     m = train.manifest
-    assert len(train) + len(val) == m["num_tokens"] and val.start == train.end
+    assert len(train) + len(val) == m["num_tokens"]
+    (part,) = m["parts"]
+    assert part["train"] == [0, len(train)] and part["val"] == [len(train), m["num_tokens"]]
     # The last training window ends inside the train split.
     assert (train.num_samples(SEQ) - 1) * SEQ + SEQ + 1 <= len(train)
 
@@ -108,7 +110,7 @@ def test_validation_batches(data):
     ref = validation_batches(val, SEQ, 4, 3)
     assert len(ref) == 3 and ref[0][0].shape == (4, SEQ)
     # First samples in order, no shuffle.
-    tokens = np.asarray(val.tokens, dtype=np.int64)
+    tokens = val.read(np.arange(len(val)))
     assert torch.equal(ref[0][0][1], torch.from_numpy(tokens[SEQ : 2 * SEQ]))
     shards = [validation_batches(val, SEQ, 4, 3, r, 2) for r in range(2)]
     for b in range(3):
@@ -140,12 +142,12 @@ def test_loader_errors(data):
 
 
 def test_dataset_validates_files(data):
-    tokens = data / "tokens.bin"
+    tokens = data / "tokens-00000.bin"
     tokens.write_bytes(tokens.read_bytes()[:100])
-    with pytest.raises(NdtrainError, match=r"tokens\.bin: size is 100 bytes"):
+    with pytest.raises(NdtrainError, match=r"tokens-00000\.bin: size is 100 bytes"):
         TokenDataset(data)
     tokens.unlink()
-    with pytest.raises(NdtrainError, match=r"tokens\.bin: token file missing"):
+    with pytest.raises(NdtrainError, match=r"tokens-00000\.bin: token shard missing"):
         TokenDataset(data)
 
 

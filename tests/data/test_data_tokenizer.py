@@ -19,6 +19,9 @@ def test_byte_tokenizer_round_trip():
     assert ids == list(SAMPLE.encode("utf-8")) and max(ids) < 256
     assert tok.decode(ids) == SAMPLE
     assert tok.decode([0xE6, 0x97]) == "\ufffd"  # a cut multi-byte character decodes, never raises
+    # 0xFF never occurs in UTF-8, so it can end documents without a 257th id.
+    assert tok.eos_id == 255 and 255 not in tok.encode(SAMPLE + "ÿ\U0010ffff")
+    assert tok.decode(tok.encode("ab") + [255] + tok.encode("é")) == f"ab{EOT}é"
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +62,14 @@ def test_prepare_bpe_separates_documents(tmp_path, text_gen):
     m = prepare([str(tmp_path / "d.jsonl")], tmp_path / "out", tokenizer="bpe", vocab_size=350, val_fraction=0.0)
     tok = load_tokenizer(tmp_path / "out")
     assert isinstance(tok, BPETokenizer) and m["vocab_size"] == tok.vocab_size and m["dtype"] == "uint16"
-    tokens = np.fromfile(tmp_path / "out" / "tokens.bin", dtype=np.uint16)
-    assert int((tokens == tok.eot_id).sum()) == 1
-    assert tok.decode(tokens.tolist()) == EOT.join(docs)
-    # Re-preparing the same directory with the byte tokenizer drops the now-stale tokenizer.json.
-    prepare([str(tmp_path / "d.jsonl")], tmp_path / "out")
-    assert not (tmp_path / "out" / "tokenizer.json").exists()
-    assert isinstance(load_tokenizer(tmp_path / "out"), ByteTokenizer)
+    tokens = np.fromfile(tmp_path / "out" / "tokens-00000.bin", dtype=np.uint16)
+    assert int((tokens == tok.eot_id).sum()) == 2 and m["eos_id"] == tok.eot_id
+    assert tok.decode(tokens.tolist()) == EOT.join(docs) + EOT
+    # Preparing the same directory with the byte tokenizer is refused: its shards are BPE ids.
+    with pytest.raises(NdtrainError, match="different settings: tokenizer='bpe'"):
+        prepare([str(tmp_path / "d.jsonl")], tmp_path / "out")
+    assert isinstance(load_tokenizer(tmp_path / "out"), BPETokenizer)
+
 
 
 def test_load_tokenizer_errors(tmp_path, text_gen):
@@ -76,3 +80,25 @@ def test_load_tokenizer_errors(tmp_path, text_gen):
         load_tokenizer(tmp_path / "out")
     with pytest.raises(NdtrainError, match="no manifest found"):
         load_tokenizer(tmp_path / "nowhere")
+
+
+def test_tokenizer_file_is_checked_field_by_field(tmp_path, text_gen):
+    (tmp_path / "a.txt").write_text(text_gen(1000))
+    m = prepare([str(tmp_path / "a.txt")], tmp_path / "out", tokenizer="bpe", vocab_size=300)
+    path = tmp_path / "out" / "tokenizer.json"
+    good = json.loads(path.read_text())
+    no_sha = {**m, "tokenizer_sha256": None}  # so each field check is reached
+    for edit, match in [
+        (lambda t: t["model"].update(type="WordPiece"), r"field 'model\.type' must be \"BPE\""),
+        (lambda t: t["model"].update(vocab=["a"]), r"field 'model\.vocab'"),
+        (lambda t: t.update(added_tokens=[]), r"field 'added_tokens' must be a list holding <\|endoftext\|>"),
+        (lambda t: t.pop("model"), r"field 'model' must be an object"),
+    ]:
+        t = json.loads(json.dumps(good))
+        edit(t)
+        path.write_text(json.dumps(t))
+        with pytest.raises(NdtrainError, match=match):
+            load_tokenizer(tmp_path / "out", no_sha)
+    path.write_text("{not json")
+    with pytest.raises(NdtrainError, match=r"tokenizer\.json: not valid JSON"):
+        load_tokenizer(tmp_path / "out", no_sha)

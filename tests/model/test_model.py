@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ndtrain.model.config import PRESETS, flops_per_token, num_params, preset
+from ndtrain.layout.flops import flops_per_token
+from ndtrain.model.config import PRESETS, num_params, preset
 from ndtrain.model.init import init_std, init_values, materialize
 from ndtrain.model.llama import apply_rope, build_model, expand_kv, rope_cos_sin
 

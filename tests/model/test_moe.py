@@ -232,20 +232,27 @@ def test_moe_config_errors_name_their_key(model, key):
     ("debug-moe", {"dp_shard": 3, "ep": 3}, 3, "parallel.ep"),  # 8 experts over 3 ranks
     ("debug-moe", {"dp_shard": 2, "ep": 4}, 2, "parallel.ep"),  # ep larger than dp_shard x cp
     ("debug-moe", {"dp_shard": 2, "tp": 2, "ep": 4}, 4, "parallel.ep"),  # tp ranks are not ep ranks
-    ("debug-moe", {"dp_shard": 2, "ep": 2, "activation_checkpoint": "selective"}, 2, "parallel.activation_checkpoint"),
+    ("debug", {"dp_shard": -1, "ep": -1}, 2, "parallel.ep"),  # ep=-1 honoured (= dp_shard x cp), then refused
+    ("debug-moe", {"dp_shard": -1, "ep": -1}, 3, "parallel.ep"),  # 3 ranks cannot split 8 experts
 ])
 def test_expert_parallel_layout_errors_name_their_key(model, par, world, key):
-    cfg = load_config(None, {"model": {"preset": model}, "parallel": par})
+    # Explicit degrees fail when the config loads (no world needed); -1 ones once the world is known.
     with pytest.raises(ConfigError) as err:
+        cfg = load_config(None, {"model": {"preset": model}, "parallel": par})
         pdims.resolve(cfg.parallel, world, cfg.model, cfg.data.seq_len)
     assert err.value.key == key
 
 
+def test_ep_minus_one_takes_the_whole_shard_group():
+    cfg = load_config(None, {"model": {"preset": "debug-moe"}, "parallel": {"dp_shard": -1, "ep": -1}})
+    assert pdims.resolve(cfg.parallel, 4, cfg.model, cfg.data.seq_len).ep == 4
+    assert pdims.resolve(cfg.parallel, 1, cfg.model, cfg.data.seq_len).ep == 1
+
+
 def test_capacity_with_context_parallel_is_refused():
-    cfg = load_config(None, {"model": {"preset": "debug-moe", "capacity_factor": 1.0},
-                             "parallel": {"dp_shard": 1, "cp": 2}, "data": {"seq_len": 64}})
     with pytest.raises(ConfigError) as err:
-        pdims.resolve(cfg.parallel, 2, cfg.model, cfg.data.seq_len)
+        load_config(None, {"model": {"preset": "debug-moe", "capacity_factor": 1.0},
+                           "parallel": {"dp_shard": 1, "cp": 2}, "data": {"seq_len": 64}})
     assert err.value.key == "model.capacity_factor"
 
 

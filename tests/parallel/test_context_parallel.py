@@ -81,7 +81,7 @@ def test_portable_block_kernel_matches_fused(causal, sq, sk):
 @pytest.mark.parametrize("parallel,seq_len,key", [
     ({"cp": 2, "dp_shard": 1}, 66, "data.seq_len"),  # 66 is not divisible by 2*cp = 4
     ({"cp": 4, "dp_shard": 1}, 68, "data.seq_len"),  # 68 = 8 * 8.5
-    ({"cp": 2, "pp": 2, "dp_shard": 1}, 64, "parallel.cp"),
+    ({"cp": 2, "pp": 2, "dp_shard": 1}, 66, "data.seq_len"),  # cp inside a pipeline: the same rule
     ({"cp": 2, "cp_attention": "flash"}, 64, "parallel.cp_attention"),
 ])
 def test_config_errors_name_their_key(parallel, seq_len, key):
@@ -283,8 +283,8 @@ def test_validation_and_positions_guard(cp_ranks, corpus_dir):
 def test_training_parity_vs_world1(parity_base):
     from ndtrain.parallel.verify import verify
 
-    layouts = ["cp=2", "cp=2 cp_attention=allgather ac=full ga=2",
-               "cp=2 dp_shard=2", "cp=2 tp=2", "cp=4"]
+    layouts = ["cp=2", "cp=2,cp_attention=allgather,ac=full,ga=2",
+               "cp=2,dp_shard=2", "cp=2,tp=2", "cp=4"]
     _, results = verify(parity_base, layouts, steps=3, tol_loss=TOL, tol_weight=TOL)
     bad = [r for r in results if not r.passed or r.d_grad_norm > TOL]
     assert len(results) == len(layouts) and not bad, "\n".join(

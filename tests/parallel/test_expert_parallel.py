@@ -36,9 +36,9 @@ def test_expert_parallel_parity_aux_loss(parity_base):
     """Sequence-wise aux loss, no dropping: ep=2, ep=4, ep=2 x 2 FSDP shards of the experts
     (with accumulation), ep=2 under HSDP; with cp (the aux statistics of a sequence split over
     ranks) and pp (the aux loss on a stage without the training loss) when present."""
-    layouts = ["dp_shard=2 ep=2", "dp_shard=4 ep=4", "dp_shard=4 ep=2 ga=2", "dp_replicate=2 dp_shard=2 ep=2"]
-    layouts += ["cp=2 ep=2"] if HAS_CP else []
-    layouts += ["pp=2 dp_shard=2 ep=2"] if HAS_PP else []
+    layouts = ["dp_shard=2,ep=2", "dp_shard=4,ep=4", "dp_shard=4,ep=2,ga=2", "dp_replicate=2,dp_shard=2,ep=2"]
+    layouts += ["cp=2,ep=2"] if HAS_CP else []
+    layouts += ["pp=2,dp_shard=2,ep=2"] if HAS_PP else []
     ref, results = verify(_moe_base(parity_base), layouts, steps=3, tol_loss=TOL, tol_weight=TOL)
     _check(results, layouts)
     assert ref["losses"][-1] < ref["losses"][0]
@@ -47,8 +47,9 @@ def test_expert_parallel_parity_aux_loss(parity_base):
 @pytest.mark.timeout(300)
 def test_expert_parallel_parity_capacity_and_aux_free(parity_base):
     """Capacity dropping with the aux-loss-free bias (the biases are buffers in the compared
-    state): ep=2 with full recompute, ep=4, and ep=2 with tensor parallel (tp=2)."""
-    layouts = ["dp_shard=2 ep=2 ac=full", "dp_shard=4 ep=4", "dp_shard=2 ep=2 tp=2"]
+    state): ep=2 with full and selective recompute, ep=4, and ep=2 with tensor parallel (tp=2)."""
+    layouts = ["dp_shard=2,ep=2,ac=full", "dp_shard=4,ep=4", "dp_shard=2,ep=2,tp=2", "dp_shard=2,ep=2,ac=selective",
+               "dp_shard=4,ep=2,tp=1,ac=selective,zero=1"]
     base = _moe_base(parity_base, capacity_factor=1.0, load_balance="aux_free")
     ref, results = verify(base, layouts, steps=3, tol_loss=TOL, tol_weight=TOL)
     _check(results, layouts)

@@ -11,12 +11,19 @@ from ndtrain.parallel.verify import verify
 FP32_TOL = 1e-5
 BF16_TOL = 1e-2  # bf16 parameters carry ~3 significant digits; 3 steps stay well inside 1e-2
 
-WORLD2 = ["dp_replicate=2", "dp_shard=2", "tp=2", "tp=2 sp=0"]
-WORLD4 = ["dp_shard=4", "dp_replicate=2 dp_shard=2", "tp=4", "dp_shard=2 tp=2", "dp_shard=2 tp=2 sp=0"]
-VARIANTS = ["", " ga=2", " ac=full"]
-EXTRA2 = ["dp_shard=2 zero=2", "dp_shard=2 offload=true", "tp=2 ac=selective", "dp_shard=2 ac=every_n ga=2"]
-EXTRA4 = ["dp_shard=2 tp=2 zero=2 ac=selective", "dp_replicate=2 tp=2 sp=0 ga=2"]
-BF16 = ["mp=bf16", "dp_shard=2 mp=bf16", "dp_shard=2 tp=2 mp=bf16"]
+WORLD2 = ["dp_replicate=2", "dp_shard=2", "tp=2", "tp=2,sp=0"]
+WORLD4 = ["dp_shard=4", "dp_replicate=2,dp_shard=2", "tp=4", "dp_shard=2,tp=2", "dp_shard=2,tp=2,sp=0"]
+VARIANTS = ["", ",ga=2", ",ac=full"]
+# ZeRO stages in the paper's sense (the trainer's accumulation differs per stage, so ga=2 too):
+# 1 optimizer state sharded, 2 also gradients, 3 also parameters (and 3 keeping them gathered).
+ZERO2 = ["dp_shard=2,zero=1", "dp_shard=2,zero=1,ga=2", "dp_shard=2,zero=2", "dp_shard=2,zero=2,ga=2",
+         "dp_shard=2,zero=3,reshard_after_forward=0,ga=2"]
+ZERO4 = ["dp_replicate=2,dp_shard=2,zero=1,ga=2", "dp_shard=2,tp=2,zero=1", "dp_shard=2,cp=2,zero=2,ga=2",
+         "cp=2,zero=1"]
+EXTRA2 = ["dp_shard=2,offload=true", "tp=2,ac=selective", "dp_shard=2,ac=every_n,ga=2"]
+EXTRA4 = ["dp_shard=2,tp=2,zero=2,ac=selective", "dp_replicate=2,tp=2,sp=0,ga=2"]
+BF16 = ["mp=bf16", "dp_shard=2,mp=bf16", "dp_shard=2,tp=2,mp=bf16", "dp_shard=2,zero=1,mp=bf16,ga=2",
+        "dp_shard=2,zero=2,mp=bf16"]
 
 
 def _check(results, tol):
@@ -27,7 +34,7 @@ def _check(results, tol):
 
 @pytest.mark.timeout(600)
 def test_fp32_layout_matrix(parity_base):
-    layouts = [base + v for base in WORLD2 + WORLD4 for v in VARIANTS] + EXTRA2 + EXTRA4
+    layouts = [base + v for base in WORLD2 + WORLD4 for v in VARIANTS] + ZERO2 + ZERO4 + EXTRA2 + EXTRA4
     _, results = verify(parity_base, layouts, steps=3, tol_loss=FP32_TOL, tol_weight=FP32_TOL)
     assert len(results) == len(layouts)
     _check(results, FP32_TOL)
@@ -42,7 +49,7 @@ def test_clipping_active_layouts_agree(parity_base):
     base = {k: dict(v) for k, v in parity_base.items()}
     base["optimizer"]["grad_clip"] = 0.05
     base["optimizer"]["eps"] = 1e-3  # large eps: the update scales with the clipped gradient
-    _, results = verify(base, ["dp_shard=2 tp=2 sp=0", "tp=2"], steps=3, tol_loss=FP32_TOL, tol_weight=FP32_TOL)
+    _, results = verify(base, ["dp_shard=2,tp=2,sp=0", "tp=2"], steps=3, tol_loss=FP32_TOL, tol_weight=FP32_TOL)
     _check(results, FP32_TOL)
 
 
@@ -58,7 +65,7 @@ def test_bf16_mixed_precision(parity_base):
 @pytest.mark.timeout(900)
 def test_compiled_blocks_match_eager(parity_base):
     """torch.compile per block (cold compiles take tens of seconds on 2 cores: slow suite)."""
-    _, results = verify(parity_base, ["compile=true", "dp_shard=2 compile=true ac=full"], steps=3,
+    _, results = verify(parity_base, ["compile=true", "dp_shard=2,compile=true,ac=full"], steps=3,
                         tol_loss=FP32_TOL, tol_weight=FP32_TOL)
     _check(results, FP32_TOL)
 
@@ -68,6 +75,8 @@ def test_compile_with_tp_is_refused_up_front(parity_base):
     from ndtrain.errors import ConfigError
     from ndtrain.parallel.dims import resolve
 
-    cfg = load_config(None, {"parallel": {"tp": 2, "compile": True}})
+    with pytest.raises(ConfigError, match="parallel.compile"):
+        cfg = load_config(None, {"parallel": {"tp": 2, "compile": True}})  # explicit degrees: no world needed
+    cfg = load_config(None, {"parallel": {"tp": -1, "dp_shard": 1, "compile": True}})
     with pytest.raises(ConfigError, match="parallel.compile"):
         resolve(cfg.parallel, 2, cfg.model)

@@ -10,17 +10,25 @@ from ndtrain.parallel.verify import verify
 
 TOL = 1e-5
 
-WORLD2 = ["pp=2 schedule=GPipe", "pp=2 schedule=1F1B", "pp=2 schedule=1F1B ga=4 ac=full",
-          "pp=2 v=2 schedule=Interleaved1F1B", "pp=2 v=2 schedule=InterleavedZeroBubble",
-          "pp=2 v=2 schedule=ZBVZeroBubble ac=full", "pp=2 v=2 schedule=DualPipeV",
-          "pp=2 v=2 schedule=ZBVZeroBubble pp_microbatches=8"]
-WORLD4 = ["pp=4 schedule=GPipe", "pp=4 schedule=1F1B", "pp=4 schedule=1F1B pp_split=llama3",
-          "pp=4 v=2 schedule=Interleaved1F1B", "pp=4 v=2 schedule=Interleaved1F1B ga=2",
-          "pp=4 v=2 schedule=InterleavedZeroBubble", "pp=4 v=2 schedule=ZBVZeroBubble",
-          "pp=4 v=2 schedule=DualPipeV",
-          "pp=2 dp_shard=2", "pp=2 dp_replicate=2", "pp=2 tp=2", "pp=2 tp=2 sp=0 ac=full",
-          "pp=2 v=2 dp_shard=2 schedule=ZBVZeroBubble", "pp=2 v=2 tp=2 schedule=Interleaved1F1B ga=4"]
-WORLD8 = ["pp=2 dp_shard=2 tp=2", "pp=2 v=2 dp_shard=2 tp=2 schedule=Interleaved1F1B"]
+WORLD2 = ["pp=2,schedule=GPipe", "pp=2,schedule=1F1B", "pp=2,schedule=1F1B,ga=4,ac=full",
+          "pp=2,v=2,schedule=Interleaved1F1B", "pp=2,v=2,schedule=InterleavedZeroBubble",
+          "pp=2,v=2,schedule=ZBVZeroBubble,ac=full", "pp=2,v=2,schedule=DualPipeV",
+          "pp=2,v=2,schedule=ZBVZeroBubble,pp_microbatches=8"]
+WORLD4 = ["pp=4,schedule=GPipe", "pp=4,schedule=1F1B", "pp=4,schedule=1F1B,pp_split=llama3",
+          "pp=4,v=2,schedule=Interleaved1F1B", "pp=4,v=2,schedule=Interleaved1F1B,ga=2",
+          "pp=4,v=2,schedule=InterleavedZeroBubble", "pp=4,v=2,schedule=ZBVZeroBubble",
+          "pp=4,v=2,schedule=DualPipeV",
+          "pp=2,dp_shard=2", "pp=2,dp_replicate=2", "pp=2,tp=2", "pp=2,tp=2,sp=0,ac=full",
+          "pp=2,v=2,dp_shard=2,schedule=ZBVZeroBubble", "pp=2,v=2,tp=2,schedule=Interleaved1F1B,ga=4"]
+# Context parallel inside a pipeline (every stage gets the cp shard's global positions for RoPE)
+# and the ZeRO stages a pipeline runs (it reduces gradients once per step: 1 and 3).
+CP_ZERO4 = ["pp=2,cp=2", "pp=2,cp=2,v=2,schedule=ZBVZeroBubble", "pp=2,cp=2,v=2,schedule=Interleaved1F1B,ga=4",
+            "pp=2,dp_shard=2,zero=1", "pp=2,dp_shard=2,zero=3,reshard_after_forward=0",
+            "pp=2,v=2,dp_shard=2,zero=1,schedule=DualPipeV"]
+# Tied embeddings: the first and last stage each hold the weight, their gradients are summed.
+TIED2 = ["pp=2", "pp=2,v=2,schedule=ZBVZeroBubble"]
+TIED4 = ["pp=4", "pp=4,v=2,schedule=DualPipeV", "pp=2,tp=2", "pp=2,dp_shard=2,zero=1"]
+WORLD8 = ["pp=2,dp_shard=2,tp=2", "pp=2,v=2,dp_shard=2,tp=2,schedule=Interleaved1F1B"]
 
 
 def _base(parity_base, clip: bool = False) -> dict:
@@ -59,9 +67,25 @@ def test_pp_with_moe_expert_parallel_aux_free(parity_base):
     forward on a schedule's first step must not count as training tokens."""
     base = {k: dict(v) for k, v in parity_base.items()}
     base["model"] = {"preset": "debug-moe", "load_balance": "aux_free"}
-    layouts = ["pp=2 dp_shard=2 ep=2", "pp=2 v=2 dp_shard=2 ep=2 schedule=ZBVZeroBubble"]
+    layouts = ["pp=2,dp_shard=2,ep=2", "pp=2,v=2,dp_shard=2,ep=2,schedule=ZBVZeroBubble",
+               "pp=2,cp=2,ep=2", "pp=2,v=2,cp=2,ep=2,zero=1,schedule=DualPipeV"]  # pp x cp x ep, as plans propose
     _, results = verify(base, layouts, steps=3, tol_loss=TOL, tol_weight=TOL)
     _check(results, layouts)
+
+
+@pytest.mark.timeout(300)
+def test_cp_and_zero_stages_inside_a_pipeline(parity_base):
+    _, results = verify(_base(parity_base), CP_ZERO4, steps=3, tol_loss=TOL, tol_weight=TOL)
+    _check(results, CP_ZERO4)
+
+
+@pytest.mark.timeout(300)
+def test_tied_embeddings_across_stages(parity_base):
+    base = _base(parity_base, clip=True)  # every step clips: the tied weight must count once in the norm
+    base["model"]["tie_embeddings"] = True
+    ref, results = verify(base, TIED2 + TIED4, steps=3, tol_loss=TOL, tol_weight=TOL)
+    _check(results, TIED2 + TIED4)
+    assert "output.weight" in ref["weights"] and "tok_embeddings.weight" in ref["weights"]
 
 
 @pytest.mark.timeout(300)

@@ -18,11 +18,10 @@ from ndtrain.parallel.pipeline import build_stage_module, part_costs, stage_laye
 
 # ---- splitting -----------------------------------------------------------------------------
 
-def _max_cost(counts, costs, first, last):
+def _max_cost(counts, costs):
     out, start = [], 0
     for k, c in enumerate(counts):
-        x = sum(costs[start:start + c]) + (first if k == 0 else 0) + (last if k == len(counts) - 1 else 0)
-        out.append(x)
+        out.append(costs.stage(start, start + c, k == 0, k == len(counts) - 1))
         start += c
     return max(out)
 
@@ -31,17 +30,26 @@ def test_balanced_split_is_optimal_and_weighs_the_head():
     # A large vocabulary makes the head (and embedding) cost several layers: the balanced split
     # gives the first and last stage fewer layers, and no contiguous split has a cheaper maximum.
     cfg = replace(preset("debug"), n_layers=10, vocab_size=8192)
-    costs, first, last = part_costs(cfg, 64)
+    costs = part_costs(cfg, 64)
     counts = stage_layer_counts(cfg, 4, 64, "balanced")
     assert sum(counts) == 10 and min(counts) >= 1
     assert counts[0] < counts[1] and counts[-1] < counts[-2]
-    best = min(_max_cost(c, costs, first, last)
-               for c in itertools.product(range(1, 8), repeat=4) if sum(c) == 10)
-    assert _max_cost(counts, costs, first, last) == pytest.approx(best)
-    assert _max_cost(counts, costs, first, last) < _max_cost(stage_layer_counts(cfg, 4, 64, "uniform"),
-                                                              costs, first, last)
+    best = min(_max_cost(c, costs) for c in itertools.product(range(1, 8), repeat=4) if sum(c) == 10)
+    assert _max_cost(counts, costs) == pytest.approx(best)
+    assert _max_cost(counts, costs) < _max_cost(stage_layer_counts(cfg, 4, 64, "uniform"), costs)
     # Identical layers and a negligible head: an even split.
     assert stage_layer_counts(replace(preset("debug"), n_layers=8), 4, 64) == [2, 2, 2, 2]
+
+
+def test_balanced_split_weighs_time_and_memory_apart():
+    # DeepSeek-V3's three dense layers take an MoE layer's time but a tenth of its memory: a stage
+    # costs the larger of its FLOP and parameter shares, so the dense layers do not pile up on
+    # the first stage as they would if the two were added.
+    cfg = preset("deepseek-v3")
+    costs = part_costs(cfg, 4096)
+    assert costs.params[0] < costs.params[5] / 10 and costs.flops[0] == pytest.approx(costs.flops[5], rel=0.1)
+    counts = stage_layer_counts(cfg, 16, 4096)
+    assert counts[0] <= max(counts[1:]) and sum(counts) == 61
 
 
 def test_uniform_llama3_and_explicit_splits():
@@ -147,6 +155,12 @@ def _resolve(parallel: dict, train: dict | None = None, model: dict | None = Non
     return resolve(cfg.parallel, world or cfg.parallel.pp, cfg.model, 64, cfg.train)
 
 
+def test_tied_embeddings_and_context_parallel_combine_with_pp():
+    # Once refused; the runtime builds both now (parity: test_pipeline_parity.py).
+    assert _resolve({"pp": 2}, {"global_batch": 8, "micro_batch": 4}, {"tie_embeddings": True}).pp == 2
+    assert _resolve({"pp": 2, "cp": 2}, {"global_batch": 8, "micro_batch": 4}, world=4).cp == 2
+
+
 ERRORS = [
     ({"pp": 2, "pp_schedule": "Bogus"}, {}, {}, "parallel.pp_schedule"),
     ({"pp": 2, "pp_virtual_stages": 2}, {}, {}, "parallel.pp_virtual_stages"),
@@ -168,14 +182,15 @@ ERRORS = [
     ({"pp": 4, "pp_split": "llama3"}, {}, {"n_layers": 5}, "parallel.pp_split"),
     ({"pp": 2, "layers_per_stage": [1, 2, 5]}, {}, {}, "parallel.layers_per_stage"),
     ({"pp": 4, "pp_schedule": "Interleaved1F1B", "pp_virtual_stages": 4}, {}, {}, "parallel.pp"),
-    ({"pp": 2}, {}, {"tie_embeddings": True}, "model.tie_embeddings"),
+    ({"pp": 2, "dp_shard": 2, "zero": 2, "reshard_after_forward": False}, {}, {}, "parallel.zero"),
+    ({"pp": 1, "pp_schedule": "Bogus"}, {}, {}, "parallel.pp_schedule"),  # a misspelt schedule fails at pp=1 too
 ]
 
 
 @pytest.mark.parametrize("parallel,train,model,key", ERRORS)
 def test_pipeline_errors_name_their_key(parallel, train, model, key):
     with pytest.raises(ConfigError) as exc:
-        _resolve(parallel, train, model, world=parallel["pp"] * parallel.get("dp_shard", 1))
+        _resolve(parallel, train, model, world=parallel.get("pp", 1) * parallel.get("dp_shard", 1))
     assert exc.value.key == key
     assert f"'{key}'" in str(exc.value)
 
@@ -198,8 +213,9 @@ def test_valid_pipeline_layouts_resolve():
 def test_verify_layouts_default_to_a_runnable_microbatch_count(parity_base):
     from ndtrain.parallel.verify import layout_config
 
-    cases = {"pp=2 schedule=1F1B": 4, "pp=4 v=2 schedule=DualPipeV": 1, "pp=2 dp_shard=2 tp=2": 2,
-             "pp=2 ga=4": 2, "dp_shard=2": 4}
+    parity_base = {**parity_base, "model": {"preset": "debug", "n_layers": 8}}
+    cases = {"pp=2,schedule=1F1B": 4, "pp=4,v=2,schedule=DualPipeV": 1, "pp=2,dp_shard=2,tp=2": 2,
+             "pp=2,ga=4": 2, "dp_shard=2": 4}
     for spec, micro in cases.items():
         assert layout_config(parity_base, spec).train.micro_batch == micro, spec
 

@@ -10,7 +10,7 @@ import pytest
 from ndtrain.model.config import num_params, preset
 from ndtrain.planner.api import predict
 from ndtrain.planner.hardware import CATALOG, this_machine
-from ndtrain.planner.layout import Layout
+from ndtrain.layout import Layout
 from ndtrain.planner.problem import make_problem
 from ndtrain.planner.timing import step_breakdown
 
@@ -73,8 +73,14 @@ def test_cpu_ranks_pay_one_collective_per_fsdp_unit(tmp_path):
     t = step_breakdown(pb, Layout(dp_shard=2, mb=2))  # 2 micro-batches, 8 layers + the root
     params = num_params(cfg)
     one = lambda kind: 9 * collective_time(pb.hw, kind, 2, 1, 4 * params / 9)  # noqa: E731
-    # gathers in every forward and backward, the reduce-scatter once, after the last micro-batch
-    assert t["comm"]["dp"] == pytest.approx(2 * 2 * one("all_gather") + one("reduce_scatter"), rel=1e-6)
+    # ZeRO-3: gathers in every forward and backward, a reduce-scatter after every micro-batch
+    assert t["comm"]["dp"] == pytest.approx(2 * 2 * one("all_gather") + 2 * one("reduce_scatter"), rel=1e-6)
+    # ZeRO-1: parameters gathered once (the step's first forward), gradients reduced once
+    t1 = step_breakdown(pb, Layout(dp_shard=2, mb=2, zero=1, reshard_after_forward=False))
+    assert t1["comm"]["dp"] == pytest.approx(one("all_gather") + one("reduce_scatter"), rel=1e-6)
+    # ZeRO-2: as ZeRO-1, but a reduce-scatter after every micro-batch
+    t2 = step_breakdown(pb, Layout(dp_shard=2, mb=2, zero=2, reshard_after_forward=False))
+    assert t2["comm"]["dp"] == pytest.approx(one("all_gather") + 2 * one("reduce_scatter"), rel=1e-6)
 
 
 def test_collective_fits_follow_the_rank_count(tmp_path):

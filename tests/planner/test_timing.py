@@ -7,7 +7,7 @@ import pytest
 from ndtrain.model.config import preset
 from ndtrain.planner.comm import collective_time
 from ndtrain.planner.hardware import CATALOG
-from ndtrain.planner.layout import Layout
+from ndtrain.layout import Layout
 from ndtrain.planner.problem import make_problem
 from ndtrain.planner.timing import bubble_time, layer_costs, step_breakdown
 
@@ -80,3 +80,20 @@ def test_zero3_moves_more_than_zero1():
     z1 = step_breakdown(pb, Layout(dp_shard=64, zero=1, mb=1))
     z3 = step_breakdown(pb, Layout(dp_shard=64, zero=3, mb=1))
     assert z3["total"] >= z1["total"]
+
+
+def test_fp8_prices_only_the_matmuls_the_runtime_converts():
+    """layout/fp8.py's rule: block Linears in fp8, head in bf16, and nothing when the dims are
+    not multiples of 16 (the runtime converts no layer; nor does the planner speed any up)."""
+    lay = Layout(dp_shard=8, mb=1, ac="none")
+
+    def costs(cfg, precision):
+        return layer_costs(make_problem(cfg, 4096, 64, 8, "h100", precision=precision), lay)
+
+    llama = preset("llama3-8b")
+    assert costs(llama, "fp8")["W"] == pytest.approx(costs(llama, "bf16")["W"] * H100.peak_bf16 / H100.peak_fp8)
+    assert costs(llama, "fp8")["head"] == pytest.approx(costs(llama, "bf16")["head"])
+    odd = preset("llama3-8b", dim=4104, n_heads=36, n_kv_heads=6)
+    assert costs(odd, "fp8")["W"] == pytest.approx(costs(odd, "bf16")["W"])
+    moe = preset("deepseek-v3")  # routed and shared experts, router: bf16
+    assert costs(moe, "bf16")["W"] / 2 < costs(moe, "fp8")["W"] < costs(moe, "bf16")["W"]

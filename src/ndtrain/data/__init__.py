@@ -19,6 +19,12 @@ _EXPORTS = {
     "StatefulLoader": "loader",
     "Batch": "loader",
     "validation_batches": "loader",
+    "MixtureDataset": "mixture",
+    "MixtureLoader": "mixture",
+    "open_dataset": "mixture",
+    "make_loader": "mixture",
+    "document_ids": "packing",
+    "document_positions": "packing",
 }
 
 __all__ = sorted(_EXPORTS)

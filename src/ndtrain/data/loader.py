@@ -1,30 +1,41 @@
-"""Deterministic, resumable sampling of fixed-length windows from a prepared token file.
+"""Deterministic, resumable sampling of fixed-length windows from a prepared corpus.
 
-The design rests on one global stream of samples, independent of data parallelism:
+The design rests on one global stream of samples, independent of data parallelism and of how
+the corpus is cut into shards:
 
-    global sample k  ->  epoch e = k // n,  index = permutation(seed, e)[k % n]
+    global sample k  ->  epoch e = k // n,  window = permutation(seed, e)[k % n]
 
-Each step consumes a contiguous block [consumed, consumed + global_batch) of that stream and rank r
-takes the r-th equal slice of it. So the loader state is a single integer (samples consumed) plus
-the seed, and a run resumed at any dp_size, with any per-step batch size, sees every sample of the
-stream exactly once and in the same order.
+A split is the concatenation of its parts' token ranges (manifest.py), read across shard
+boundaries as one stream, so window j names the same tokens whatever the shard count. Each step
+consumes a contiguous block [consumed, consumed + global_batch) of the stream and rank r takes
+the r-th equal slice of it. So the loader state is one integer (samples consumed) plus the seed,
+and a run resumed at any dp_size, with any per-step batch size, sees every sample of the stream
+exactly once and in the same order.
+
+A batch is a pure function of (consumed, global_batch, rank), which is what makes prefetching
+safe: a background thread builds the batch the next step will most likely ask for, and a step
+that asks for anything else (a checkpoint load, a skipped window, a batch-size ramp) simply
+builds its own.
 """
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ndtrain.data.manifest import TOKENS_NAME, read_manifest
+from ndtrain.data.manifest import read_manifest, split_ranges
 from ndtrain.errors import NdtrainError
+
+_LOAD_CHECK_TOKENS = 4096  # ids checked at each end of every shard when a dataset opens
 
 
 class TokenDataset:
-    """One split of a prepared directory, memory-mapped (nothing is read until a window is sampled)."""
+    """One split of a prepared directory; shards are memory-mapped on first use."""
 
     def __init__(self, data_dir: str | os.PathLike, split: str = "train"):
         if split not in ("train", "val"):
@@ -32,29 +43,76 @@ class TokenDataset:
         self.data_dir = Path(data_dir)
         self.split = split
         self.manifest = read_manifest(self.data_dir)
-        start, end = self.manifest["splits"][split]
-        self.start, self.end = start, end
         self.vocab_size = self.manifest["vocab_size"]
-        path = self.data_dir / TOKENS_NAME
-        if self.manifest["num_tokens"] == 0:
-            self.tokens = np.zeros(0, dtype=self.manifest["dtype"])  # np.memmap refuses empty files
-        else:
-            full = np.memmap(path, dtype=self.manifest["dtype"], mode="r", shape=(self.manifest["num_tokens"],))
-            self.tokens = full[start:end]
+        self.eos_id = self.manifest.get("eos_id")
+        self.dtype = np.dtype(self.manifest["dtype"])
+        shards = self.manifest["shards"]
+        self.shard_paths = [self.data_dir / s["file"] for s in shards]
+        self.shard_starts = np.cumsum([0] + [s["num_tokens"] for s in shards])  # global offset of each shard
+        ranges = split_ranges(self.manifest, split)
+        self.range_starts = np.asarray([a for a, _ in ranges], dtype=np.int64)  # global offsets
+        self.range_offsets = np.cumsum([0] + [b - a for a, b in ranges])  # split offsets
+        self._maps: dict[int, np.ndarray] = {}
+        self._check_sample()
 
     def __len__(self) -> int:
-        return self.end - self.start
+        return int(self.range_offsets[-1])
+
+    def _shard(self, i: int) -> np.ndarray:
+        m = self._maps.get(i)
+        if m is None:
+            n = int(self.shard_starts[i + 1] - self.shard_starts[i])
+            # np.memmap refuses empty files; an empty shard is never indexed anyway.
+            m = np.memmap(self.shard_paths[i], dtype=self.dtype, mode="r", shape=(n,)) if n else np.zeros(0, self.dtype)
+            self._maps[i] = m
+        return m
+
+    def _bad_token(self, shard: int, offset: int, value: int):
+        raise NdtrainError(f"{self.shard_paths[shard]}: token id {value} at offset {offset:,} is not below the "
+                           f"vocabulary size {self.vocab_size}; the shard is corrupt or from another tokenizer, prepare again")
+
+    def _check_sample(self) -> None:
+        """Cheap check at open: both ends of every shard hold ids below the vocabulary size."""
+        for i in range(len(self.shard_paths)):
+            m = self._shard(i)
+            for lo in (0, max(0, len(m) - _LOAD_CHECK_TOKENS)):
+                part = np.asarray(m[lo:lo + _LOAD_CHECK_TOKENS])
+                if len(part) and int(part.max()) >= self.vocab_size:
+                    j = int(np.argmax(part >= self.vocab_size))
+                    self._bad_token(i, lo + j, int(part[j]))
+
+    def read(self, offsets: np.ndarray) -> np.ndarray:
+        """int64 tokens at the given split offsets (any shape)."""
+        flat = offsets.reshape(-1).astype(np.int64)
+        if len(flat) and (flat.min() < 0 or flat.max() >= len(self)):
+            raise IndexError(f"split offset out of range [0, {len(self)})")
+        r = np.searchsorted(self.range_offsets, flat, side="right") - 1
+        glob = self.range_starts[r] + (flat - self.range_offsets[r])
+        shard = np.searchsorted(self.shard_starts, glob, side="right") - 1
+        local = glob - self.shard_starts[shard]
+        out = np.empty(len(flat), dtype=np.int64)
+        for s in np.unique(shard):  # almost always one or two shards per batch
+            sel = shard == s
+            out[sel] = self._shard(int(s))[local[sel]]
+        # Every batch: one max over the tokens read catches a corrupt shard before the embedding does.
+        if len(out) and int(out.max()) >= self.vocab_size:
+            j = int(np.argmax(out >= self.vocab_size))
+            self._bad_token(int(shard[j]), int(local[j]), int(out[j]))
+        return out.reshape(offsets.shape)
 
     def num_samples(self, seq_len: int) -> int:
         """Non-overlapping windows of seq_len + 1 tokens (neighbours share one boundary token)."""
         return max(0, (len(self) - 1) // seq_len)
 
     def windows(self, indices: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) int64 tensors of shape [len(indices), seq_len] for the given sample indices."""
+        """(inputs, targets) int64 tensors of shape [len(indices), seq_len] for the given window indices."""
         offsets = indices.astype(np.int64)[:, None] * seq_len + np.arange(seq_len + 1, dtype=np.int64)
-        chunk = torch.from_numpy(np.asarray(self.tokens[offsets], dtype=np.int64))
+        chunk = torch.from_numpy(self.read(offsets))
         # Contiguous copies: callers pin/transfer these, and strided views of one buffer would alias.
         return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+    def describe(self) -> str:
+        return str(self.data_dir)
 
 
 @dataclass
@@ -62,11 +120,16 @@ class Batch:
     inputs: torch.Tensor  # [local_batch, seq_len] int64
     targets: torch.Tensor  # inputs shifted left by one token
     global_ids: torch.Tensor  # [local_batch] position k of each sample in the global stream
-    indices: torch.Tensor  # [local_batch] window index within the split (what k maps to)
+    indices: torch.Tensor  # [local_batch] window index within the split (of its component, for a mixture)
+    components: torch.Tensor | None = None  # [local_batch] mixture component of each sample
 
     @property
     def sample_ids(self) -> torch.Tensor:
         return self.global_ids
+
+    def pin_memory(self) -> "Batch":
+        self.inputs, self.targets = self.inputs.pin_memory(), self.targets.pin_memory()
+        return self
 
 
 def _check_int(name: str, value, minimum: int) -> int:
@@ -91,7 +154,7 @@ def _local_batch(global_batch: int, dp_size: int) -> int:
 
 
 class StatefulLoader:
-    def __init__(self, dataset: TokenDataset, seq_len: int, seed: int, dp_rank: int = 0, dp_size: int = 1):
+    def __init__(self, dataset, seq_len: int, seed: int, dp_rank: int = 0, dp_size: int = 1):
         self.dataset = dataset
         self.seq_len = _check_int("seq_len", seq_len, 1)
         self.seed = _check_int("seed", seed, 0)  # numpy seed sequences reject negatives
@@ -99,12 +162,14 @@ class StatefulLoader:
         self.num_samples = dataset.num_samples(self.seq_len)
         if self.num_samples == 0:
             raise NdtrainError(
-                f"{dataset.data_dir}: the {dataset.split} split has {len(dataset):,} tokens, "
+                f"{dataset.describe()}: the {dataset.split} split has {len(dataset):,} tokens, "
                 f"fewer than one sample of seq_len + 1 = {self.seq_len + 1}"
             )
         self.consumed_samples = 0
-        self._perm_epoch = -1
-        self._perm: np.ndarray | None = None
+        self._perm_cache: tuple[int, np.ndarray | None] = (-1, None)  # one tuple: swapped atomically
+        self._prefetch: ThreadPoolExecutor | None = None
+        self._ahead: dict[tuple[int, int], object] = {}
+        self._depth, self._pin = 0, False
 
     @property
     def epoch(self) -> int:
@@ -113,10 +178,11 @@ class StatefulLoader:
     def permutation(self, epoch: int) -> np.ndarray:
         # Seeding with [seed, epoch] makes each epoch's order a pure function of both, so no RNG
         # state needs saving; only the current epoch's permutation is cached.
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-            self._perm_epoch = epoch
-        return self._perm
+        cached_epoch, perm = self._perm_cache
+        if cached_epoch != epoch:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+            self._perm_cache = (epoch, perm)
+        return perm
 
     def indices_for(self, global_ids: np.ndarray) -> np.ndarray:
         """Window index for each global sample number (may span epoch boundaries)."""
@@ -128,15 +194,48 @@ class StatefulLoader:
             out[mask] = self.permutation(int(e))[pos[mask]]
         return out
 
-    def next_batch(self, global_batch: int) -> Batch:
-        """This rank's share of the next `global_batch` samples; every rank advances by global_batch."""
-        local = _local_batch(global_batch, self.dp_size)
-        first = self.consumed_samples + self.dp_rank * local
-        global_ids = np.arange(first, first + local, dtype=np.int64)
+    def _samples(self, global_ids: np.ndarray) -> Batch:
         indices = self.indices_for(global_ids)
         inputs, targets = self.dataset.windows(indices, self.seq_len)
-        self.consumed_samples += int(global_batch)
         return Batch(inputs, targets, torch.from_numpy(global_ids), torch.from_numpy(indices))
+
+    def batch_at(self, consumed: int, global_batch: int) -> Batch:
+        """This rank's share of samples [consumed, consumed + global_batch): a pure function."""
+        local = _local_batch(global_batch, self.dp_size)
+        first = consumed + self.dp_rank * local
+        return self._samples(np.arange(first, first + local, dtype=np.int64))
+
+    def _build(self, consumed: int, global_batch: int) -> Batch:
+        batch = self.batch_at(consumed, global_batch)
+        return batch.pin_memory() if self._pin else batch
+
+    def next_batch(self, global_batch: int) -> Batch:
+        """This rank's share of the next `global_batch` samples; every rank advances by global_batch."""
+        key = (self.consumed_samples, int(global_batch))
+        future = self._ahead.pop(key, None)
+        batch = future.result() if future is not None else self._build(*key)
+        self.consumed_samples += int(global_batch)
+        if self._prefetch is not None:
+            # Most steps ask for the same batch size again; guesses for a path not taken are dropped.
+            wanted = [(self.consumed_samples + i * key[1], key[1]) for i in range(self._depth)]
+            old, self._ahead = self._ahead, {}
+            for k in wanted:
+                self._ahead[k] = old.pop(k, None) or self._prefetch.submit(self._build, *k)
+            for f in old.values():
+                f.cancel()
+        return batch
+
+    def start_prefetch(self, depth: int = 2, pin_memory: bool = False) -> None:
+        """Build the next `depth` batches on a background thread (pinned for a fast copy to a GPU)."""
+        self._depth, self._pin = _check_int("prefetch depth", depth, 0), pin_memory
+        if depth and self._prefetch is None:
+            self._prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ndtrain-prefetch")
+
+    def close(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.shutdown(wait=True, cancel_futures=True)
+            self._prefetch = None
+        self._ahead.clear()
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples, "seed": self.seed, "seq_len": self.seq_len}
@@ -156,7 +255,7 @@ class StatefulLoader:
 
 
 def validation_batches(
-    dataset_val: TokenDataset,
+    dataset_val,
     seq_len: int,
     batch_size: int,
     num_batches: int,
@@ -175,7 +274,7 @@ def validation_batches(
     available = dataset_val.num_samples(seq_len) // batch_size
     if available == 0:
         raise NdtrainError(
-            f"{dataset_val.data_dir}: the {dataset_val.split} split has {dataset_val.num_samples(seq_len)} samples "
+            f"{dataset_val.describe()}: the {dataset_val.split} split has {dataset_val.num_samples(seq_len)} samples "
             f"of seq_len {seq_len}, fewer than one batch of {batch_size}; raise --val-fraction when preparing"
         )
     batches = []

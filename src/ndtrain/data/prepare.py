@@ -1,360 +1,360 @@
-"""`ndtrain prepare`: turn text files into one flat token file plus a manifest.
+"""`ndtrain prepare`: text files -> numbered token shards + one manifest, atomically.
 
-The output is a single `tokens.bin` (documents joined by the tokenizer's separator) because the
-loader only ever needs random fixed-length windows of one long stream; a flat memmap makes that a
-single fancy-index read.
+- A new corpus is built in a hidden sibling directory and renamed into place only when complete:
+  a failure leaves no directory behind, and never touches an existing one.
+- Re-running on the same sources is a no-op; new sources (or new files in a source folder or
+  glob) are tokenized into new shards and a new *part* with its own validation tail, and the
+  manifest is replaced atomically last. Old shards are never rewritten, so a job reading the old
+  manifest keeps reading valid data, and a resume from an older checkpoint is refused by the
+  data fingerprint rather than misread.
+- Work units are tokenized by `--workers` processes and concatenated in unit order, so the
+  output does not depend on the worker count.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
-import json
 import os
 import platform
-import struct
+import shutil
 import sys
-import sysconfig
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ndtrain.data.manifest import (
-    FORMAT,
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    TOKENIZER_NAME,
-    TOKENS_NAME,
-    dtype_for_vocab,
-    read_manifest,
-    write_json_atomic,
-)
-from ndtrain.data.tokenizer import BPETokenizer, check_bpe_vocab_size, make_tokenizer
+from ndtrain.data.encode import encode_unit, encode_units
+from ndtrain.data.manifest import (FORMAT, FORMAT_VERSION, MANIFEST_NAME, TOKENIZER_NAME, check_shards,
+                                   dtype_for_vocab, read_manifest, write_json_atomic)
+from ndtrain.data.shards import ShardWriter
+from ndtrain.data.sources import SourceFile, check_readable, collect, default_corpus_root, plan_units, sample_texts
+from ndtrain.data.tokenizer import BPETokenizer, check_bpe_vocab_size, load_tokenizer, make_tokenizer
 from ndtrain.errors import NdtrainError
 
-FOLDER_SUFFIXES = (".txt", ".jsonl", ".py", ".md")
+__all__ = ["prepare", "ensure_prepared", "main", "default_corpus_root"]
+
 # A sensible cap for the default corpus in quick runs (`make train`): ~20 MB keeps prepare to a
 # few seconds with the byte tokenizer while still being far more text than a small model can memorise.
 DEFAULT_CORPUS_MAX_MB = 20
-_PIECE_BYTES = 8 << 20  # files are read in pieces of this size so one huge file cannot exhaust memory
-_ENCODE_BATCH_BYTES = 4 << 20  # text handed to the tokenizer at once (BPE encodes a batch in parallel)
-_FLUSH_TOKENS = 4 << 20  # tokens buffered before a write to disk
+DEFAULT_SHARD_MB = 256.0
+DEFAULT_BPE_SAMPLE_MB = 256.0
+_PARALLEL_MIN_BYTES = 16 << 20
+_SETTINGS = ("tokenizer", "vocab_size", "text_field", "val_fraction", "default_corpus")
 
 
-@dataclass(frozen=True)
-class _File:
-    path: Path
-    label: str  # path relative to its source root: hashed instead of the absolute path so moving a corpus keeps its hash
-    jsonl: bool
-    strict: bool  # user files must be valid UTF-8; the stdlib has a few deliberately mis-encoded test files
+def default_workers() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def _walk(root: Path, suffixes: tuple[str, ...], skip_dirs: frozenset[str] = frozenset()) -> list[str]:
-    """Relative posix paths of matching files under root, sorted as strings so order never depends on the filesystem."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):  # does not follow directory symlinks: no cycles
-        # Hidden dirs (.git, .venv) and caches are never corpus text; skipping them avoids swallowing a virtualenv.
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__" and d not in skip_dirs]
-        rel_dir = Path(dirpath).relative_to(root)
-        found += [(rel_dir / f).as_posix() for f in filenames if f.endswith(suffixes) and not f.startswith(".")]
-    return sorted(found)
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise NdtrainError(f"{name} must be a positive integer, got {value!r}")
+    return value
 
 
-def default_corpus_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def _collect(sources: list[str] | None) -> tuple[list[_File], list[str]]:
-    if sources is None:
-        root = default_corpus_root()
-        rels = _walk(root, (".py",), frozenset({"site-packages", "dist-packages"}))
-        if not rels:
-            raise NdtrainError(f"default corpus: no .py files found under {root}")
-        return [_File(root / r, r, False, False) for r in rels], [str(root)]
-    if not sources:
-        raise NdtrainError("no sources given (pass files or folders, or none at all for the default corpus)")
-    files: list[_File] = []
-    roots = []
-    for src in sources:
-        path = Path(src).expanduser().resolve()
-        roots.append(str(path))
-        if path.is_dir():
-            rels = _walk(path, FOLDER_SUFFIXES)
-            if not rels:
-                raise NdtrainError(f"{src}: no {'/'.join(FOLDER_SUFFIXES)} files found in this folder")
-            files += [_File(path / r, f"{path.name}/{r}", r.endswith(".jsonl"), True) for r in rels]
-        elif path.is_file():
-            # An explicitly named file is read as text whatever its extension, unless it is .jsonl.
-            files.append(_File(path, path.name, path.suffix == ".jsonl", True))
-        else:
-            raise NdtrainError(f"{src}: source not found")
-    return files, roots
-
-
-def _utf8_cut(data: bytes, limit: int) -> int:
-    """Largest cut <= limit that does not split a UTF-8 character."""
-    cut = min(limit, len(data))
-    back = 0
-    while 0 < cut < len(data) and back < 3 and (data[cut] & 0xC0) == 0x80:
-        cut -= 1
-        back += 1
-    return cut
-
-
-def _decode(data: bytes, f: _File, offset: int) -> str:
-    if not f.strict:
-        return data.decode("utf-8", errors="replace")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise NdtrainError(f"{f.path}: not valid UTF-8 text ({exc.reason} at byte {offset + exc.start})") from None
-
-
-def _raw_docs(f: _File) -> Iterator[tuple[str, bytes, bool, int]]:
-    """(label, raw bytes, starts_new_document, byte offset in file) pieces of one file."""
-    if f.jsonl:
-        with open(f.path, "rb") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue  # blank lines (e.g. a trailing newline) are not records
-                where = f"{f.path}:{lineno}"
-                try:
-                    record = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    raise NdtrainError(f"{where}: invalid JSON ({exc})") from None
-                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                    raise NdtrainError(f'{where}: expected a JSON object with a string "text" field')
-                if record["text"]:
-                    yield f"{f.label}:{lineno}", record["text"].encode("utf-8", errors="replace"), True, 0
-        return
-    with open(f.path, "rb") as fh:
-        carry, first, offset = b"", True, 0
-        while True:
-            block = fh.read(_PIECE_BYTES)
-            data = carry + block
-            if not block:
-                if data:
-                    yield f.label, data, first, offset
-                return
-            # Cut at a newline (or at least a character boundary) so every piece decodes on its own.
-            cut = data.rfind(b"\n") + 1 or _utf8_cut(data, len(data) - 1)
-            if cut:
-                yield f.label, data[:cut], first, offset
-                first = False
-                offset += cut
-            carry = data[cut:]
-
-
-def _pieces(files: list[_File], max_bytes: int | None, stats: dict | None = None) -> Iterator[tuple[str, bool]]:
-    """(text, starts_new_document) over all files, stopping after max_bytes of UTF-8 input.
-
-    With `stats`, also fills in the source hash, document count and byte count of exactly what was fed.
-    """
-    hasher = hashlib.sha256()
-    used = docs = 0
-    for f in files:
-        for label, raw, new_doc, offset in _raw_docs(f):
-            if max_bytes is not None:
-                if used >= max_bytes:
-                    break
-                if len(raw) > max_bytes - used:
-                    raw = raw[: _utf8_cut(raw, max_bytes - used)]
-            if not raw:
-                continue
-            text = _decode(raw, f, offset)
-            used += len(raw)
-            if new_doc:
-                docs += 1
-                # Length-prefixed so (label, content) boundaries are unambiguous in the hash.
-                hasher.update(b"D" + struct.pack("<Q", len(label.encode())) + label.encode())
-            hasher.update(b"P" + struct.pack("<Q", len(raw)) + raw)
-            yield text, new_doc
-        if max_bytes is not None and used >= max_bytes:
-            break
-    if stats is not None:
-        stats.update(source_sha256=hasher.hexdigest(), num_documents=docs, num_bytes=used)
-
-
-def _write_tokens(tok, pieces: Iterator[tuple[str, bool]], fh, dtype: np.dtype) -> int:
-    sep = np.asarray(tok.separator_ids, dtype=dtype)
-    buf: list[np.ndarray] = []
-    state = {"buffered": 0, "written": 0, "started": False}
-
-    def emit(arr: np.ndarray) -> None:
-        buf.append(arr)
-        state["buffered"] += len(arr)
-        if state["buffered"] >= _FLUSH_TOKENS:
-            flush()
-
-    def flush() -> None:
-        if buf:
-            fh.write(np.concatenate(buf).tobytes())
-            state["written"] += state["buffered"]
-            buf.clear()
-            state["buffered"] = 0
-
-    def encode(batch: list[tuple[str, bool]]) -> None:
-        for (_, new_doc), ids in zip(batch, tok.encode_batch_arrays([t for t, _ in batch])):
-            if new_doc and state["started"]:
-                emit(sep)  # between documents only: no trailing separator
-            emit(ids.astype(dtype, copy=False))
-            state["started"] = True
-
-    batch: list[tuple[str, bool]] = []
-    size = 0
-    for text, new_doc in pieces:
-        batch.append((text, new_doc))
-        size += len(text)
-        if size >= _ENCODE_BATCH_BYTES:
-            encode(batch)
-            batch, size = [], 0
-    encode(batch)
-    flush()
-    return state["written"]
-
-
-def prepare(
-    sources: list[str] | None,
-    out_dir: str | os.PathLike,
-    tokenizer: str = "byte",
-    vocab_size: int = 8192,
-    val_fraction: float = 0.005,
-    max_bytes: int | None = None,
-) -> dict:
-    """Tokenize `sources` (None = the Python stdlib's .py files) into out_dir; return the manifest."""
+def _check_args(tokenizer, vocab_size, val_fraction, max_bytes, workers, text_field, shard_tokens, bpe_sample_bytes):
     tok = make_tokenizer(tokenizer)
     if tok is None:
-        check_bpe_vocab_size(vocab_size)  # before any output is written
-    if not (isinstance(val_fraction, (int, float)) and 0 <= val_fraction < 1):
+        check_bpe_vocab_size(vocab_size)
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
         raise NdtrainError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
-    if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
-        raise NdtrainError(f"max_bytes must be a positive integer, got {max_bytes!r}")
-    files, roots = _collect(sources)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if max_bytes is not None:
+        _positive_int("max_bytes", max_bytes)
+    _positive_int("workers", workers)
+    _positive_int("shard_tokens", shard_tokens)
+    _positive_int("bpe_sample_bytes", bpe_sample_bytes)
+    if not isinstance(text_field, str) or not text_field:
+        raise NdtrainError(f"text_field must be a non-empty string, got {text_field!r}")
+    return tok
 
-    if tok is None:  # BPE: one pass to train, a second to encode
-        tok = BPETokenizer.train((t for t, _ in _pieces(files, max_bytes)), vocab_size)
-    dtype = dtype_for_vocab(tok.vocab_size)
 
-    # Remove the old manifest first: between the token rename and the new manifest, no manifest
-    # must describe a file it did not produce.
-    (out / MANIFEST_NAME).unlink(missing_ok=True)
-    tmp = out / f".{TOKENS_NAME}.{os.getpid()}.tmp"
-    stats: dict = {}
+def _existing(out: Path) -> dict | None:
+    """The corpus already at `out`, None if there is none; anything else there is an error."""
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        raise NdtrainError(f"{out}: exists and is not a directory")
+    if (out / MANIFEST_NAME).is_file():
+        return read_manifest(out)
+    if any(out.iterdir()):
+        raise NdtrainError(f"{out}: exists and is not an ndtrain corpus (no {MANIFEST_NAME}); "
+                           "choose a new or empty directory")
+    return None
+
+
+@contextlib.contextmanager
+def _locked(directory: Path):
+    """One prepare at a time per corpus (an flock on the directory itself: nothing left behind)."""
+    fd = os.open(directory, os.O_RDONLY)
     try:
-        with open(tmp, "wb") as fh:
-            num_tokens = _write_tokens(tok, _pieces(files, max_bytes, stats), fh, dtype)
-        if stats["num_bytes"] == 0 or num_tokens == 0:
-            raise NdtrainError(f"sources contain no text ({', '.join(roots)})")
-        if tok.name == "bpe":
-            tok.save(out)
-        else:
-            (out / TOKENIZER_NAME).unlink(missing_ok=True)  # a stale BPE file would contradict the manifest
-        os.replace(tmp, out / TOKENS_NAME)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise NdtrainError(f"{directory}: another `ndtrain prepare` is writing this corpus") from None
+        yield
     finally:
-        tmp.unlink(missing_ok=True)
+        os.close(fd)
 
-    n_val = int(num_tokens * val_fraction)
-    n_train = num_tokens - n_val
-    manifest = {
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _encode_part(directory: Path, tok, files: list[SourceFile], settings: dict, max_bytes, workers: int,
+                 shard_tokens: int, first_shard: int, start: int) -> tuple[ShardWriter, dict, list[dict]]:
+    """Tokenize `files` into new shards under `directory`; returns the writer (uncommitted), the
+    part record and one record per file."""
+    dtype = dtype_for_vocab(tok.vocab_size)
+    units = plan_units(files, settings["text_field"])
+    writer = ShardWriter(directory, dtype, tok.eos_id, shard_tokens, first_shard)
+    stats = [{"num_documents": 0, "num_bytes": 0, "num_tokens": 0} for _ in files]
+    used = 0
+    results = encode_units(units, tok, dtype, workers)
+    try:
+        for unit, r in zip(units, results):
+            capped = max_bytes is not None and used + r.num_bytes >= max_bytes
+            if capped and used + r.num_bytes > max_bytes:  # redo just this unit, cut at the cap
+                r = encode_unit(unit, tok, dtype, limit=max_bytes - used)
+            writer.write(r.tokens)
+            s = stats[unit.file]
+            s["num_documents"] += r.num_documents
+            s["num_bytes"] += r.num_bytes
+            s["num_tokens"] += len(r.tokens)
+            used += r.num_bytes
+            if capped:
+                break
+        before = writer.num_tokens
+        writer.finish()
+        if writer.num_tokens > before:  # the closing EOS of a document cut by the cap
+            next(s for s in reversed(stats) if s["num_bytes"])["num_tokens"] += writer.num_tokens - before
+    except BaseException:
+        results.close()
+        writer.abort()
+        raise
+    if writer.num_tokens == 0:
+        writer.abort()
+        raise NdtrainError(f"sources contain no text ({', '.join(sorted({f.path for f in files})[:3])})")
+    end = start + writer.num_tokens
+    n_val = int(writer.num_tokens * settings["val_fraction"])
+    part = {"train": [start, end - n_val], "val": [end - n_val, end], "sha256": writer.part_hash.hexdigest(),
+            "max_bytes": max_bytes}
+    records = [{"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns, **s} for f, s in zip(files, stats)]
+    return writer, part, records
+
+
+def _manifest(old: dict | None, tok, directory: Path, writer: ShardWriter, part: dict, records: list[dict],
+              roots: list[str], settings: dict, args: dict) -> dict:
+    shards = (old["shards"] if old else []) + writer.shards
+    parts = (old["parts"] if old else []) + [part]
+    for r in records:
+        r["part"] = len(parts) - 1
+    sources = (old["sources"] if old else []) + records
+    tok_file = directory / TOKENIZER_NAME
+    return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "tokenizer": tok.name,
         "vocab_size": tok.vocab_size,
-        "dtype": dtype.name,
-        "num_tokens": num_tokens,
-        "tokens_file": TOKENS_NAME,
-        "separator": "newline" if tok.name == "byte" else "<|endoftext|>",
-        "default_corpus": sources is None,
-        "sources": roots,
-        **stats,
+        "eos_id": tok.eos_id,
+        "dtype": dtype_for_vocab(tok.vocab_size).name,
+        "tokenizer_sha256": hashlib.sha256(tok_file.read_bytes()).hexdigest() if tok.name == "bpe" else None,
+        "num_tokens": sum(s["num_tokens"] for s in shards),
+        "num_documents": sum(s["num_documents"] for s in sources),
+        "num_bytes": sum(s["num_bytes"] for s in sources),
+        # Over the parts' hashes: names the token stream, not how it is cut into shards.
+        "stream_sha256": hashlib.sha256("\n".join(p["sha256"] for p in parts).encode()).hexdigest(),
+        "shards": shards,
+        "parts": parts,
+        "roots": roots,
+        "default_corpus": settings["default_corpus"],
         "python_version": platform.python_version(),
-        # Validation is the tail so train and val never share a window.
-        "splits": {"train": [0, n_train], "val": [n_train, num_tokens]},
-        "args": {
-            "sources": None if sources is None else roots,
-            "tokenizer": tokenizer,
-            "vocab_size": vocab_size,
-            "val_fraction": val_fraction,
-            "max_bytes": max_bytes,
-        },
+        "settings": settings,
+        "args": old["args"] if old else args,  # the first invocation's, for `--if-absent`
+        "sources": sources,
     }
-    write_json_atomic(out / MANIFEST_NAME, manifest)
-    return manifest
 
 
-def ensure_prepared(
-    out_dir: str | os.PathLike,
-    sources: list[str] | None = None,
-    tokenizer: str = "byte",
-    vocab_size: int = 8192,
-    val_fraction: float = 0.005,
-    max_bytes: int | None = None,
-) -> dict:
-    """Return out_dir's manifest if it is valid and was made with the same arguments; else prepare.
+def _create(out: Path, tok, files, roots, settings, args, max_bytes, workers, shard_tokens, bpe_sample_bytes) -> dict:
+    created = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.prepare-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        if tok is None:  # BPE: trained on a bounded sample, then every unit is encoded with it
+            budget = min(bpe_sample_bytes, max_bytes or bpe_sample_bytes)
+            in_order = max_bytes is not None and max_bytes <= bpe_sample_bytes  # exactly the capped text
+            texts = sample_texts(files, plan_units(files, settings["text_field"]), budget, proportional=not in_order)
+            tok = BPETokenizer.train(texts, settings["vocab_size"])
+            tok.save(tmp)
+        writer, part, records = _encode_part(tmp, tok, files, settings, max_bytes, workers, shard_tokens, 0, 0)
+        writer.commit()
+        manifest = _manifest(None, tok, tmp, writer, part, records, roots, settings, args)
+        write_json_atomic(tmp / MANIFEST_NAME, manifest)
+        _fsync_dir(tmp)
+        if out.exists():
+            out.rmdir()  # only an empty directory gets here (_existing refuses anything else)
+        os.rename(tmp, out)
+        _fsync_dir(out.parent)
+        return manifest
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for p in created:  # deepest first: parents this call made, if still empty
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
 
-    A valid directory prepared with *different* arguments is an error rather than silently
-    overwritten: a run resuming from a checkpoint may still depend on that data.
-    """
+
+def _append(out: Path, old: dict, files, roots, settings, max_bytes, workers, shard_tokens) -> tuple[dict, str]:
+    if old["format_version"] == 1:
+        raise NdtrainError(f"{out}: holds a format-1 corpus (one tokens.bin) from an older ndtrain; it cannot "
+                           "take new sources: prepare into a new directory")
+    have = old["settings"]
+    keys = [k for k in _SETTINGS if k != "vocab_size" or settings["tokenizer"] == "bpe"]
+    diff = [f"{k}={have.get(k)!r} (wanted {settings[k]!r})" for k in keys if have.get(k) != settings[k]]
+    if diff:
+        raise NdtrainError(f"{out} was prepared with different settings: {', '.join(diff)}; "
+                           "use the same settings to add sources, or another directory")
+    if roots[: len(old["roots"])] != old["roots"]:
+        raise NdtrainError(f"{out} was prepared from {' '.join(old['roots'])}: to add sources, repeat those first "
+                           "(ndtrain prepare OLD... NEW... --out DIR)")
+    known = {s["path"]: s for s in old["sources"]}
+    new = []
+    for f in files:
+        k = known.get(f.path)
+        if k is None:
+            new.append(f)
+        elif (k["size"], k["mtime_ns"]) != (f.size, f.mtime_ns):
+            raise NdtrainError(f"{f.path}: changed since it was prepared into {out} (size or modification time "
+                               "differ); its tokens cannot be replaced in place: prepare into a new directory")
+    if not new:
+        return old, "unchanged"
+    with _locked(out):
+        tok = load_tokenizer(out, old)
+        writer, part, records = _encode_part(out, tok, new, settings, max_bytes, workers, shard_tokens,
+                                             len(old["shards"]), old["num_tokens"])
+        try:
+            writer.commit()  # new names only: no listed shard is touched
+            manifest = _manifest(old, tok, out, writer, part, records, roots, settings, None)
+            write_json_atomic(out / MANIFEST_NAME, manifest)  # the single switch to the grown corpus
+            _fsync_dir(out)
+        except BaseException:
+            writer.abort()
+            raise
+    return manifest, "appended"
+
+
+def run_prepare(sources: list[str] | None, out_dir, tokenizer="byte", vocab_size=8192, val_fraction=0.005,
+                max_bytes=None, workers=None, text_field="text", shard_tokens=None,
+                bpe_sample_bytes=None) -> tuple[dict, str]:
+    """prepare(), also saying what it did: 'created', 'appended' or 'unchanged'."""
+    default = workers is None
+    workers = default_workers() if default else workers
+    if shard_tokens is None:
+        shard_tokens = int(DEFAULT_SHARD_MB * 1e6) // dtype_for_vocab(256 if tokenizer == "byte" else vocab_size).itemsize
+    bpe_sample_bytes = int(DEFAULT_BPE_SAMPLE_MB * 1e6) if bpe_sample_bytes is None else bpe_sample_bytes
+    tok = _check_args(tokenizer, vocab_size, val_fraction, max_bytes, workers, text_field, shard_tokens, bpe_sample_bytes)
+    files, roots = collect(sources)
+    check_readable(files, text_field)
+    if default and sum(f.size for f in files) < _PARALLEL_MIN_BYTES:
+        workers = 1  # starting worker processes costs more than tokenizing a small corpus
+    out = Path(out_dir).expanduser().absolute()
+    settings = {"tokenizer": tokenizer, "vocab_size": vocab_size if tokenizer == "bpe" else 256,
+                "text_field": text_field, "val_fraction": val_fraction, "default_corpus": sources is None}
+    args = {"sources": None if sources is None else roots, "tokenizer": tokenizer, "vocab_size": vocab_size,
+            "val_fraction": val_fraction, "max_bytes": max_bytes}
+    old = _existing(out)
+    if old is not None:
+        return _append(out, old, files, roots, settings, max_bytes, workers, shard_tokens)
+    return _create(out, tok, files, roots, settings, args, max_bytes, workers, shard_tokens, bpe_sample_bytes), "created"
+
+
+def prepare(sources: list[str] | None, out_dir: str | os.PathLike, tokenizer: str = "byte", vocab_size: int = 8192,
+            val_fraction: float = 0.005, max_bytes: int | None = None, workers: int | None = None,
+            text_field: str = "text", shard_tokens: int | None = None, bpe_sample_bytes: int | None = None) -> dict:
+    """Tokenize `sources` (None = the Python stdlib's .py files) into out_dir; return the manifest."""
+    return run_prepare(sources, out_dir, tokenizer, vocab_size, val_fraction, max_bytes, workers, text_field,
+                       shard_tokens, bpe_sample_bytes)[0]
+
+
+def ensure_prepared(out_dir: str | os.PathLike, sources: list[str] | None = None, tokenizer: str = "byte",
+                    vocab_size: int = 8192, val_fraction: float = 0.005, max_bytes: int | None = None,
+                    **kwargs) -> dict:
+    """out_dir's manifest if it holds a valid corpus first prepared with the same arguments
+    (nothing is re-read or appended); else prepare it. A corpus prepared with *different*
+    arguments, or a damaged one, is an error, never overwritten: a run may depend on it."""
     wanted = {
-        "sources": None if sources is None else [str(Path(s).expanduser().resolve()) for s in sources],
+        "sources": None if sources is None else collect(sources)[1],
         "tokenizer": tokenizer,
         "vocab_size": vocab_size,
         "val_fraction": val_fraction,
         "max_bytes": max_bytes,
     }
     if (Path(out_dir) / MANIFEST_NAME).is_file():
-        try:
-            manifest = read_manifest(out_dir)
-        except NdtrainError:
-            manifest = None  # half-written or corrupt: safe to rebuild
-        if manifest is not None:
-            have = manifest.get("args", {})
-            keys = [k for k in wanted if k != "vocab_size" or tokenizer == "bpe"]  # byte ignores vocab_size
-            diff = [f"{k}={have.get(k)!r} (wanted {wanted[k]!r})" for k in keys if have.get(k) != wanted[k]]
-            if diff:
-                raise NdtrainError(
-                    f"{out_dir} was prepared with different settings: {', '.join(diff)}; "
-                    "delete it or choose another data directory"
-                )
-            return manifest
-    return prepare(sources, out_dir, tokenizer, vocab_size, val_fraction, max_bytes)
+        manifest = read_manifest(out_dir)
+        have = manifest.get("args", {})
+        keys = [k for k in wanted if k != "vocab_size" or tokenizer == "bpe"]  # byte ignores vocab_size
+        diff = [f"{k}={have.get(k)!r} (wanted {wanted[k]!r})" for k in keys if have.get(k) != wanted[k]]
+        if diff:
+            raise NdtrainError(f"{out_dir} was prepared with different settings: {', '.join(diff)}; "
+                               "delete it or choose another data directory")
+        return manifest
+    return prepare(sources, out_dir, tokenizer, vocab_size, val_fraction, max_bytes, **kwargs)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (via the CLI), instead of usage + message
+        raise NdtrainError(message)
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ndtrain prepare",
-        description="Tokenize text into DIR/tokens.bin + DIR/manifest.json. With no SOURCES, uses the "
-        "Python standard library's .py files as a default corpus.",
+        description="Tokenize text into DIR/tokens-NNNNN.bin shards + DIR/manifest.json. With no SOURCES, uses "
+        "the Python standard library's .py files as a default corpus. Re-running adds only new sources.",
     )
-    parser.add_argument("sources", nargs="*", metavar="SOURCES", help=".txt/.jsonl files or folders")
+    parser.add_argument("sources", nargs="*", metavar="SOURCES",
+                        help=".txt/.jsonl/.jsonl.gz/.jsonl.zst/.parquet files, folders or globs")
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
     parser.add_argument("--tokenizer", choices=["byte", "bpe"], default="byte")
     parser.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size (ignored for byte)")
     parser.add_argument("--val-fraction", type=float, default=0.005, help="tail fraction held out for validation")
-    parser.add_argument("--max-mb", type=float, default=None, help="stop after this many MB (10^6 bytes) of text")
+    parser.add_argument("--max-mb", type=float, default=None, help="stop after this many MB (10^6 bytes) of new text")
+    parser.add_argument("--text-field", default="text", help="JSON key or parquet column holding the text")
+    parser.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: the core count)")
+    parser.add_argument("--shard-mb", type=float, default=DEFAULT_SHARD_MB, help="size of each token shard, MB")
+    parser.add_argument("--bpe-sample-mb", type=float, default=DEFAULT_BPE_SAMPLE_MB,
+                        help="MB of text sampled to train the BPE tokenizer")
     parser.add_argument("--if-absent", action="store_true",
-                        help="keep an existing valid DIR prepared with the same arguments (make train uses this)")
-    args = parser.parse_args(argv)
-    if args.max_mb is not None and args.max_mb <= 0:
-        raise NdtrainError(f"--max-mb must be positive, got {args.max_mb}")
-    manifest = (ensure_prepared if args.if_absent else prepare)(
-        sources=args.sources or None,
-        out_dir=args.out,
-        tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size,
-        val_fraction=args.val_fraction,
-        max_bytes=None if args.max_mb is None else max(1, int(args.max_mb * 1_000_000)),
+                        help="keep an existing valid DIR first prepared with the same arguments (make train uses this)")
+    a = parser.parse_args(argv)
+    for flag, value in (("--max-mb", a.max_mb), ("--shard-mb", a.shard_mb), ("--bpe-sample-mb", a.bpe_sample_mb)):
+        if value is not None and not value > 0:
+            raise NdtrainError(f"{flag} must be positive, got {value}")
+    if a.workers is not None and a.workers < 1:
+        raise NdtrainError(f"--workers must be at least 1, got {a.workers}")
+    itemsize = dtype_for_vocab(256 if a.tokenizer == "byte" else a.vocab_size).itemsize
+    kwargs = dict(
+        sources=a.sources or None, out_dir=a.out, tokenizer=a.tokenizer, vocab_size=a.vocab_size,
+        val_fraction=a.val_fraction, max_bytes=None if a.max_mb is None else max(1, int(a.max_mb * 1_000_000)),
+        workers=a.workers, text_field=a.text_field, shard_tokens=max(1, int(a.shard_mb * 1e6) // itemsize),
+        bpe_sample_bytes=max(1, int(a.bpe_sample_mb * 1e6)),
     )
-    train, val = manifest["splits"]["train"], manifest["splits"]["val"]
-    print(
-        f"prepared {manifest['num_tokens']:,} tokens ({manifest['tokenizer']}, vocab {manifest['vocab_size']}) "
-        f"from {manifest['num_documents']:,} documents / {manifest['num_bytes'] / 1e6:.1f} MB "
-        f"-> {args.out} (train {train[1] - train[0]:,}, val {val[1] - val[0]:,})"
-    )
+    if a.if_absent:
+        existed = (Path(a.out) / MANIFEST_NAME).is_file()
+        manifest, action = ensure_prepared(**kwargs), "kept" if existed else "created"
+    else:
+        manifest, action = run_prepare(**kwargs)
+    head = {"created": "prepared", "appended": "appended to", "unchanged": "up to date:", "kept": "kept"}[action]
+    print(f"{head} {manifest['num_tokens']:,} tokens ({manifest['tokenizer']}, vocab {manifest['vocab_size']}) "
+          f"from {manifest.get('num_documents', 0):,} documents / {manifest.get('num_bytes', 0) / 1e6:.1f} MB "
+          f"in {len(manifest['shards'])} shard(s) -> {a.out} ({len(manifest['parts'])} part(s), "
+          f"val {sum(p['val'][1] - p['val'][0] for p in manifest['parts']):,} tokens)")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Model shapes: one dataclass, named presets, exact parameter counts and FLOPs per token.
+"""Model shapes: one dataclass, named presets, exact parameter counts (FLOPs per token are
+ndtrain.layout.flops', built on these counts).
 
 Pure Python (no torch import) so that the planner can use it on a laptop.
 """
@@ -157,21 +158,3 @@ def num_params(cfg: ModelConfig, active_only: bool = False) -> int:
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
     layers = sum(layer_params(cfg, i, active_only) for i in range(cfg.n_layers))
     return embed + head + layers + cfg.dim  # + final norm
-
-
-def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters a token multiplies through (active experts only, no embedding lookup or norms)."""
-    per_layer = 0
-    for i in range(cfg.n_layers):
-        per_layer += layer_params(cfg, i, active_only=True) - 2 * cfg.dim
-    return per_layer + cfg.vocab_size * cfg.dim
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward): 6 N_matmul + 12 L d_attn s.
-
-    The attention term counts the full s x s score matrix, as PaLM's MFU definition does and as
-    torch's FLOP counter does for SDPA; causal kernels that skip the masked half do less work.
-    """
-    attn = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
-    return 6 * matmul_params(cfg) + attn

@@ -92,12 +92,16 @@ def materialize(model: nn.Module, seed: int, device: str | torch.device = "cpu")
         tie()
     n_layers = getattr(getattr(model, "cfg", None), "n_layers", 1)
     base_std = getattr(getattr(model, "cfg", None), "init_std", 0.02)
+    tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
     seen: set[int] = set()
     for raw_name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in seen:
             continue
         seen.add(id(param))
         name = canonical_name(raw_name)
+        if tied and name == "output.weight":
+            # A pipeline's last stage holds its own copy of the tied weight: the embedding's values.
+            name = "tok_embeddings.weight"
         global_shape, offset, local_shape = _local_window(param)
         local = param.to_local() if hasattr(param, "to_local") else param
         vals = init_values(name, global_shape, init_std(name, n_layers, base_std), seed, offset, local_shape)

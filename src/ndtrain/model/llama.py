@@ -7,7 +7,10 @@ It knows nothing about parallelism. Three choices keep it composable with every 
   (SP/CP) or stage-split hidden state still gets its true global positions;
 - the attention kernel is an attribute (`Attention.sdpa`) so context parallelism can swap in
   ring attention without the model importing it; it receives K/V with their own (fewer) heads
-  and expands them itself.
+  and expands them itself;
+- document masking (packed sequences): `doc_ids` [b, s] keeps attention inside each document
+  and `positions` [b, s] restarts RoPE per document; both are plain inputs, so every layout
+  passes them like any other tensor.
 """
 
 from __future__ import annotations
@@ -33,9 +36,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape [seq, head_dim/2] for integer positions, computed in fp32."""
+    """cos/sin of shape [seq, head_dim/2] (or [b, seq, head_dim/2] for per-row positions), in fp32."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    angles = positions.to(torch.float32)[..., None] * inv_freq
     return angles.cos(), angles.sin()
 
 
@@ -44,7 +47,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     weights need no permutation)."""
     d2 = x.shape[-1] // 2
     x1, x2 = x[..., :d2].float(), x[..., d2:].float()
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    if cos.dim() == 2:  # one set of positions for every row
+        c, s = cos[None, :, None, :], sin[None, :, None, :]
+    else:
+        c, s = cos[:, :, None, :], sin[:, :, None, :]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).type_as(x)
 
 
@@ -55,12 +61,26 @@ def expand_kv(t: torch.Tensor, n_heads: int) -> torch.Tensor:
     return t.repeat_interleave(rep, dim=1) if rep > 1 else t
 
 
-def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[b, 1, s, s] bool: query i sees key j iff j <= i and both lie in the same document."""
+    s = doc_ids.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
+    return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """q: [b, h, s, d]; k, v: [b, h_kv, s, d], not expanded, so a kernel that moves K/V (context
     parallel) moves h/h_kv times fewer bytes. Expanded here rather than with `enable_gqa=True`:
     on CPU (torch 2.13) that path sums dK/dV in another order, so gradients would differ from the
-    expanded reference in the last bits."""
-    return F.scaled_dot_product_attention(q, expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1]), is_causal=True)
+    expanded reference in the last bits. With `doc_ids` [b, s], attention is block-causal."""
+    k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+    if doc_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if q.is_cuda:  # a dense [s, s] mask per row would not scale: flex attention skips masked blocks
+        from ndtrain.model.doc_attention import flex_document_attention
+
+        return flex_document_attention(q, k, v, doc_ids)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(doc_ids))
 
 
 class Attention(nn.Module):
@@ -74,7 +94,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.sdpa = causal_sdpa
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism each rank sees only its share of the heads.
         q = self.wq(x).view(b, s, -1, self.head_dim)
@@ -82,7 +102,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = self.sdpa(q, k, v) if doc_ids is None else self.sdpa(q, k, v, doc_ids=doc_ids)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -110,8 +131,9 @@ class Block(nn.Module):
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), positions)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # doc_ids by keyword: tensor parallel's input plan for attention lists (x, positions) only.
+        h = x + self.attention(self.attention_norm(x), positions, doc_ids=doc_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -119,15 +141,18 @@ class Transformer(nn.Module):
     """Embedding -> blocks -> norm -> head. A pipeline stage sets the parts it does not own to
     None (and drops layers); forward then takes/returns hidden states instead of tokens/logits."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layers: list[int] | None = None, first: bool = True, last: bool = True):
+        """`layers`, `first`, `last`: build only these layers, the embedding only if `first`, the
+        final norm and head only if `last` (a pipeline stage); default the whole model."""
         super().__init__()
         if cfg.mlp != "swiglu":
             raise ValueError("the runtime model implements mlp='swiglu' only ('gelu' is a planner shape)")
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim) if first else None
+        ids = range(cfg.n_layers) if layers is None else layers
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in ids})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps) if last else None
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if last else None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -135,18 +160,21 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device)
         for layer in self.layers.values():
-            h = layer(h, positions)
+            h = layer(h, positions, doc_ids)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
 
 
-def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> Transformer:
-    """Construct on `device` (meta by default: no memory); call init.materialize() afterwards."""
+def build_model(cfg: ModelConfig, device: str | torch.device = "meta", layers: list[int] | None = None,
+                first: bool = True, last: bool = True) -> Transformer:
+    """Construct on `device` (meta by default: no memory); call init.materialize() afterwards.
+    `layers`/`first`/`last` build one pipeline stage (see Transformer)."""
     with torch.device(device):
-        return Transformer(cfg)
+        return Transformer(cfg, layers, first, last)

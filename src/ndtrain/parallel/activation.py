@@ -8,7 +8,7 @@ from functools import partial
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
@@ -19,6 +19,15 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
 }
+
+
+# FSDP marks its work with profiler ranges. Inside a checkpointed block that holds its own FSDP
+# unit (expert-parallel weights), the recompute opens more of them than the forward did, and
+# selective checkpointing (torch 2.13) then refuses the recompute as a different op sequence.
+# They are markers, not computation: let them run without being counted (torch's own list of
+# such ops, SAC_IGNORED_OPS, is the documented place for them).
+SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
+                        torch.ops.profiler._record_function_exit._RecordFunction})
 
 
 def _policy(ctx, op, *args, **kwargs):

@@ -1,41 +1,61 @@
-"""`[parallel] auto = true`: the planner lays out the run for the world size it finds.
+"""`[parallel] auto = true`: the planner lays out the run for the world size and the machine it
+finds.
 
 It runs at every (re)start, before the mesh exists, so an elastic restart on fewer ranks gets a
 layout planned for the new world; resume-anywhere checkpoints make the change of layout safe.
 Every rank computes the same answer (the planner is pure, the hardware profile is a file).
+
+The machine: `[parallel] auto_hardware` when set (a catalog name or a profile JSON); else the GPU
+model torch.cuda reports, mapped to the planner's catalog; else (CPU) the profile `ndtrain
+calibrate` wrote. The planner's whole choice reaches the runtime: degrees, ZeRO stage,
+schedule, v, pipeline micro-batches, stage split, recompute and the micro-batch.
 """
 
 from __future__ import annotations
 
 from ndtrain.config import JobConfig
+from ndtrain.errors import NdtrainError
 
-_PARALLEL_KEYS = ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep", "zero", "sequence_parallel", "pp_schedule",
-                  "pp_virtual_stages", "activation_checkpoint", "pp_microbatches")
+
+def auto_hardware(cfg: JobConfig):
+    """What to plan for: a catalog name, a profile path, or None (the calibrated CPU profile)."""
+    if cfg.parallel.auto_hardware:
+        return cfg.parallel.auto_hardware
+    import torch
+
+    if cfg.train.device != "cpu" and torch.cuda.is_available():
+        from ndtrain.planner.hardware import CATALOG, catalog_name
+
+        name = torch.cuda.get_device_name(0)
+        found = catalog_name(name, torch.cuda.get_device_properties(0).total_memory)
+        if found is None:
+            raise NdtrainError(f"[parallel] auto: the GPU {name!r} is not in the planner's catalog; set "
+                               f"parallel.auto_hardware to the closest of {', '.join(CATALOG)} (or a profile JSON)")
+        return found
+    return None
 
 
 def apply_auto_layout(cfg: JobConfig, world_size: int, hardware_profile=None) -> dict | None:
-    """Overwrite cfg.parallel's degrees (and train.micro_batch) with the planner's best layout;
-    returns the planner's choice with its prediction, or None when auto is off."""
+    """Overwrite cfg's layout keys with the planner's best layout for `world_size` ranks on this
+    machine; returns the planner's choice with its prediction, or None when auto is off."""
     if not cfg.parallel.auto:
         return None
+    from ndtrain.layout import from_config
     from ndtrain.planner.api import auto_layout
 
     options = sorted({1, 2, 4, 8, cfg.train.micro_batch})
+    hw = hardware_profile if hardware_profile is not None else auto_hardware(cfg)
     choice = auto_layout(cfg.model, world_size, cfg.data.seq_len, cfg.train.global_batch,
-                         micro_batch_options=options, hardware_profile=hardware_profile,
-                         precision="bf16" if cfg.parallel.mixed_precision == "bf16" else "fp32")
-    for key in _PARALLEL_KEYS:
-        if key in choice:
-            setattr(cfg.parallel, key, choice[key])
-    if cfg.parallel.pp == 1:
-        cfg.parallel.pp_virtual_stages = 1
-    cfg.train.micro_batch = int(choice["micro_batch"])
+                         micro_batch_options=options, hardware_profile=hw,
+                         precision=cfg.parallel.mixed_precision,
+                         base=from_config(cfg.parallel, cfg.train, cfg.data))
+    for section, values in choice["overrides"].items():
+        for key, value in values.items():
+            setattr(getattr(cfg, section), key, value)
     return choice
 
 
 def describe(choice: dict) -> str:
-    degrees = " ".join(f"{k}={choice[k]}" for k in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep") if choice[k] > 1)
-    return (f"{degrees or 'single'} mb={choice['micro_batch']} ac={choice['activation_checkpoint']}"
-            f"{' ' + choice['pp_schedule'] if choice['pp'] > 1 else ''}: predicted "
+    return (f"{choice['layout'].short()} (as text: {choice['layout'].text()}): predicted "
             f"{choice['predicted_step_time']:.3f} s/step, {choice['predicted_tokens_per_s']:,.0f} tokens/s "
             f"on {choice['hardware']}")

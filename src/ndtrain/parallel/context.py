@@ -10,7 +10,8 @@ things know about the split:
 - the trainer shards inputs/targets with `shard_sequence` and passes `cp_positions` to the
   model, so RoPE rotates by true global positions;
 - attention (`Attention.sdpa`) is replaced by ring or all-gather attention (ring_attention.py),
-  which relies on exactly this layout;
+  which relies on exactly this layout; with document masking the trainer shards the document
+  ids and positions the same way, and the hook gathers all ranks' ids once per forward;
 - the loss: each rank normalises by its own tokens, and FSDP's gradient average over the
   (dp_replicate, dp_shard x cp) mesh turns that into the exact global token mean.
 
@@ -62,10 +63,22 @@ class ContextParallelSDPA:
 
     def __init__(self, group, mode: str = "ring"):
         self.comm = CPComm(group, mode)
+        self._docs: tuple | None = None  # (local ids, all ranks' ids) of the forward in progress
+
+    def _gather_docs(self, doc_ids: torch.Tensor) -> list[torch.Tensor]:
+        # Every layer is called with the same tensor: one all-gather per forward (and per
+        # recompute under activation checkpointing), not one per layer.
+        if self._docs is None or self._docs[0] is not doc_ids:
+            parts = [torch.empty_like(doc_ids) for _ in range(self.comm.size)]
+            torch.distributed.all_gather(parts, doc_ids.contiguous(), group=self.comm.group)
+            self._docs = (doc_ids, parts)
+        return self._docs[1]
 
     @torch._dynamo.disable  # p2p collectives inside a custom autograd function: keep it eager
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return context_attention(q, k, v, self.comm)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        docs = None if doc_ids is None else self._gather_docs(doc_ids)
+        return context_attention(q, k, v, self.comm, docs=docs)
 
     def __repr__(self) -> str:
         return f"ContextParallelSDPA(cp={self.comm.size}, rank={self.comm.rank}, mode={self.comm.mode})"

@@ -1,11 +1,24 @@
-"""Data parallelism through FSDP2 `fully_shard` for every flavour:
+"""Data parallelism through FSDP2 `fully_shard` for every flavour, with the ZeRO stage in the
+paper's sense (Rajbhandari et al. 2020) over the shard group dp_shard x cp:
 
-- dp_shard > 1: ZeRO-3 (zero=3, parameters resharded after forward) or ZeRO-2-like (zero=2,
-  gathered parameters kept until backward; gradients and optimizer state stay sharded);
-- dp_replicate > 1: the replicate dim of a 2-D (HSDP) mesh; with dp_shard = 1 this is DDP.
+- zero = 3: parameters, gradients and AdamW state sharded. A block's parameters are gathered for
+  its forward and, with `reshard_after_forward` (the default), freed after it and gathered again
+  for its backward; gradients are reduce-scattered after every micro-batch.
+- zero = 2: parameters replicated while training (gathered at the step's first forward and kept
+  until its last backward; no gather between micro-batches), gradients reduce-scattered after
+  every micro-batch into their shard, AdamW state and the update on the shard, the updated
+  parameters gathered before they are used again.
+- zero = 1: as 2, but whole gradients accumulate over the micro-batches and are
+  reduce-scattered once per step: fewer collectives, 2Ψ more memory.
+- dp_replicate > 1: the replicate dim of a 2-D (HSDP) mesh: gradients are all-reduced across
+  replicas; with a shard group of one rank this is DDP (replicated everything).
 
-One mechanism for all of them keeps gradient reduction, mixed precision, accumulation without
-sync and CPU offload identical across layouts.
+FSDP2 is the torch component that does all of this: ZeRO-1/2 are its `reshard_after_forward=False`
+with resharding after backward and gradient sync switched per micro-batch (the trainer's
+`accumulation` below), so gradient reduction, mixed precision (bf16 compute, fp32 reduction and
+master weights), accumulation without sync, CPU offload, exact gradient-norm clipping and
+layout-independent (DCP) checkpoints are identical across stages. Between steps the parameters
+rest sharded, which only saves memory.
 """
 
 from __future__ import annotations
@@ -17,9 +30,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from ndtrain.parallel.expert import shard_experts
 
 
-def apply_fsdp(model: nn.Module, dp_mesh, zero: int, mixed_precision: str, cpu_offload: bool) -> None:
+def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool, mixed_precision: str,
+               cpu_offload: bool) -> None:
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if mixed_precision == "bf16" else MixedPrecisionPolicy()
+        if mixed_precision in ("bf16", "fp8") else MixedPrecisionPolicy()
     # pin_memory needs an accelerator; on CPU-only hosts torch raises if it is requested.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else None
     kwargs = dict(mesh=dp_mesh, mp_policy=mp)
@@ -28,8 +42,31 @@ def apply_fsdp(model: nn.Module, dp_mesh, zero: int, mixed_precision: str, cpu_o
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again first in backward: keep them gathered.
-        reshard = zero == 3 and i < len(blocks) - 1
+        reshard = reshard_after_forward and i < len(blocks) - 1
         # Expert-parallel weights first: they live on their own (smaller) mesh.
         shard_experts(block, kwargs, reshard)
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
+
+
+def accumulation(parts: list[nn.Module], lay, last: bool) -> None:
+    """Before each micro-batch's backward (pp = 1): whether FSDP reduces gradients after it, and
+    whether it frees the gathered parameters. ZeRO-2/3 reduce every micro-batch (gradients stay
+    sharded); ZeRO-1 and plain replication once, on the last. ZeRO-1/2 keep parameters gathered
+    until the step's last backward; ZeRO-3 reshards after each."""
+    sync = last or lay.grads_sharded_per_microbatch
+    reshard = last or lay.effective_zero == 3
+    for part in parts:
+        if hasattr(part, "set_requires_gradient_sync"):
+            part.set_requires_gradient_sync(sync)
+            part.set_reshard_after_backward(reshard)
+
+
+def reshard(parts: list[nn.Module]) -> None:
+    """Free parameters a forward left gathered (ZeRO-1/2 after a forward-only pass), so the next
+    optimizer step and state dict see the sharded parameters alone."""
+    for part in parts:
+        if hasattr(part, "reshard"):
+            for module in part.modules():
+                if hasattr(module, "reshard"):
+                    module.reshard()

@@ -34,8 +34,8 @@ def local_grad_sq(params, ranks_per_stage: int) -> torch.Tensor:
     per_device: dict[torch.device, torch.Tensor] = {}
     for p in params:
         g = p.grad
-        if g is None:
-            continue
+        if g is None or getattr(p, "_ndtrain_tied_copy", False):
+            continue  # a pipeline's copy of a tied weight: its gradient is the embedding's, counted there
         shards = getattr(p, "_ndtrain_shard_factor", 1)
         if hasattr(g, "to_local"):
             from torch.distributed.tensor.placement_types import _StridedShard

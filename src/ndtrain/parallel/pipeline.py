@@ -10,7 +10,6 @@ sub-meshes of this rank's pipeline coordinate.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -19,115 +18,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from ndtrain.errors import NdtrainError
-from ndtrain.model.config import ModelConfig, layer_params
+from ndtrain.layout import schedules as registry
+from ndtrain.layout.rules import microbatch_split_problem
+from ndtrain.layout.partition import part_costs, pipeline_split, stage_layer_counts, stage_layers  # noqa: F401
+from ndtrain.model.config import ModelConfig
 from ndtrain.parallel import pipeline_schedule as ps
 
-SPLITS = ("balanced", "uniform", "llama3")
 
-
-# ---- splitting layers into stages ----------------------------------------------------------
-
-def part_costs(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float, float]:
-    """(per-layer cost, embedding cost, norm+head cost). A part's cost is its share of the
-    model's training FLOPs plus its share of the parameters: FLOPs set the stage's time, and
-    parameters (weights, gradients, optimizer state) its memory, and a stage must fit both."""
-    attn = 12 * cfg.n_heads * cfg.head_dim * seq_len
-    layer_flops = [6 * (layer_params(cfg, i, active_only=True) - 2 * cfg.dim) + attn for i in range(cfg.n_layers)]
-    layer_par = [layer_params(cfg, i) for i in range(cfg.n_layers)]
-    head_flops = 6 * cfg.vocab_size * cfg.dim
-    embed_par, head_par = cfg.vocab_size * cfg.dim, cfg.vocab_size * cfg.dim + cfg.dim
-    total_flops = sum(layer_flops) + head_flops
-    total_par = sum(layer_par) + embed_par + head_par
-    layers = [f / total_flops + p / total_par for f, p in zip(layer_flops, layer_par)]
-    return layers, embed_par / total_par, head_flops / total_flops + head_par / total_par
-
-
-def _balanced(costs: list[float], n: int, first: float, last: float) -> list[int]:
-    """Contiguous split of `costs` into n non-empty stages minimising the costliest stage (the
-    pipeline runs at the pace of its slowest stage); ties go to the evenest split."""
-    L = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = (float("inf"), float("inf"))
-    # best[k][j]: (max cost, sum of squares) splitting the first j layers into k+1 stages.
-    best = [[inf] * (L + 1) for _ in range(n)]
-    cut = [[0] * (L + 1) for _ in range(n)]
-    for j in range(1, L + 1):
-        c = prefix[j] + first + (last if n == 1 else 0.0)
-        best[0][j] = (c, c * c)
-    for k in range(1, n):
-        extra = last if k == n - 1 else 0.0
-        for j in range(k + 1, L + 1):
-            for i in range(k, j):
-                prev = best[k - 1][i]
-                c = prefix[j] - prefix[i] + extra
-                cand = (max(prev[0], c), prev[1] + c * c)
-                if cand < best[k][j]:
-                    best[k][j], cut[k][j] = cand, i
-    counts, j = [], L
-    for k in range(n - 1, 0, -1):
-        i = cut[k][j]
-        counts.append(j - i)
-        j = i
-    counts.append(j)
-    return counts[::-1]
-
-
-def stage_layer_counts(cfg: ModelConfig, n_stages: int, seq_len: int, mode: str = "balanced",
-                       explicit: list[int] | None = None) -> list[int]:
-    """Layers per stage: explicit `layers_per_stage`, else by `mode`:
-    balanced (FLOPs + parameters, embedding and head included), uniform (layer count only), or
-    llama3 (even, with one layer fewer on the first and last stage, as Llama 3 405B was trained)."""
-    L = cfg.n_layers
-    if explicit:
-        if len(explicit) != n_stages or sum(explicit) != L or min(explicit) < 1:
-            raise NdtrainError(f"layers_per_stage {explicit} must be {n_stages} positive counts summing to {L}")
-        return list(explicit)
-    if n_stages > L:
-        raise NdtrainError(f"{n_stages} pipeline stages but only {L} layers")
-    if mode == "balanced":
-        costs, first, last = part_costs(cfg, seq_len)
-        return _balanced(costs, n_stages, first, last)
-    if mode in ("uniform", "llama3"):
-        total = L + (2 if mode == "llama3" and n_stages > 1 else 0)
-        base, extra = divmod(total, n_stages)
-        counts = [base] * n_stages
-        middle = list(range(1, n_stages - 1)) or list(range(n_stages))
-        for k in range(extra):  # the remainder goes to the middle stages, away from embedding and head
-            counts[middle[k % len(middle)]] += 1
-        if total != L:
-            counts[0] -= 1
-            counts[-1] -= 1
-        if min(counts) < 1:
-            raise NdtrainError(f"the {mode} split of {L} layers over {n_stages} stages leaves a stage empty")
-        return counts
-    raise NdtrainError(f"unknown pipeline split {mode!r} (choose from {', '.join(SPLITS)})")
-
-
-def stage_layers(counts: list[int]) -> list[list[int]]:
-    out, start = [], 0
-    for c in counts:
-        out.append(list(range(start, start + c)))
-        start += c
-    return out
-
+# ---- stages --------------------------------------------------------------------------------
 
 def build_stage_module(cfg: ModelConfig, layers: list[int], first: bool, last: bool) -> nn.Module:
-    """The whole model on meta, pruned to one stage (no memory is allocated for the rest)."""
+    """One stage of the model on meta (nothing allocated, and nothing built for the other stages)."""
     from ndtrain.model.llama import build_model
 
-    model = build_model(cfg, "meta")
-    keep = {str(i) for i in layers}
-    for name in list(model.layers.keys()):
-        if name not in keep:
-            del model.layers[name]
-    if not first:
-        model.tok_embeddings = None
-    if not last:
-        model.norm = None
-        model.output = None
-    return model
+    return build_model(cfg, "meta", layers, first, last)
 
 
 def merged_view(parts: list[nn.Module]) -> nn.Module:
@@ -165,27 +69,31 @@ class Pipeline:
         self._schedules: dict[int, object] = {}
         self._loss_sums: list[torch.Tensor] = []
         self._tokens = 1
+        self.tied: TiedEmbedding | None = None
         # Timeline recording for `ndtrain pipeline-report`: off while training normally.
         self.trace = False
         self.traces: list[dict] = []
         self._events: list[tuple] | None = None
         self._t0 = 0.0
         for part in self.parts:
-            part.register_forward_pre_hook(self._add_positions, with_kwargs=True)
+            # First among the hooks: context parallel's check that positions are given runs after.
+            part.register_forward_pre_hook(self._add_positions, with_kwargs=True, prepend=True)
         for stage in stages:
             self._instrument(stage)
 
     def _add_positions(self, module, args, kwargs):
-        # A later stage receives hidden states, sequence-sharded under SP: the model cannot infer
-        # the token positions from them, so every stage is handed the true ones.
+        # A later stage receives hidden states, sequence-sharded under SP (and holding a cp
+        # rank's share of the sequence under CP): the model cannot infer the token positions from
+        # them, so every stage is handed the true global ones.
         if len(args) < 2 and kwargs.get("positions") is None:
             kwargs = {**kwargs, "positions": self._positions}
         return args, kwargs
 
     def microbatches(self, rows: int, micro_batch: int) -> int:
         m = ps.microbatch_count(self.pp_microbatches, rows, micro_batch)
-        if rows % m:
-            raise NdtrainError(f"this rank's {rows} sequences do not split into {m} equal pipeline micro-batches")
+        problem = microbatch_split_problem(rows, m)  # the layout's rule, for the batch this step has
+        if problem:
+            raise NdtrainError(problem)
         return m
 
     def _schedule(self, m: int):
@@ -239,6 +147,8 @@ class Pipeline:
             if tracing:
                 self.traces.append({"m": m, "end": time.perf_counter() - self._t0, "events": self._events})
                 self._events = None
+        if train and self.tied is not None:
+            self.tied.sum_grads()
         if not self.has_last:
             return 0.0
         # Metadata inference on a schedule's first step calls the loss once more: keep the last m.
@@ -301,31 +211,84 @@ def _value(t: torch.Tensor) -> float:
     return float(t)
 
 
-def build_pipeline(cfg, dims, mesh, device: torch.device) -> Pipeline:
-    """Build, parallelise and materialise only this rank's stages; wrap them in a Pipeline."""
+def build_pipeline(cfg, dims, mesh, device: torch.device, positions: torch.Tensor | None = None) -> Pipeline:
+    """Build, parallelise and materialise only this rank's stages; wrap them in a Pipeline.
+    `dims` is the resolved layout; `positions` the global positions of this rank's tokens (the
+    cp shard's, under context parallel), handed to every stage for RoPE."""
     from torch.distributed.pipelining import PipelineStage
 
     from ndtrain.model.init import materialize
     from ndtrain.parallel.compose import parallelize
 
-    par = cfg.parallel
-    p, v = dims.pp, par.pp_virtual_stages
-    stage_par = par
-    if par.pp_schedule in ps.SPLIT_BACKWARD and par.zero == 3:
-        # The weight pass (W) finds a stage's parameters through the graph its input pass (I)
-        # saw; FSDP resharding them after forward swaps in other tensors and W loses gradients.
-        # So these schedules keep each stage's parameters gathered from forward to W (ZeRO-2).
-        stage_par = dataclasses.replace(par, zero=2)
+    p, v = dims.pp, dims.v
     n_stages = p * v
-    counts = stage_layer_counts(cfg.model, n_stages, cfg.data.seq_len, par.pp_split, par.layers_per_stage)
+    counts = pipeline_split(cfg.model, cfg.data.seq_len, dims)
     layers = stage_layers(counts)
     pp_mesh = mesh["pp"]
     rank = pp_mesh.get_local_rank()
     stages = []
-    for s in ps.rank_stages(par.pp_schedule, p, v, rank):
+    for s in registry.get(dims.schedule).rank_stages(p, v, rank):
         part = build_stage_module(cfg.model, layers[s], s == 0, s == n_stages - 1)
-        part = parallelize(part, dims, stage_par, mesh)
+        part = parallelize(part, dims, mesh)
         materialize(part, cfg.train.seed, device)
         stages.append(PipelineStage(part, s, n_stages, device, group=pp_mesh.get_group()))
-    positions = torch.arange(cfg.data.seq_len, device=device)
-    return Pipeline(stages, par.pp_schedule, p, v, par.pp_microbatches, positions)
+    if positions is None:
+        positions = torch.arange(cfg.data.seq_len, device=device)
+    pipe = Pipeline(stages, dims.schedule, p, v, dims.m, positions)
+    if cfg.model.tie_embeddings:
+        pipe.tied = TiedEmbedding(pipe.parts, mesh, dims)
+    return pipe
+
+
+class TiedEmbedding:
+    """Tied input and output embeddings across pipeline stages. The first stage holds the
+    embedding, the last stage its own copy as the head's weight (initialised from the same name,
+    so equal). After each backward their gradients are summed, in place on both, so both take the
+    same optimizer step and stay equal; the gradient norm counts the weight once (the copy is
+    marked). Checkpoints keep both canonical names, as a single process's state dict does.
+
+    Where the two stages live on one rank (V schedules: stages 0 and 2p-1 on rank 0) the sum is
+    local; otherwise a two-rank group joins pipeline ranks 0 and p-1 at each (dp, cp, tp) coordinate."""
+
+    def __init__(self, parts, mesh, dims):
+        self.embed = self.head = None
+        for part in parts:
+            for name, param in part.named_parameters():
+                if name.endswith("tok_embeddings.weight"):
+                    self.embed = param
+                elif name.endswith("output.weight"):
+                    self.head = param
+                    param._ndtrain_tied_copy = True  # counted once, by the embedding
+        self.group = None
+        local = registry.get(dims.schedule).stage_ranks(dims.pp, dims.v)[-1] == 0  # V: last stage on rank 0
+        if not local:
+            ranks = mesh.root.mesh  # [pp, dp_replicate, dp_shard, cp, tp] -> global rank
+            me = dist.get_rank()
+            flat = ranks.reshape(ranks.shape[0], -1)
+            for c in range(flat.shape[1]):  # every rank creates every group, in the same order
+                pair = [int(flat[0, c]), int(flat[-1, c])]
+                group = dist.new_group(pair)
+                if me in pair:
+                    self.group = group
+
+    @staticmethod
+    def _grad(param) -> torch.Tensor:
+        """The parameter's gradient as a local tensor laid out like the parameter (TP can leave
+        an embedding's gradient replicated while its weight is vocab-sharded)."""
+        g = param.grad
+        if g is None:
+            param.grad = g = torch.zeros_like(param)
+        if hasattr(g, "placements") and tuple(g.placements) != tuple(param.placements):
+            param.grad = g = g.redistribute(param.device_mesh, param.placements)
+        return g.to_local() if hasattr(g, "to_local") else g
+
+    @torch.no_grad()
+    def sum_grads(self) -> None:
+        if self.embed is not None and self.head is not None:  # both on this rank
+            total = self._grad(self.embed) + self._grad(self.head)
+            self._grad(self.embed).copy_(total)
+            self._grad(self.head).copy_(total)
+            return
+        mine = self.embed if self.embed is not None else self.head
+        if mine is not None and self.group is not None:
+            dist.all_reduce(self._grad(mine), group=self.group)

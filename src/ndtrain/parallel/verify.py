@@ -8,37 +8,55 @@ ranks (a process group costs seconds to start); each layout builds its own mesh 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 
 import torch
 
-from ndtrain.config import JobConfig, load_config, parse_value
+from ndtrain.config import JobConfig, TrainConfig, load_config, parse_value
 from ndtrain.errors import NdtrainError
-from ndtrain.model.init import canonical_name
+from ndtrain.layout import Layout, parse_items, parse_layout
+from ndtrain.layout import schedules as registry
+from ndtrain.layout.degrees import CONFIG_KEYS
+from ndtrain.parallel.dims import resolve
 
 
 def layout_overrides(spec: str) -> dict:
-    """'dp_shard=2 tp=2 ac=full ga=2' -> overrides. `ga=K` sets micro_batch = global/(dp*K);
-    `ac`, `sp`, `mp`, `zero`, `schedule`, `v` are short forms of [parallel] keys."""
-    short = {"ac": "activation_checkpoint", "sp": "sequence_parallel", "mp": "mixed_precision",
-             "schedule": "pp_schedule", "v": "pp_virtual_stages", "offload": "cpu_offload"}
-    out: dict = {"parallel": {"dp_shard": 1}}
-    for item in spec.replace(",", " ").split():
-        if "=" not in item:
+    """A layout in the one layout syntax, `key=value` items joined by commas, -> config overrides.
+    Keys are ndtrain.layout's (the [parallel] names or short forms: ac, sp, mp, zero, schedule,
+    v, offload, mb, ...), plus `ga=K` (micro_batch = global/(dp*K)) and any `section.key`.
+    Degrees not given are 1, except that ep=N alone takes N data-parallel ranks (dp_shard = N/cp),
+    as a user asking for expert parallel expects."""
+    if not spec.strip() or any(ch.isspace() for ch in spec.strip()):
+        raise NdtrainError(f"layout {spec!r}: items are key=value joined by commas, one layout per argument "
+                           f"(e.g. dp_shard=2,tp=2)")
+    items, extra, ga = {}, {}, None
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        key, sep, text = item.partition("=")
+        if not sep:
             raise NdtrainError(f"layout item {item!r} is not key=value (in {spec!r})")
-        key, text = item.split("=", 1)
-        value = parse_value(text)
-        if key == "sp":
-            value = bool(value)
         if key == "ga":
-            out.setdefault("_ga", value)
-            continue
-        if "." in key:
+            ga = parse_value(text)
+        elif "." in key:
             section, k = key.split(".", 1)
-            out.setdefault(section, {})[k] = value
+            extra.setdefault(section, {})[k] = parse_value(text)
         else:
-            out["parallel"][short.get(key, key)] = value
+            items[key] = text
+    fields = parse_items(items, f"layout {spec!r}")
+    if "dp_shard" not in fields:
+        ep, cp = fields.get("ep", 1), fields.get("cp", 1)
+        fields["dp_shard"] = ep // math.gcd(ep, cp) if ep > 1 else 1
+    lay = parse_layout(fields, base=Layout())
+    out: dict = {"parallel": {}}
+    for name in set(fields) | {"dp_shard", "reshard_after_forward", "v"}:
+        section, key = CONFIG_KEYS[name]
+        value = getattr(lay, name)
+        out.setdefault(section, {})[key] = list(value) if isinstance(value, tuple) else value
+    for section, values in extra.items():
+        out.setdefault(section, {}).update(values)
+    if ga is not None:
+        out["_ga"] = ga
     return out
 
 
@@ -56,16 +74,20 @@ def layout_config(base: dict, spec: str) -> JobConfig:
     merged = {k: dict(v) for k, v in base.items()}
     for section, values in ov.items():
         merged.setdefault(section, {}).update(values)
-    cfg = load_config(None, merged)
-    p = cfg.parallel
+    par = ov["parallel"]
+    pp = int(par.get("pp", 1))
     if ga is None:
         # A pipeline layout without ga= runs the fewest micro-batches its schedule accepts (at
         # least pp, so that GPipe pipelines too).
-        from ndtrain.parallel.pipeline_schedule import min_microbatches
-
-        ga = max(p.pp, min_microbatches(p.pp_schedule, p.pp)) if p.pp > 1 else 1
-    dp = layout_world(ov) // (p.tp * p.pp * p.cp)
-    cfg.train.micro_batch = max(1, cfg.train.global_batch // (dp * ga))
+        ga = max(pp, registry.get(par.get("pp_schedule", "1F1B")).min_microbatches(pp)) if pp > 1 else 1
+    world = layout_world(ov)
+    dp = world // (int(par.get("tp", 1)) * pp * int(par.get("cp", 1)))
+    if "micro_batch" not in ov.get("train", {}):
+        gb = merged.get("train", {}).get("global_batch", TrainConfig().global_batch)
+        merged.setdefault("train", {})["micro_batch"] = max(1, gb // (dp * ga))
+    cfg = load_config(None, merged)
+    # The one validity check, for this layout's world, before any rank starts.
+    resolve(cfg.parallel, world, cfg.model, cfg.data.seq_len, cfg.train)
     return cfg
 
 
@@ -158,15 +180,25 @@ def format_table(results: list[Comparison], tol_loss: float, tol_weight: float) 
     return "\n".join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit code 2, like every other ndtrain user error
+        raise NdtrainError(message)
+
+
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="ndtrain verify", description=__doc__.split("\n\n")[0])
-    p.add_argument("--layouts", required=True,
-                   help="comma-separated layouts, items space-separated: 'dp_shard=4,tp=2 dp_shard=2'")
+    p = _Parser(prog="ndtrain verify", description=__doc__.split("\n\n")[0])
+    p.add_argument("--layouts", nargs="+", default=[], metavar="LAYOUT",
+                   help="one layout per argument, items key=value joined by commas: dp_shard=4 tp=2,dp_shard=2")
     p.add_argument("--config", help="TOML config for model and training (default: debug preset)")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--tol-loss", type=float, default=None, help="default 1e-5 (fp32) or 2e-2 (bf16)")
-    p.add_argument("--tol-weight", type=float, default=None, help="default 1e-5 (fp32) or 2e-2 (bf16)")
+    p.add_argument("--tol-loss", type=float, default=None, help="default 1e-5 (fp32) or 2e-2 (bf16, fp8)")
+    p.add_argument("--tol-weight", type=float, default=None, help="default 1e-5 (fp32) or 2e-2 (bf16, fp8)")
     args, rest = p.parse_known_args(argv)
+    layouts = [s.strip() for s in args.layouts if s.strip()]
+    if not layouts:
+        raise NdtrainError("give at least one layout: --layouts dp_shard=2 tp=2,dp_shard=2 (one per argument)")
+    if args.steps < 1:
+        raise NdtrainError(f"--steps must be >= 1, got {args.steps}")
     base_cfg = load_config(args.config, rest)
     from ndtrain.config import to_dict
 
@@ -174,10 +206,11 @@ def main(argv: list[str]) -> int:
     base.pop("name")
     base["parallel"] = {}  # the reference is one process; layouts set their own degrees
     base["train"]["micro_batch"] = base_cfg.train.global_batch
-    layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
-    bf16 = any("bf16" in s for s in layouts)
-    tol_l = args.tol_loss if args.tol_loss is not None else (2e-2 if bf16 else 1e-5)
-    tol_w = args.tol_weight if args.tol_weight is not None else (2e-2 if bf16 else 1e-5)
+    for spec in layouts:  # every layout checked (problems()) before any rank starts
+        layout_config(base, spec)
+    low = any("bf16" in s or "fp8" in s for s in layouts)  # fp8 is bf16 outside its fp8 GEMMs
+    tol_l = args.tol_loss if args.tol_loss is not None else (2e-2 if low else 1e-5)
+    tol_w = args.tol_weight if args.tol_weight is not None else (2e-2 if low else 1e-5)
     _, results = verify(base, layouts, args.steps, tol_l, tol_w)
     print(format_table(results, tol_l, tol_w))
     return 0 if all(r.passed for r in results) else 1

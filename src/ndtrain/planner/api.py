@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 from ndtrain.errors import NdtrainError
 from ndtrain.model.config import ModelConfig
+from ndtrain.layout import Layout, parse_layout
+from ndtrain.layout.degrees import CONFIG_KEYS
 from ndtrain.planner.hardware import Hardware, get_hardware, this_machine
-from ndtrain.planner.layout import parse_layout
 from ndtrain.planner.problem import make_problem
 from ndtrain.planner.search import Evaluator, Prediction, search
 
@@ -25,13 +27,16 @@ def _hardware(profile) -> Hardware:
 
 
 def _precision(hw: Hardware, precision: str | None) -> str:
-    # The trainer computes in fp32 on CPU unless told otherwise (parallel.mixed_precision).
-    return precision or ("fp32" if hw.name == "this-machine" else "bf16")
+    # The trainer computes in fp32 on CPU unless told otherwise (parallel.mixed_precision). fp8 on
+    # hardware with no fp8 rate (this machine: its fp8 GEMMs are not calibrated) is priced as bf16.
+    precision = precision or ("fp32" if hw.name == "this-machine" else "bf16")
+    return "bf16" if precision == "fp8" and not hw.peak_fp8 else precision
 
 
 def auto_layout(model_cfg: ModelConfig, world_size: int, seq_len: int, global_batch: int,
                 micro_batch_options=(1, 2, 4, 8), hardware_profile=None, *, precision: str | None = None,
-                zero_options=(3,), ac_options=("none", "selective", "full"), schedules=None) -> dict:
+                zero_options=(1, 2, 3), ac_options=("none", "selective", "full"), schedules=None,
+                base: Layout | None = None) -> dict:
     """Pick the fastest layout the ndtrain runtime can build for `world_size` ranks.
 
     Arguments:
@@ -44,22 +49,21 @@ def auto_layout(model_cfg: ModelConfig, world_size: int, seq_len: int, global_ba
                           `ndtrain calibrate`, defaults if absent), a path to such a JSON file, a
                           catalog name ("h100", "a100-80", ...) or a Hardware.
       precision           "fp32" | "bf16" | "fp8"; default fp32 on this machine, bf16 on GPUs.
-      zero_options        ZeRO stages allowed when dp_shard > 1. Default (3,): the planner's stage 2
-                          is the ZeRO paper's (sharded gradients, replicated parameters), which is
-                          not the runtime's `zero = 2` (parameters kept gathered between forward
-                          and backward), so only 3 is offered unless the caller knows better.
+      zero_options        ZeRO stages allowed when dp_shard x cp > 1 (the paper's stages, as the
+                          runtime builds them).
       ac_options          activation-checkpoint policies allowed.
       schedules           pipeline schedules allowed (default: all six).
+      base                the layout knobs the search keeps (mixed precision, compile, offload,
+                          stage split...): their rules (ndtrain.layout.problems) apply.
 
-    Only runtime-buildable layouts are searched: tp divides heads and kv heads and is at most one
-    node, pp*v divides the layers (equal stages), cp splits the sequence into 2*cp equal chunks, ep
-    divides the experts and dp_shard*cp, dp*micro_batch divides global_batch, and the pipeline
-    schedule gets the micro-batches it needs.
+    Only layouts ndtrain.layout.problems() accepts (strict: what the runtime builds) are searched;
+    the search limits tp to one node.
 
-    Returns a dict of `[parallel]`/`[train]` keys, ready to apply:
-      dp_replicate, dp_shard, tp, cp, pp, ep, zero, sequence_parallel (bool), pp_schedule,
-      pp_virtual_stages, activation_checkpoint ("none"|"selective"|"full"), ac (same),
-      micro_batch, pp_microbatches (micro-batches per step per pipeline),
+    Returns a dict: "layout" (the ndtrain.layout.Layout chosen, with the planner's stage split as
+    explicit layers_per_stage), "overrides" ({section: {key: value}}: every [parallel] key the
+    choice sets, and train.micro_batch), the same keys flat for reading (dp_replicate, dp_shard,
+    tp, cp, pp, ep, zero, reshard_after_forward, sequence_parallel, pp_schedule,
+    pp_virtual_stages, pp_microbatches, layers_per_stage, activation_checkpoint, ac, micro_batch),
     plus the prediction: predicted_step_time (s), predicted_tokens_per_s, predicted_memory_bytes
     (peak on the fullest device), predicted_mfu, hardware (name).
     Raises NdtrainError when no layout fits in memory.
@@ -69,7 +73,7 @@ def auto_layout(model_cfg: ModelConfig, world_size: int, seq_len: int, global_ba
                       strict=True)
     res = search(pb, top_k=1, mb_options=sorted(set(int(m) for m in micro_batch_options)),
                  ac_options=tuple(ac_options), zero_options=tuple(zero_options),
-                 schedules=tuple(schedules) if schedules else None)
+                 schedules=tuple(schedules) if schedules else None, base=base)
     if not res.top:
         why = ""
         if res.fastest_over_cap:
@@ -79,11 +83,20 @@ def auto_layout(model_cfg: ModelConfig, world_size: int, seq_len: int, global_ba
         raise NdtrainError(f"no layout of {world_size} ranks fits this model, sequence and batch{why}")
     best = res.top[0]
     lay = best.layout
+    if lay.pp > 1:  # the planner's whole choice reaches the runtime: its stage split and micro-batch count
+        lay = dataclasses.replace(lay, layers_per_stage=tuple(best.time["stage_counts"]),
+                                  m=lay.micro_batches(global_batch))
+    wanted = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "zero", "reshard_after_forward", "sp", "schedule",
+              "v", "m", "layers_per_stage", "ac", "mb")
+    overrides: dict = {}
+    for name, (section, key) in CONFIG_KEYS.items():
+        if name in wanted:
+            value = getattr(lay, name)
+            overrides.setdefault(section, {})[key] = list(value) if isinstance(value, tuple) else value
+    flat = {**overrides["parallel"], **overrides["train"]}
+    flat["sequence_parallel"] = bool(lay.sp and lay.tp > 1)
     return {
-        "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp, "cp": lay.cp, "pp": lay.pp,
-        "ep": lay.ep, "zero": lay.zero, "sequence_parallel": bool(lay.sp and lay.tp > 1),
-        "pp_schedule": lay.schedule, "pp_virtual_stages": lay.v, "activation_checkpoint": lay.ac, "ac": lay.ac,
-        "micro_batch": lay.mb, "pp_microbatches": lay.micro_batches(global_batch),
+        "layout": lay, "overrides": overrides, **flat, "ac": lay.ac,
         "predicted_step_time": best.step_time, "predicted_tokens_per_s": best.tokens_per_s,
         "predicted_memory_bytes": best.memory["total"], "predicted_mfu": best.mfu, "hardware": hw.name,
     }
@@ -111,7 +124,7 @@ def predict(model_cfg: ModelConfig, layout: dict | str, seq_len: int, global_bat
     hw = _hardware(hardware)
     if isinstance(layout, dict):
         if precision is None and "mixed_precision" in layout:
-            precision = "bf16" if layout["mixed_precision"] == "bf16" else "fp32"
+            precision = layout["mixed_precision"]
         layout = {k: (int(v) if isinstance(v, bool) else v) for k, v in layout.items() if k in PLANNER_KEYS}
         if "dp_shard" not in layout or int(layout.get("dp_shard", -1)) == -1:
             if world is None:
@@ -119,7 +132,7 @@ def predict(model_cfg: ModelConfig, layout: dict | str, seq_len: int, global_bat
     else:
         if world is None and "dp_shard=" not in layout:
             raise NdtrainError("predict: give dp_shard or world")
-    lay = parse_layout(layout, world or 0)
+    lay = parse_layout(layout, world)
     if lay.ac not in ("none", "selective", "full"):
         raise NdtrainError(f"predict: activation checkpoint {lay.ac!r} is not modelled")
     pb = make_problem(model_cfg, seq_len, global_batch, world or lay.world, hw, stack=stack,

@@ -234,7 +234,7 @@ def fit_mm_eff(prof: dict) -> float:
     fitted on published runs)."""
     from ndtrain.planner.calibrate_host import BATCH, _config
     from ndtrain.planner.hardware import from_profile
-    from ndtrain.planner.layout import Layout
+    from ndtrain.layout import Layout
     from ndtrain.planner.problem import make_problem
     from ndtrain.planner.timing import layer_costs
 

@@ -136,7 +136,7 @@ def dp_host(world: int, mode: str, reps: int) -> dict:
         model = _llama(layers, dim)
         if tp > 1:
             apply_tensor_parallel(model, mesh["tp"], True)
-        apply_fsdp(model, mesh["dp_replicate", "dp_shard"], 3, "fp32", False)
+        apply_fsdp(model, mesh["dp_replicate", "dp_shard"], True, "fp32", False)
         materialize(model, 0, "cpu")
         return model
 

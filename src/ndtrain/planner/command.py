@@ -9,9 +9,12 @@ import sys
 
 from ndtrain.errors import NdtrainError
 from ndtrain.planner.goodput import goodput_report
-from ndtrain.planner.layout import AC_POLICIES, PRECISIONS, SCHEDULES, STACKS, canonical_schedule, parse_layout
+from ndtrain.layout import parse_items, parse_layout
+from ndtrain.layout.schedules import NAMES as SCHEDULES
+from ndtrain.layout.schedules import canonical_schedule
 from ndtrain.planner.problem import make_problem
-from ndtrain.planner.report import goodput_text, plan_text
+from ndtrain.planner.stack import PLANNED_AC, PRECISIONS, STACKS
+from ndtrain.planner.report import check_command, goodput_text, plan_text
 from ndtrain.planner.search import Evaluator, SearchResult, search
 from ndtrain.planner.shapes import parse_count, parse_duration, resolve_model
 
@@ -42,38 +45,30 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, help="sequences per step")
     p.add_argument("--tokens", default="1T", help="token budget for days and energy (decimal: 15T = 15e12)")
     p.add_argument("--top", type=int, default=3)
-    p.add_argument("--layout", help="evaluate one layout: tp=8,pp=16,dp_shard=64,mb=1,ac=full,schedule=...")
-    p.add_argument("--fix", help="pin degrees in the search, e.g. tp=8,pp=16")
+    p.add_argument("--layout", help="evaluate one layout: tp=8,pp=16,dp_shard=64,mb=1,ac=full,schedule=... "
+                   "(the layout syntax of verify and config check)")
+    p.add_argument("--fix", help="pin layout keys in the search, e.g. tp=8,pp=16")
     p.add_argument("--mb", help="micro-batch sizes to try, e.g. 1,2,4 (default powers of two to 64)")
     p.add_argument("--schedules", help=f"comma list from {', '.join(SCHEDULES)}")
     p.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
     p.add_argument("--stack", default="ndtrain", choices=list(STACKS))
-    p.add_argument("--strict", action="store_true", help="only layouts the ndtrain runtime can build")
+    p.add_argument("--strict", action="store_true",
+                   help="only layouts the ndtrain runtime builds (the default; kept for scripts that pass it)")
+    p.add_argument("--relaxed", action="store_true",
+                   help="also layouts only other runtimes build (Megatron-LM's kv-head replication, GeLU MLPs): "
+                        "for comparing with published runs; ndtrain cannot train them")
     p.add_argument("--explain", action="store_true", help="say why the runner-up and other meshes lost")
     p.add_argument("--json", action="store_true")
     return p
 
 
 def _fixed(text: str | None) -> dict:
+    """`--fix` items in the layout syntax -> {Layout field: value}."""
     if not text:
         return {}
-    out: dict = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, _, value = item.partition("=")
-        key = key.strip().lower()
-        if key in ("ac",):
-            if value not in AC_POLICIES:
-                raise NdtrainError(f"--fix: ac must be one of {', '.join(AC_POLICIES)}")
-            out[key] = value
-        elif key == "schedule":
-            out[key] = canonical_schedule(value)
-        elif key in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep", "zero", "mb", "v", "sp"):
-            try:
-                out[key] = bool(int(value)) if key == "sp" else int(value)
-            except ValueError as exc:
-                raise NdtrainError(f"--fix: {key}={value!r} is not an integer") from exc
-        else:
-            raise NdtrainError(f"--fix: unknown key {key!r}")
+    out = parse_items(text, "--fix")
+    if "ac" in out and out["ac"] not in PLANNED_AC:
+        raise NdtrainError(f"--fix: ac must be one of {', '.join(PLANNED_AC)}")
     return out
 
 
@@ -100,6 +95,8 @@ def plan_main(argv: list[str]) -> int:
     args = plan_parser().parse_args(argv)
     _check_plan_args(args)
     cfg = resolve_model(args.model, args.model_shape)
+    if args.strict and args.relaxed:
+        raise NdtrainError("give --strict or --relaxed, not both")
     if args.global_batch and args.global_batch_tokens:
         raise NdtrainError("give --global-batch or --global-batch-tokens, not both")
     if args.global_batch:
@@ -114,7 +111,7 @@ def plan_main(argv: list[str]) -> int:
         raise NdtrainError("give --global-batch SEQUENCES or --global-batch-tokens TOKENS")
     budget = _count(args.tokens)
     pb = make_problem(cfg, args.seq, batch, args.gpus, args.gpu, stack=args.stack, precision=args.precision,
-                      strict=args.strict, profile=args.profile)
+                      strict=not args.relaxed, profile=args.profile)
     if args.layout:
         lay = parse_layout(args.layout, args.gpus)
         ev = Evaluator(pb)
@@ -135,7 +132,8 @@ def plan_main(argv: list[str]) -> int:
             "precision": args.precision, "stack": args.stack, "token_budget": budget,
             "search": {"considered": res.considered, "sized": res.sized, "evaluated": res.evaluated, "fitting": res.fitting,
                        "seconds": res.seconds},
-            "layouts": [p.to_json(budget, args.gpus, pb.hw.tdp_w) for p in res.top],
+            "layouts": [{**p.to_json(budget, args.gpus, pb.hw.tdp_w), "layout_text": p.layout.text(),
+                         "config_check": check_command(pb, p.layout)} for p in res.top],
             "fastest_over_cap": res.fastest_over_cap.to_json() if res.fastest_over_cap else None,
         }
         json.dump(out, sys.stdout, indent=1)

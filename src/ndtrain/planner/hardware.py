@@ -162,6 +162,24 @@ CATALOG: dict[str, Hardware] = {
 ALIASES = {"a100": "a100-80", "h100-sxm": "h100", "h100sxm": "h100", "a100-80gb": "a100-80",
            "a100-40gb": "a100-40", "local": "this-machine", "cpu": "this-machine"}
 
+# CUDA device names (torch.cuda.get_device_name) -> catalog entries, most specific first.
+DEVICE_NAMES = (("H800", "h800"), ("H200", "h200"), ("GH200", "h200"), ("H100", "h100"), ("B200", "b200"),
+                ("A100", "a100"))
+
+
+def catalog_name(device_name: str, memory_bytes: float | None = None) -> str | None:
+    """The catalog entry of a CUDA device, e.g. 'NVIDIA H100 80GB HBM3' -> 'h100'; an A100 is the
+    80 GB entry unless its name or memory says 40 GB. None for a device not in the catalog."""
+    upper = device_name.upper()
+    for key, name in DEVICE_NAMES:
+        if key in upper:
+            if name != "a100":
+                return name
+            small = "40GB" in upper.replace(" ", "") or (memory_bytes is not None and memory_bytes < 60 * GiB)
+            return "a100-40" if small else "a100-80"
+    return None
+
+
 DEFAULT_PROFILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ndtrain" / "hardware.json"
 
 

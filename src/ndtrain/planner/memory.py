@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ndtrain.planner.layout import INTERLEAVED, V_SHAPED, Layout, Stack
-from ndtrain.planner.problem import Problem
+from ndtrain.layout import Layout
+from ndtrain.layout import schedules as registry
+from ndtrain.planner.problem import Problem, Split
 from ndtrain.planner.shapes import Shape
+from ndtrain.planner.stack import Stack
 
 FRAGMENTATION = 0.10  # of the allocations that churn every step (activations, logits, buffers)
 DDP_BUCKETS = 2 * 25e6 * 4  # two 25 MB-element gradient buckets in flight
@@ -65,52 +67,42 @@ def activation_bytes(shape: Shape, stack: Stack, seq: int, b: int, t: int = 1, s
 
 
 def in_flight(schedule: str, p: int, v: int, m: int) -> tuple[float, float]:
-    """Micro-batches whose activations a device holds at its peak, in units of one micro-batch
-    through all of that device's layers: (first pipeline rank, last pipeline rank)."""
-    if p == 1:
-        return 1.0, 1.0
-    if schedule == "GPipe":
-        return float(m), float(m)
-    if schedule == "1F1B":
-        return float(min(p, m)), 1.0
-    if schedule in INTERLEAVED:
-        # Korthikanti et al.: p * (1 + (p-1)/(p v)) on the first rank; the last rank's warm-up
-        # in Megatron's interleaved schedule is (v-1) p chunk-micro-batches, plus the one running.
-        return p + (p - 1) / v, ((v - 1) * p + 1) / v
-    if schedule == "ZBVZeroBubble":
-        return float(p), float(p)  # ZB-V keeps 1F1B's peak, spread evenly over the ranks
-    if schedule == "DualPipeV":
-        return p + 0.5, p + 0.5  # DeepSeek-V3 Table 2: PP+1 chunk-micro-batches with 2 chunks/rank
-    raise ValueError(schedule)
+    """Micro-batches whose activations a device holds at its peak (the schedule registry's rule):
+    (first pipeline rank, last pipeline rank)."""
+    return registry.get(schedule).in_flight(p, v, m)
 
 
-def state_bytes(psi: float, zero: int, shard: int, pbytes: int) -> tuple[float, float, float]:
+def state_bytes(psi: float, zero: int, shard: int, pbytes: int, grads_sharded: bool | None = None
+                ) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer) bytes for `psi` parameters, ZeRO stage `zero` (0 = DDP)
-    over `shard` ranks. Mixed-precision Adam: 2 + 2 + 12 = 16 bytes/param (fp32: 4 + 4 + 8)."""
+    over `shard` ranks. Mixed-precision Adam: 2 + 2 + 12 = 16 bytes/param (fp32: 4 + 4 + 8).
+    `grads_sharded` overrides whether the stage's gradients are held sharded (a pipeline reduces
+    them once per step, so it holds them whole whatever the stage)."""
     pb, gb, ob = (2, 2, 12) if pbytes == 2 else (4, 4, 8)
     if zero == 0 or shard <= 1:
         return pb * psi, gb * psi, ob * psi
-    if zero == 1:
-        return pb * psi, gb * psi, ob * psi / shard
-    if zero == 2:
-        return pb * psi, gb * psi / shard, ob * psi / shard
-    return pb * psi / shard, gb * psi / shard, ob * psi / shard
+    if grads_sharded is None:
+        grads_sharded = zero >= 2
+    grads = gb * psi / shard if grads_sharded else gb * psi
+    return (pb * psi / shard if zero == 3 else pb * psi), grads, ob * psi / shard
 
 
 def device_params(shape: Shape, lay: Layout, layers: int, embed: bool, head: bool) -> tuple[float, float]:
-    """(dense, routed-expert) parameters on one device holding `layers` layers."""
+    """(dense, routed-expert) parameters on one device holding `layers` layers. Tensor parallel
+    shards attention, dense MLPs, embedding and head; MoE layers (router, shared and routed
+    experts) are replicated over tp, as the runtime builds them, and routed experts split over ep."""
     t = lay.tp
-    dense = layers * shape.dense_params_layer / t
+    dense = layers * ((shape.dense_params_layer - shape.moe_dense_params_layer) / t + shape.moe_dense_params_layer)
     if embed:
         dense += shape.embed_params / t
     if head and (not shape.tied or not embed):
         dense += shape.embed_params / t + shape.dim
-    return dense, layers * shape.expert_params_layer / (t * lay.ep)
+    return dense, layers * shape.expert_params_layer / lay.ep
 
 
-def memory_breakdown(pb: Problem, lay: Layout, part: tuple[int, int]) -> dict:
-    """Peak bytes on the fullest device, broken down. `part` = (layers per non-last stage, layers
-    on the last stage) from problem.partition."""
+def memory_breakdown(pb: Problem, lay: Layout, split: Split) -> dict:
+    """Peak bytes on the fullest device, broken down. `split`: the layers per pipeline rank
+    (problem.stage_split, the runtime's partition)."""
     sh, st, elt = pb.shape, pb.stack, pb.act_bytes
     p, t, sp = lay.pp, lay.tp, lay.sp and lay.tp > 1
     m = lay.micro_batches(pb.global_batch)
@@ -119,29 +111,34 @@ def memory_breakdown(pb: Problem, lay: Layout, part: tuple[int, int]) -> dict:
     working = activation_bytes(sh, st, pb.seq, lay.mb, t, sp, lay.cp, "none", elt) if lay.ac == "full" else 0.0
     logit_elems = lay.mb * pb.seq / lay.cp * sh.vocab / t
     shard = lay.shard_degree
-    zero = lay.eff_zero
-    exp_shard = shard // lay.ep if shard > 1 else 1
+    zero = lay.effective_zero
+    exp_shard = lay.expert_shard_degree
     pbytes = 4 if pb.precision == "fp32" else 2
+    grads_sharded = lay.grads_sharded_per_microbatch
 
     if p == 1:
         devices = [("only", sh.layers, True, True, 1.0)]
-    elif lay.schedule in V_SHAPED:
-        devices = [("first+last", part[0], True, True, first_inf)]
+    elif split.head_rank == 0:  # V schedules: the first and last stage share rank 0
+        devices = [("first+last", max(split.ranks), True, True, first_inf)]
     else:
-        devices = [("first", part[0], True, False, first_inf), ("last", part[1], False, True, last_inf)]
+        devices = [("first", split.first, True, False, first_inf), ("last", split.last, False, True, last_inf)]
 
     best = None
     for name, layers, embed, head, inf in devices:
         dense, expert = device_params(sh, lay, layers, embed, head)
-        dp_, dg, do = state_bytes(dense, zero, shard, pbytes)
-        ep_, eg, eo = state_bytes(expert, zero if exp_shard > 1 else 0, exp_shard, pbytes)
+        dp_, dg, do = state_bytes(dense, zero, shard, pbytes, grads_sharded)
+        ep_, eg, eo = state_bytes(expert, zero if exp_shard > 1 else 0, exp_shard, pbytes, grads_sharded)
         acts = layers * per_layer * inf + working
         # the loss's backward follows its forward at once except under GPipe (all forwards first)
         held = m if lay.schedule == "GPipe" and p > 1 else 1
         logits = logit_elems * ((elt + 4) * held + 4) if head else 0.0
-        if zero == 3:
-            layer_psi = (sh.dense_params_layer + sh.expert_params_layer / lay.ep) / t
+        if zero == 3 and lay.reshards_after_forward:
+            layer_psi = (sh.dense_params_layer / t + sh.expert_params_layer / lay.ep)
             buffers = layer_psi * (2 * pbytes + st.grad_reduce_bytes)  # two gathered layers + one layer's grads
+        elif zero == 3:
+            # kept gathered from forward to backward (reshard_after_forward off, or a schedule
+            # with a separate weight pass): the device's whole share, unsharded
+            buffers = (dense + expert) * pbytes * (1 - 1 / shard) + DDP_BUCKETS
         else:
             buffers = DDP_BUCKETS
         frag = FRAGMENTATION * (acts + logits + buffers)

@@ -1,17 +1,20 @@
 """What is being planned: a model, a sequence length, a global batch, a world of one hardware type
-running one software stack. Shared by the memory and time models."""
+running one software stack. Shared by the memory and time models, and the one place the planner
+asks ndtrain.layout whether a layout is valid."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 from ndtrain.errors import NdtrainError
+from ndtrain.layout import Layout, problems
+from ndtrain.layout import schedules as registry
+from ndtrain.layout.flops import layer_forward_flops
+from ndtrain.layout.partition import partition_problem, pipeline_split, rank_layer_counts
 from ndtrain.model.config import ModelConfig
 from ndtrain.planner.hardware import Hardware, get_hardware
-from ndtrain.planner.layout import PRECISIONS, STACKS, Stack
 from ndtrain.planner.shapes import Shape, shape_of
+from ndtrain.planner.stack import PRECISIONS, STACKS, Stack
 
 
 @dataclass
@@ -24,7 +27,9 @@ class Problem:
     hw: Hardware
     stack: Stack
     precision: str = "bf16"
-    strict: bool = False  # only layouts the ndtrain runtime can build (see layout.check_layout)
+    # True: only layouts the ndtrain runtime builds (problems() strict). False also admits what
+    # only other runtimes build (published Megatron-LM layouts: kv-head replication, GeLU MLPs).
+    strict: bool = True
 
     @property
     def act_bytes(self) -> int:
@@ -34,9 +39,15 @@ class Problem:
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq
 
+    def why_invalid(self, lay: Layout) -> str | None:
+        """The first of ndtrain.layout.problems() for this layout, or None: the planner's only
+        validity rule."""
+        found = problems(lay, self.cfg, self.world, self.seq, self.global_batch, self.strict)
+        return str(found[0]) if found else None
+
 
 def make_problem(cfg: ModelConfig, seq: int, global_batch: int, world: int, hardware: str | Hardware,
-                 stack: str | Stack = "ndtrain", precision: str = "bf16", strict: bool = False,
+                 stack: str | Stack = "ndtrain", precision: str = "bf16", strict: bool = True,
                  profile: str | None = None) -> Problem:
     if seq < 1 or global_batch < 1 or world < 1:
         raise NdtrainError("seq, global batch and GPU count must be positive")
@@ -51,25 +62,57 @@ def make_problem(cfg: ModelConfig, seq: int, global_batch: int, world: int, hard
                    stack=st, precision=precision, strict=strict)
 
 
-@lru_cache(maxsize=4096)
-def partition(layers: int, stages: int, head_layers: float, even: bool) -> tuple[int, int] | None:
-    """(layers on each non-last stage at most, layers on the last stage).
+@dataclass(frozen=True)
+class Split:
+    """Where a layout's layers live: per pipeline rank, from the runtime's stage partition."""
 
-    The last stage also runs the output head and loss, worth `head_layers` layers of compute, so
-    an uneven split gives it fewer layers (what Llama 3 did for 126 layers on 16 stages). `even`
-    is the runtime's rule: equal stages, head on the last. None when the split is impossible.
-    """
-    if stages == 1:
-        return layers, layers
-    if even:
-        return (layers // stages, layers // stages) if layers % stages == 0 else None
-    best = None
-    for last in range(math.ceil(layers / stages), 0, -1):
-        rest = layers - last
-        if rest < stages - 1:
-            continue
-        other = math.ceil(rest / (stages - 1))
-        cost = max(other, last + head_layers)
-        if best is None or cost < best[0] - 1e-9:
-            best = (cost, other, last)
-    return None if best is None else (best[1], best[2])
+    ranks: tuple[int, ...]  # layers per pipeline rank
+    head_rank: int  # the rank holding the last stage (norm, head, loss); the embedding is on rank 0
+    counts: tuple[int, ...]  # layers per stage (what `[parallel] layers_per_stage` would say)
+    work: tuple[float, ...] = ()  # per rank, its layers' FLOPs in average layers (dense layers of an MoE model are lighter)
+
+    @property
+    def first(self) -> int:
+        """Layers on the fullest rank without the head (rank 0's role: most micro-batches in flight)."""
+        others = [n for r, n in enumerate(self.ranks) if r != self.head_rank]
+        return max(others) if others else self.ranks[0]
+
+    @property
+    def last(self) -> int:
+        return self.ranks[self.head_rank]
+
+    @property
+    def first_work(self) -> float:
+        others = [w for r, w in enumerate(self.work) if r != self.head_rank]
+        return max(others) if others else self.work[0]
+
+    @property
+    def last_work(self) -> float:
+        return self.work[self.head_rank]
+
+
+def stage_split(pb: Problem, lay: Layout) -> Split | None:
+    """The layers per pipeline rank the runtime would build (None when impossible)."""
+    L = pb.cfg.n_layers
+    if lay.pp == 1:
+        return Split((L,), 0, (L,), (float(L),))
+    if partition_problem(L, lay.stages, lay.split, lay.layers_per_stage):
+        return None
+    counts = pipeline_split(pb.cfg, pb.seq, lay)
+    owners = registry.get(lay.schedule).stage_ranks(lay.pp, lay.v)
+    weight = _layer_weights(pb)
+    work, start = [0.0] * lay.pp, 0
+    for stage, c in enumerate(counts):
+        work[owners[stage]] += sum(weight[start:start + c])
+        start += c
+    return Split(tuple(rank_layer_counts(counts, owners, lay.pp)), owners[-1], tuple(counts), tuple(work))
+
+
+def _layer_weights(pb: Problem) -> list[float]:
+    """Each layer's forward FLOPs over the average layer's (1.0 for every layer of a dense model)."""
+    cached = pb.__dict__.get("_layer_weights")
+    if cached is None:
+        flops = [layer_forward_flops(pb.cfg, i, pb.seq) for i in range(pb.cfg.n_layers)]
+        mean = sum(flops) / len(flops)
+        cached = pb.__dict__["_layer_weights"] = [f / mean for f in flops]
+    return cached

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ndtrain.model.config import num_params
+from ndtrain.model.config import PRESETS, num_params
 from ndtrain.planner.problem import Problem
 from ndtrain.planner.search import Prediction, SearchResult
 
@@ -22,6 +22,24 @@ def seconds(x: float) -> str:
     return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
 
 
+def check_command(pb: Problem, lay) -> str:
+    """The `ndtrain config check` line that builds this layout with the runtime's own checks."""
+    cfg = pb.cfg
+    if cfg.preset in PRESETS:
+        model = [f"--model.preset={cfg.preset}"]
+    else:
+        model = [f"--model.{k}={getattr(cfg, k)}" for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                                                               "vocab_size", "n_experts", "n_active_experts",
+                                                               "n_shared_experts", "expert_ffn_dim", "moe_dense_layers")
+                 if getattr(cfg, k)] + ["--model.max_seq_len=1048576"]
+        model += ["--model.tie_embeddings=true"] if cfg.tie_embeddings else []
+        model += [f"--model.mlp={cfg.mlp}"] if cfg.mlp != "swiglu" else []
+    # bf16 is a runtime setting; fp8 (the planner's cost model of it) is not a layout key here
+    precision = ["--parallel.mixed_precision=bf16"] if pb.precision == "bf16" else []
+    return " ".join(["ndtrain config check", f"--world {pb.world}", *model, f"--data.seq_len={pb.seq}",
+                     f"--train.global_batch={pb.global_batch}", *lay.override_args(), *precision])
+
+
 def header(pb: Problem) -> str:
     cfg, hw = pb.cfg, pb.hw
     total, active = num_params(cfg), num_params(cfg, active_only=True)
@@ -29,7 +47,9 @@ def header(pb: Problem) -> str:
     params = human(total) + (f" ({human(active)} active)" if cfg.is_moe else "")
     return (f"{name}, {params} params, on {pb.world:,} x {hw.name} ({hw.description}); seq {pb.seq:,}, "
             f"global batch {pb.global_batch:,} seqs = {human(pb.tokens_per_step)} tokens; {pb.precision}, "
-            f"stack {pb.stack.name}")
+            f"stack {pb.stack.name}; " + ("layouts the ndtrain runtime builds" if pb.strict else
+                                          "relaxed: also layouts only other runtimes build") +
+            f"; MFU counts full s x s attention")
 
 
 def layout_block(rank: str, pred: Prediction, pb: Problem, budget: float) -> list[str]:
@@ -71,6 +91,8 @@ def plan_text(pb: Problem, res: SearchResult, budget: float, explain: bool) -> s
         return "\n".join(lines)
     for i, pred in enumerate(res.top, 1):
         lines += layout_block(f"#{i}", pred, pb, budget) + [""]
+    if pb.strict:
+        lines += ["check #1 with the runtime's own rules, no GPU needed:", "  " + check_command(pb, res.top[0].layout), ""]
     if explain:
         lines += explain_text(pb, res)
     return "\n".join(lines).rstrip()

@@ -15,11 +15,13 @@ import time
 from dataclasses import dataclass, field
 
 from ndtrain.errors import NdtrainError
-from ndtrain.model.config import flops_per_token
-from ndtrain.planner.layout import AC_POLICIES, INTERLEAVED, Layout, check_layout
+from ndtrain.layout import Layout
+from ndtrain.layout.flops import MFU_ATTENTION, flops_per_token, recompute_flops_per_token
+from ndtrain.layout.schedules import INTERLEAVED, SCHEDULES
 from ndtrain.planner.memory import memory_breakdown, state_bytes
-from ndtrain.planner.problem import Problem
-from ndtrain.planner.timing import busy_and_bubble, layer_costs, stage_split, step_breakdown
+from ndtrain.planner.problem import Problem, Split, stage_split
+from ndtrain.planner.stack import PLANNED_AC
+from ndtrain.planner.timing import busy_and_bubble, layer_costs, step_breakdown
 
 GiB = 1024**3
 
@@ -32,8 +34,8 @@ class Prediction:
     memory: dict
     fits: bool
     tokens_per_s: float
-    tflops_per_gpu: float  # model FLOPs (6N + attention), per GPU
-    mfu: float  # against the dense bf16 peak
+    tflops_per_gpu: float  # model FLOPs (ndtrain.layout.flops, MFU_ATTENTION convention), per GPU
+    mfu: float  # against the dense bf16 peak, same convention
     hfu: float  # counting recomputed FLOPs
 
     def to_json(self, budget_tokens: float = 0.0, world: int = 0, tdp: float = 0.0) -> dict:
@@ -59,11 +61,9 @@ class Evaluator:
         self._cache: dict = {}
         peak16 = pb.hw.peak("fp32" if pb.precision == "fp32" else "bf16")
         tokens = pb.tokens_per_step
-        self.model_flops = flops_per_token(pb.cfg, pb.seq) * tokens
-        sh = pb.shape
-        fwd_layers = (2 * sh.mm_params_layer + 4 * pb.seq * sh.heads * sh.head_dim) * sh.layers * tokens
-        self.recompute_flops = {"none": 0.0, "full": fwd_layers,
-                                "selective": 0.0 if pb.stack.flash_attention else 4 * pb.seq * sh.heads * sh.head_dim * sh.layers * tokens}
+        self.model_flops = flops_per_token(pb.cfg, pb.seq, MFU_ATTENTION) * tokens
+        self.recompute_flops = {ac: recompute_flops_per_token(pb.cfg, pb.seq, ac, MFU_ATTENTION, pb.stack.flash_attention)
+                                * tokens for ac in PLANNED_AC}
         self.peak_total = peak16 * pb.world
         self.evaluated = 0
         self.sized = 0
@@ -73,13 +73,15 @@ class Evaluator:
         lc = self._layer.get(key)
         if lc is None:
             lc = self._layer[key] = layer_costs(self.pb, lay)
-            lc["splits"] = {}
         return lc
 
-    def split(self, lay: Layout, lc: dict) -> tuple[int, int] | None:
-        if lay.pp not in lc["splits"]:
-            lc["splits"][lay.pp] = stage_split(self.pb, lay, lc)
-        return lc["splits"][lay.pp]
+    def split(self, lay: Layout, lc: dict | None = None) -> Split | None:
+        """The runtime's stage partition, per pipeline rank (shared by every layout with the same
+        pipeline shape)."""
+        key = ("split", lay.pp, lay.v, lay.schedule, lay.split, lay.layers_per_stage)
+        if key not in self._cache:
+            self._cache[key] = stage_split(self.pb, lay)
+        return self._cache[key]
 
     def lower_bound(self, lay: Layout) -> float:
         """Busy time plus bubble: what the step costs before memory traffic and DP/PP comm."""
@@ -90,7 +92,7 @@ class Evaluator:
         dev, bubble, _, _ = busy_and_bubble(self.pb, lay, lc, split)
         return lay.micro_batches(self.pb.global_batch) * dev + bubble
 
-    def memory(self, lay: Layout) -> tuple[dict, dict, tuple[int, int]]:
+    def memory(self, lay: Layout) -> tuple[dict, dict, Split]:
         """(memory breakdown, layer costs, stage split); the cheap half of an evaluation."""
         self.sized += 1
         lc = self.layer(lay)
@@ -99,7 +101,7 @@ class Evaluator:
             raise NdtrainError(f"layout {lay.short()}: {self.pb.shape.layers} layers cannot split into {lay.pp} stages")
         return memory_breakdown(self.pb, lay, split), lc, split
 
-    def finish(self, lay: Layout, mem: dict, lc: dict, split: tuple[int, int]) -> Prediction:
+    def finish(self, lay: Layout, mem: dict, lc: dict, split: Split) -> Prediction:
         pb = self.pb
         self.evaluated += 1
         tb = step_breakdown(pb, lay, lc, split, self._cache)
@@ -112,7 +114,7 @@ class Evaluator:
     def __call__(self, lay: Layout, check: bool = True) -> Prediction:
         pb = self.pb
         if check:
-            why = check_layout(lay, pb.shape, pb.world, pb.global_batch, pb.seq, pb.strict)
+            why = pb.why_invalid(lay)
             if why:
                 raise NdtrainError(f"layout {lay.short()}: {why}")
         return self.finish(lay, *self.memory(lay))
@@ -135,20 +137,25 @@ class SearchResult:
 
 
 def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: list[int] | None = None,
-           ac_options: tuple[str, ...] = AC_POLICIES, schedules: tuple[str, ...] | None = None,
-           zero_options: tuple[int, ...] = (1, 2, 3), max_cp: int = 32) -> SearchResult:
+           ac_options: tuple[str, ...] = PLANNED_AC, schedules: tuple[str, ...] | None = None,
+           zero_options: tuple[int, ...] = (1, 2, 3), max_cp: int = 32, base: Layout | None = None) -> SearchResult:
     """All valid layouts for pb.world GPUs, the top_k by tokens/s among those that fit.
 
+    Valid means ndtrain.layout.problems() finds nothing (strict or not, as pb says): the search
+    enumerates a space and keeps exactly what problems() accepts.
     fixed: {key: value} over Layout fields (tp, pp, dp_shard, ..., sp, schedule, ac) to pin.
     mb_options: micro-batch sizes to try (default: the powers of two up to 64 that divide the
-    per-replica batch)."""
+    per-replica batch). base: the knobs the search does not vary (mixed precision, compile, CPU
+    offload, stage split, ...), from the config being planned; their rules apply too."""
     fixed = dict(fixed or {})
     start = time.perf_counter()
     ev = Evaluator(pb)
     sh, hw, W = pb.shape, pb.hw, pb.world
     cap = hw.hbm_bytes
     pbytes = 4 if pb.precision == "fp32" else 2
-    acs = [a for a in AC_POLICIES if a in ac_options and fixed.get("ac", a) == a]
+    acs = [a for a in PLANNED_AC if a in ac_options and fixed.get("ac", a) == a]
+    knobs = {k: getattr(base or Layout(), k) for k in ("split", "layers_per_stage", "ac_every", "mp", "offload",
+                                                         "compile", "cp_attention")}
     heap: list = []
     by_mesh: dict = {}
     stats = {"considered": 0, "fitting": 0, "over": None, "over_lb": math.inf, "n": 0}
@@ -169,14 +176,19 @@ def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: l
             heapq.heapreplace(heap, item)
 
     def states_lower_bound(t, p, e, z, shard) -> float:
-        dense = sh.layers / p * sh.dense_params_layer / t
-        expert = sh.layers / p * sh.expert_params_layer / (t * e)
+        dense = sh.layers / p * (sh.dense_params_layer - sh.moe_dense_params_layer) / t + \
+            sh.layers / p * sh.moe_dense_params_layer
+        expert = sh.layers / p * sh.expert_params_layer / e
         se = max(1, shard // e)
-        return (sum(state_bytes(dense, z if shard > 1 else 0, shard, pbytes))
-                + sum(state_bytes(expert, z if se > 1 else 0, se, pbytes)) + hw.overhead_bytes)
+        return (sum(state_bytes(dense, z if shard > 1 else 0, shard, pbytes, p == 1 and z >= 2))
+                + sum(state_bytes(expert, z if se > 1 else 0, se, pbytes, p == 1 and z >= 2)) + hw.overhead_bytes)
+
+    def layout(dp, ds, t, c, p, e, z, mb, v, ac, sp, sched) -> Layout:
+        return Layout(dp_replicate=dp // ds, dp_shard=ds, tp=t, cp=c, pp=p, ep=e, zero=z,
+                      reshard_after_forward=z == 3, mb=mb, v=v, ac=ac, sp=sp, schedule=sched, **knobs)
 
     def inner(t, c, p, dp, ds, e):
-        shard = ds * c if ds > 1 else 1
+        shard = ds * c
         zeros = [z for z in zero_options if allowed("zero", z)] if shard > 1 else [fixed.get("zero", 3)]
         zeros = [z for z in zeros if states_lower_bound(t, p, e, z, shard) <= cap]
         if not zeros:
@@ -189,12 +201,10 @@ def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: l
                 continue
             m = per_replica // mb
             any_fit = False
-            for sched, v in _schedules(p, m, sh.layers, pb.strict, schedules, fixed):
+            for sched, v in _schedules(p, m, sh.layers, schedules, fixed):
                 if len(heap) == top_k:
-                    probe = Layout(dp_replicate=dp // ds, dp_shard=ds, tp=t, cp=c, pp=p, ep=e, zero=zeros[0], mb=mb,
-                                   v=v, ac=acs[0], sp=sp, schedule=sched)
-                    if not check_layout(probe, sh, W, pb.global_batch, pb.seq, pb.strict) and \
-                            ev.lower_bound(probe) >= -heap[0][0]:
+                    probe = layout(dp, ds, t, c, p, e, zeros[0], mb, v, acs[0], sp, sched)
+                    if not pb.why_invalid(probe) and ev.lower_bound(probe) >= -heap[0][0]:
                         stats["considered"] += len(acs) * len(zeros)  # none of them can make the top k
                         any_fit = True  # unknown; do not stop growing the micro-batch on this evidence
                         continue
@@ -204,10 +214,9 @@ def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: l
                 for z in zeros:
                     for i, ac in enumerate(acs[:ac_limit]):
                         stats["considered"] += 1
-                        lay = Layout(dp_replicate=dp // ds, dp_shard=ds, tp=t, cp=c, pp=p, ep=e, zero=z, mb=mb,
-                                     v=v, ac=ac, sp=sp, schedule=sched)
-                        if check_layout(lay, sh, W, pb.global_batch, pb.seq, pb.strict):
-                            break
+                        lay = layout(dp, ds, t, c, p, e, z, mb, v, ac, sp, sched)
+                        if pb.why_invalid(lay):
+                            continue
                         try:
                             mem, lc, split = ev.memory(lay)
                         except NdtrainError:
@@ -239,7 +248,7 @@ def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: l
                 continue
             for p in divisors(W // (t * c)):
                 dp = W // (t * c * p)
-                if allowed("pp", p) and p <= sh.layers and not (pb.strict and sh.layers % p) and pb.global_batch % dp == 0:
+                if allowed("pp", p) and p <= sh.layers and pb.global_batch % dp == 0:
                     meshes.append((_estimate(ev, t, c, p, dp), t, c, p, dp))
     # Promising meshes first, so that the top k fills early and the bound prunes the rest.
     for _, t, c, p, dp in sorted(meshes):
@@ -267,7 +276,9 @@ def _estimate(ev: Evaluator, t: int, c: int, p: int, dp: int) -> float:
         return math.inf
 
 
-def _schedules(p: int, m: int, layers: int, strict: bool, allowed: tuple[str, ...] | None, fixed: dict):
+def _schedules(p: int, m: int, layers: int, allowed: tuple[str, ...] | None, fixed: dict):
+    """(schedule, v) pairs worth costing for p pipeline ranks and m micro-batches. Their validity
+    (v and micro-batch rules, enough layers for p*v stages) is problems()'s to decide."""
     if p == 1:
         yield fixed.get("schedule", "1F1B"), 1
         return
@@ -281,16 +292,14 @@ def _schedules(p: int, m: int, layers: int, strict: bool, allowed: tuple[str, ..
     if ok("1F1B") and m >= p and fixed.get("v", 1) == 1:
         yield "1F1B", 1
     elif ok("GPipe") and fixed.get("v", 1) == 1:
-        yield "GPipe", 1
+        yield "GPipe", 1  # same bubble as 1F1B, more memory: only where 1F1B cannot run
     for v in range(2, min(layers // p, 8) + 1):
         if "v" in fixed and fixed["v"] != v:
-            continue
-        if strict and layers % (p * v):
             continue
         for name in INTERLEAVED:
             if ok(name):
                 yield name, v
         if v == 2:
-            for name in ("ZBVZeroBubble", "DualPipeV"):
-                if ok(name):
+            for name in SCHEDULES:
+                if SCHEDULES[name].kind == "v" and ok(name):
                     yield name, 2

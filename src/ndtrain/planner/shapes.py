@@ -83,13 +83,6 @@ def resolve_model(name: str | None, shape: str | None) -> ModelConfig:
     return cfg
 
 
-def megatron_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
-    """Narayanan et al. 2021 eq. (3): 96 B s l h^2 (1 + s/6h + V/16lh), FLOPs per step including
-    the recomputed forward pass. Their "TFLOP/s per GPU" is this divided by time and GPUs."""
-    l, h, v = cfg.n_layers, cfg.dim, cfg.vocab_size
-    return 96 * batch * seq * l * h * h * (1 + seq / (6 * h) + v / (16 * l * h))
-
-
 # ---------------------------------------------------------------------------------------------
 
 
@@ -108,6 +101,8 @@ class Shape:
     attn_params_layer: int
     dense_params_layer: float  # non-expert parameters per layer (attention, dense MLP, shared, router)
     expert_params_layer: float  # routed expert parameters per layer (all experts), average
+    moe_dense_params_layer: float  # of dense_params_layer, the MoE layers' shared experts and router (replicated over tp)
+    mm_moe_layer: float  # of mm_params_layer, the MoE part (router, shared, active routed experts): replicated over tp
     moe_layer_frac: float
     active_experts: int
     n_experts: int
@@ -139,6 +134,8 @@ def _shape(key: tuple) -> Shape:
     return Shape(layers=L, dim=h, heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                  vocab=cfg.vocab_size, mlp_act_width=width, mm_params_layer=mm, attn_params_layer=attn,
                  dense_params_layer=dense_per_layer, expert_params_layer=routed_per_layer,
+                 moe_dense_params_layer=n_moe * shared / L,
+                 mm_moe_layer=n_moe * (shared + cfg.n_active_experts * expert) / L,
                  moe_layer_frac=n_moe / L, active_experts=cfg.n_active_experts, n_experts=cfg.n_experts,
                  embed_params=cfg.vocab_size * h, tied=cfg.tie_embeddings, total_params=num_params(cfg),
                  gelu=cfg.mlp == "gelu")

@@ -16,10 +16,14 @@ micro-batch's forward with another's backward). Data-parallel traffic hides behi
 
 from __future__ import annotations
 
+from ndtrain.layout import Layout
+from ndtrain.layout import schedules as registry
+from ndtrain.layout.flops import average_layer_forward_flops, head_forward_flops
+from ndtrain.layout.fp8 import fp8_matmul_fraction
 from ndtrain.planner.comm import collective_time as coll
-from ndtrain.planner.layout import INTERLEAVED, V_SHAPED, Layout
 from ndtrain.planner.memory import activation_bytes, device_params
-from ndtrain.planner.problem import Problem, partition
+from ndtrain.planner.problem import Problem, Split
+from ndtrain.planner.problem import stage_split as _stage_split
 
 OPTIMIZER_BYTES_PER_PARAM = 30  # Adam: read fp32 param, m, v, grad; write param, m, v, bf16 copy
 # Eager forward ops per decoder layer (norms, q/k/v/o, RoPE, attention, SwiGLU, residuals) and for
@@ -29,17 +33,32 @@ OPS_PER_LAYER = 32
 OPS_HEAD = 8
 
 
+def layer_flops(pb: Problem) -> tuple[float, float]:
+    """(matmul, attention core) forward FLOPs per token of an average layer: ndtrain.layout's
+    count, with the causal half of attention for flash kernels (they skip the masked half) and
+    the full s x s for the unfused kernels of 2021."""
+    key = (pb.seq, pb.stack.flash_attention)
+    cached = pb.__dict__.setdefault("_layer_flops", {})
+    if key not in cached:
+        cached[key] = average_layer_forward_flops(pb.cfg, pb.seq, "causal" if pb.stack.flash_attention else "full")
+    return cached[key]
+
+
 def layer_costs(pb: Problem, lay: Layout) -> dict:
     """Seconds per layer per micro-batch on one device (an average layer for MoE models)."""
     sh, hw, st, elt = pb.shape, pb.hw, pb.stack, pb.act_bytes
     t, c, b = lay.tp, lay.cp, lay.mb
     sp = lay.sp and t > 1
     tok = b * pb.seq / c
-    rate = hw.peak(pb.precision) * hw.mm_eff
-    mm = 2 * tok * sh.mm_params_layer / t / rate
+    rate = matmul_rate(pb, t)
+    mm_flops, attn_flops = layer_flops(pb)
+    # MoE layers run replicated over tp (each tp rank routes the whole sequence): their share of
+    # the matmuls is not divided by t.
+    moe = sh.mm_moe_layer / sh.mm_params_layer if sh.mm_params_layer else 0.0
+    mm = tok * mm_flops * ((1 - moe) / t + moe) / rate
     # fp8 recipes (DeepSeek-V3, Transformer Engine) keep attention in bf16
     attn_rate = hw.attention_rate("bf16" if pb.precision == "fp8" else pb.precision, pb.seq)
-    attn = 4 * tok * pb.seq * sh.heads * sh.head_dim / t / attn_rate * (0.5 if st.flash_attention else 1.0)
+    attn = tok * attn_flops / t / attn_rate
     a_none = activation_bytes(sh, st, pb.seq, b, t, sp, c, "none", elt)
     elem = hw.kappa * a_none / hw.hbm_bw
     elem += hw.layer_overhead_s or OPS_PER_LAYER * hw.op_overhead_s
@@ -81,6 +100,17 @@ def layer_costs(pb: Problem, lay: Layout) -> dict:
             "head": head_cost(pb, lay)}
 
 
+def matmul_rate(pb: Problem, t: int) -> float:
+    """FLOP/s of a decoder layer's matmuls. Under fp8 only the Linear layers that the runtime
+    converts (layout/fp8.py, the same rule) run at the fp8 peak; the rest, routed experts
+    included, at the bf16 peak."""
+    hw = pb.hw
+    if pb.precision != "fp8":
+        return hw.peak(pb.precision) * hw.mm_eff
+    f = fp8_matmul_fraction(pb.cfg, t)
+    return hw.mm_eff / (f / hw.peak("fp8") + (1 - f) / hw.peak("bf16"))
+
+
 def tp_all_reduce(pb: Problem, t: int, nbytes: float) -> float:
     """One of a TP layer's four all-reduces (or all-gather + reduce-scatter pairs) of `nbytes`.
     Where the machine measured what a TP layer costs beyond its share of compute (CPU ranks, where
@@ -105,33 +135,20 @@ def head_cost(pb: Problem, lay: Layout) -> float:
     """Output layer + loss per micro-batch, forward and backward (never recomputed)."""
     sh, hw, elt = pb.shape, pb.hw, pb.act_bytes
     tok = lay.mb * pb.seq / lay.cp
-    gemm = 6 * tok * sh.dim * sh.vocab / lay.tp / (hw.peak(pb.precision) * hw.mm_eff)
+    head_precision = "bf16" if pb.precision == "fp8" else pb.precision  # the head never runs in fp8
+    gemm = 3 * tok * head_forward_flops(pb.cfg) / lay.tp / (hw.peak(head_precision) * hw.mm_eff)
     loss = 2 * (elt + 8) * tok * sh.vocab / lay.tp / hw.hbm_bw  # fp32 softmax over the logits
     return gemm + loss + (hw.head_overhead_s or OPS_HEAD * hw.op_overhead_s) + tp_head(pb, lay)
 
 
-def stage_split(pb: Problem, lay: Layout, lc: dict | None = None) -> tuple[int, int] | None:
-    lc = lc or layer_costs(pb, lay)
-    per_layer = lc["F"] + lc["B"] + lc["W"]
-    head_layers = round(lc["head"] / per_layer * 20) / 20
-    return partition(pb.shape.layers, lay.pp, head_layers, pb.strict)
+def stage_split(pb: Problem, lay: Layout, lc: dict | None = None) -> Split | None:
+    """The runtime's stage partition (per pipeline rank); `lc` is accepted for old callers."""
+    return _stage_split(pb, lay)
 
 
 def bubble_time(schedule: str, p: int, v: int, f: float, b: float, w: float) -> float:
-    """Idle time per step on the critical rank, from per-micro-batch device times F, B, W."""
-    if p == 1:
-        return 0.0
-    if schedule in ("GPipe", "1F1B"):
-        return (p - 1) * (f + b + w)
-    if schedule == "Interleaved1F1B":
-        return (p - 1) * (f + b + w) / v
-    if schedule == "InterleavedZeroBubble":  # ZB-H1 per chunk: W passes fill 2/3 of the bubble
-        return (p - 1) * max(f + b - w, 0.0) / v
-    if schedule == "ZBVZeroBubble":  # Qi et al. 2024: zero when F = B = W, else what W cannot fill
-        return (p - 1) * max(f + b - 2 * w, 0.0)
-    if schedule == "DualPipeV":  # DeepSeek-V3 Table 2, (PP/2-1)(F&B + B - 3W) in chunk times
-        return (p - 1) * max(f + 2 * b - w, 0.0) / 2
-    raise ValueError(schedule)
+    """Idle time per step on the critical rank (the schedule registry's rule)."""
+    return registry.get(schedule).bubble_time(p, v, f, b, w)
 
 
 def dp_comm(pb: Problem, lay: Layout, layers_on_device: int) -> tuple[float, float, float, float]:
@@ -143,11 +160,10 @@ def dp_comm(pb: Problem, lay: Layout, layers_on_device: int) -> tuple[float, flo
     dense, expert = device_params(pb.shape, lay, layers_on_device, True, lay.pp == 1)
     pbytes = 4 if pb.precision == "fp32" else 2
     gbytes = 4 if pb.precision == "fp32" else pb.stack.grad_reduce_bytes
-    zero, S, R = lay.eff_zero, lay.shard_degree, lay.dp_replicate
+    zero, S, R = lay.effective_zero, lay.shard_degree, lay.dp_replicate
     # CPU ranks count what the runtime does: one collective per FSDP unit (each layer, plus the
-    # root), whose latency is milliseconds there, and with gradient accumulation a reduce-scatter
-    # only on the last micro-batch. Accelerators keep one bucketed collective per step and a
-    # reduction every micro-batch, as their fits were made (their latency is microseconds).
+    # root), whose latency is milliseconds there. Accelerators keep one bucketed collective per
+    # step, as their fits were made (their latency is microseconds).
     units = layers_on_device + 1 if hw.cores else 1
 
     def dense_coll(kind, ranks, stride, nbytes):
@@ -166,13 +182,16 @@ def dp_comm(pb: Problem, lay: Layout, layers_on_device: int) -> tuple[float, flo
         rep = coll(hw, "all_reduce", R, t * S, gbytes * (dense / S + expert / se))  # HSDP: across replicas
     else:
         rep = dense_coll("all_reduce", R, t * S, gbytes * dense / S) + coll(hw, "all_reduce", R, t * S, gbytes * expert / se)
-    if zero == 1:
-        return 0.0, 0.0, rs + rep, ag
-    if zero == 2:
-        return 0.0, rs, rep, ag
-    if hw.cores:
-        return ag, ag, rs + rep, 0.0
-    return ag, ag + rs, rep, 0.0
+    # The ZeRO stage as the runtime runs it (parallel/data_parallel.py): gradients reduce-scattered
+    # after every micro-batch at ZeRO-2/3, once per step at ZeRO-1 and in any pipeline (torch's
+    # schedules reduce after the last micro-batch).
+    per_mb = lay.grads_sharded_per_microbatch
+    if zero in (1, 2):  # parameters gathered once per step, for the first forward
+        return 0.0, (rs if per_mb else 0.0), (rep if per_mb else rs + rep), ag
+    again = ag if lay.reshards_after_forward else 0.0  # gathered again for the backward
+    if per_mb:
+        return ag, again + rs, rep, 0.0
+    return ag, again, rs + rep, 0.0
 
 
 def cores_shared(pb: Problem) -> float:
@@ -199,20 +218,20 @@ def _memo(cache: dict | None, key, fn, *args):
     return val
 
 
-def busy_and_bubble(pb: Problem, lay: Layout, lc: dict, split: tuple[int, int]) -> tuple[float, float, float, int]:
+def busy_and_bubble(pb: Problem, lay: Layout, lc: dict, split: Split) -> tuple[float, float, float, int]:
     """(one micro-batch on the critical device, bubble, scale in layers, layers on that device)."""
     p = lay.pp
     per_layer = lc["F"] + lc["B"] + lc["W"]
     if p == 1:
         dev, n_dev = pb.shape.layers * per_layer + lc["head"], pb.shape.layers
     else:
-        dev, n_dev = max(split[0] * per_layer, split[1] * per_layer + lc["head"]), split[0]
+        dev, n_dev = max(split.first_work * per_layer, split.last_work * per_layer + lc["head"]), split.first
     scale = dev / per_layer  # the critical device in units of one average layer
     bubble = bubble_time(lay.schedule, p, lay.v, lc["F"] * scale, lc["B"] * scale, lc["W"] * scale)
     return dev, bubble, scale, n_dev
 
 
-def step_breakdown(pb: Problem, lay: Layout, lc: dict | None = None, split: tuple[int, int] | None = None,
+def step_breakdown(pb: Problem, lay: Layout, lc: dict | None = None, split: Split | None = None,
                    cache: dict | None = None) -> dict:
     """Seconds per optimizer step, broken down. `cache` (any dict kept across calls for one
     problem) memoises the pieces many layouts share."""
@@ -228,11 +247,13 @@ def step_breakdown(pb: Problem, lay: Layout, lc: dict | None = None, split: tupl
     if p > 1:
         msg = lay.mb * pb.seq / lay.cp * pb.shape.dim * pb.act_bytes / lay.tp  # scattered over tp
         hop = _memo(cache, ("p2p", p, lay.tp * lay.cp * lay.dp, msg), coll, pb.hw, "p2p", p, lay.tp * lay.cp * lay.dp, msg)
-        hops = 2 * (2 * p - 1) if lay.schedule in V_SHAPED else 2 * (p * v - 1) if lay.schedule in INTERLEAVED else 2 * (p - 1)
+        kind = registry.get(lay.schedule).kind
+        hops = 2 * (2 * p - 1) if kind == "v" else 2 * (p * v - 1) if kind == "interleaved" else 2 * (p - 1)
         steady = max(0.0, 2 * v * hop - dev) * m  # sends and receives overlap compute unless larger
         pp = hops * hop + steady
 
-    key = ("dp", lay.tp, lay.cp, lay.ep, lay.eff_zero, lay.shard_degree, lay.dp_replicate, p, n_dev)
+    key = ("dp", lay.tp, lay.cp, lay.ep, lay.effective_zero, lay.shard_degree, lay.dp_replicate, p, n_dev,
+           lay.grads_sharded_per_microbatch, lay.reshards_after_forward)
     mb_f, mb_b, grad_c, param_c = _memo(cache, key, dp_comm, pb, lay, n_dev)
     if dp_overlaps(pb):
         # gathers hide behind the forward, gradient reductions behind the backward that produces
@@ -244,11 +265,12 @@ def step_breakdown(pb: Problem, lay: Layout, lc: dict | None = None, split: tupl
         dp = m * (mb_f + mb_b) + grad_c + param_c
 
     dense, expert = device_params(pb.shape, lay, n_dev, True, p == 1)
-    local = (dense + expert) / (lay.shard_degree if lay.eff_zero else 1)
+    local = dense / (lay.shard_degree if lay.effective_zero else 1) + \
+        expert / (lay.expert_shard_degree if lay.effective_zero else 1)
     optimizer = local * pb.hw.optimizer_s_per_param or OPTIMIZER_BYTES_PER_PARAM * local / pb.hw.hbm_bw
 
     busy = m * dev
-    head_here = p == 1 or split[1] * per_layer + lc["head"] >= split[0] * per_layer
+    head_here = p == 1 or split.last_work * per_layer + lc["head"] >= split.first_work * per_layer
     tp_fixed = m * tp_head(pb, lay) if head_here else 0.0  # in lc["head"], so in busy: move it to comm
     # Layer communication as a share of the busy time (the head counted as layer-equivalents:
     # the accelerator fits were made so); CPU ranks, whose compute is stretched apart from their
@@ -276,5 +298,5 @@ def step_breakdown(pb: Problem, lay: Layout, lc: dict | None = None, split: tupl
         "total": total, "compute": compute, "recompute": recompute,
         "exposed_comm": inner + pp + dp, "bubble": bubble, "optimizer": optimizer,
         "comm": {**comm, "pp": pp, "dp": dp},
-        "micro_batches": m, "stage_layers": list(split) if p > 1 else [pb.shape.layers],
+        "micro_batches": m, "stage_layers": list(split.ranks), "stage_counts": list(split.counts),
     }

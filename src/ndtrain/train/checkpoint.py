@@ -71,8 +71,10 @@ def _broadcast(obj):
 
 
 def data_fingerprint(manifest: dict) -> dict:
-    keys = ("source_sha256", "num_tokens", "tokenizer", "vocab_size", "splits")
-    return {k: manifest.get(k) for k in keys}
+    # Defined with the manifest (shard-count independent; mixtures list their components).
+    from ndtrain.data.manifest import fingerprint
+
+    return fingerprint(manifest)
 
 
 @dataclass
@@ -149,6 +151,10 @@ class Checkpointer:
 
     def _state(self) -> dict:
         model_sd, optim_sd = get_state_dict(self._module(), self._optimizers(), options=OPTIONS)
+        if self.cfg.parallel.mixed_precision == "fp8":  # the fp32 masters, not torchao's wrapper
+            from ndtrain.parallel.float8 import plain_state
+
+            model_sd, optim_sd = plain_state(model_sd), plain_state(optim_sd)
         return {"model": model_sd, "optim": optim_sd}
 
     def train_state(self) -> dict:

@@ -85,6 +85,9 @@ def main(argv: list[str]) -> int:
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     cfg = load_config(args.config, overrides)  # fails here, before any process starts
+    from ndtrain.train.trackers import check_installed
+
+    check_installed(cfg.logging)
 
     if _under_launcher():
         from ndtrain.train.distributed import die_with_parent
@@ -149,7 +152,8 @@ def _launch(cfg, args, argv: list[str]) -> int:
     from ndtrain.train.trainer import default_run_dir
 
     apply_auto_layout(cfg, args.nproc)  # workers plan again for themselves; this surfaces errors now
-    dims = resolve(cfg.parallel, args.nproc, cfg.model, cfg.data.seq_len, cfg.train)  # errors before spawning
+    dims = resolve(cfg.parallel, args.nproc, cfg.model, cfg.data.seq_len, cfg.train,
+                   cfg.data)  # errors before spawning
     check_global_batch(cfg, dims.dp)
     preflight.check_all(cfg)
     run_dir = default_run_dir(cfg)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ndtrain.data.mixture import first_data_dir
 from ndtrain.data.tokenizer import load_tokenizer
 from ndtrain.errors import NdtrainError, UsageError
 from ndtrain.model.llama import Transformer, build_model
@@ -46,7 +47,8 @@ def load_model(path: str | Path) -> tuple[Transformer, object]:
 
 @torch.no_grad()
 def sample(model: Transformer, tokens: list[int], n: int, temperature: float = 0.8, top_k: int = 40,
-           seed: int = 0) -> list[int]:
+           seed: int = 0, stop_id: int | None = None) -> list[int]:
+    """Up to n new tokens; stops after `stop_id` (the end of a document)."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.tensor([tokens], dtype=torch.long)
     ctx = model.cfg.max_seq_len
@@ -61,14 +63,16 @@ def sample(model: Transformer, tokens: list[int], n: int, temperature: float = 0
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
         ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+        if nxt == stop_id:
+            break
     return ids[0].tolist()
 
 
 def generate_from_checkpoint(path, prompt: str, n: int, temperature: float = 0.8, top_k: int = 40,
                              seed: int = 0) -> str:
     model, cfg = load_model(path)
-    tok = load_tokenizer(cfg.data.path)
-    out = sample(model, tok.encode(prompt), n, temperature, top_k, seed)
+    tok = load_tokenizer(first_data_dir(cfg.data.path, cfg.data.mix))
+    out = sample(model, tok.encode(prompt), n, temperature, top_k, seed, getattr(tok, "eos_id", None))
     return tok.decode(out)
 
 

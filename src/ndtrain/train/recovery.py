@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ndtrain.errors import NdtrainError
+from ndtrain.train.metrics import peak_memory_mb
 
 EXIT_HANG = 70  # a watchdog abort: nonzero, so torchrun restarts the group
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: the job was told to stop and saved; schedulers retry nonzero exits
@@ -376,11 +377,13 @@ class Recovery:
         world = t.rt.world_size
         if world == 1:
             return
-        vec = torch.zeros(world, dtype=torch.float64, device=t.rt.device)
-        vec[t.rt.rank] = mean
+        # Each rank's peak memory rides along in the same all-reduce (for the report's per-rank plot).
+        vec = torch.zeros(2, world, dtype=torch.float64, device=t.rt.device)
+        vec[0, t.rt.rank] = mean
+        vec[1, t.rt.rank] = peak_memory_mb(t.rt.device)
         dist.all_reduce(vec)
-        per_rank = vec.cpu().tolist()
-        t.logger.log({"step": step, "rank_busy_s": per_rank})
+        per_rank, memory = vec.cpu().tolist()
+        t.logger.log({"step": step, "rank_busy_s": per_rank, "rank_peak_memory_mb": memory})
         for rank, ratio in self.stragglers.judge(per_rank):
             self._event({"event": "straggler", "rank": rank, "ratio": ratio},
                         f"straggler: rank {rank} is {ratio:.2f}x the median busy time per step "

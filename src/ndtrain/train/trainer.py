@@ -4,6 +4,7 @@ degrees are all 1 (no mesh, no process group)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import statistics
 import logging
 import math
@@ -15,21 +16,27 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ndtrain.config import JobConfig, to_toml
-from ndtrain.data.loader import StatefulLoader, TokenDataset, validation_batches
-from ndtrain.errors import NdtrainError
-from ndtrain.model.config import flops_per_token, num_params
+from ndtrain.config import JobConfig, to_dict, to_toml
+from ndtrain.data.loader import StatefulLoader, validation_batches
+from ndtrain.data.mixture import make_loader, open_dataset
+from ndtrain.data.packing import document_ids, document_positions
+from ndtrain.errors import ConfigError, NdtrainError
+from ndtrain.layout.flops import MFU_CONVENTION, flops_per_token
+from ndtrain.layout.rules import global_batch_problem
+from ndtrain.model.config import num_params
 from ndtrain.model.init import canonical_name, materialize
 from ndtrain.model.moe import end_step as moe_end_step, moe_layers, set_aux_scale
 from ndtrain.model.llama import build_model
 from ndtrain.parallel import dims as pdims
 from ndtrain.parallel.auto import apply_auto_layout, describe as describe_auto
 from ndtrain.parallel.compose import parallelize
+from ndtrain.parallel.data_parallel import accumulation, reshard
 from ndtrain.parallel.grad_norm import (all_reduce_sum, clip_coefficient, local_grad_sq, reduce_partial_grads,
                                         scale_grads)
 from ndtrain.train import distributed
 from ndtrain.train.distributed import env_world_size
-from ndtrain.train.metrics import MetricsLogger, peak_flops, peak_memory_mb
+from ndtrain.train.metrics import FP8, MetricsLogger, peak_flops, peak_memory_mb
+from ndtrain.train.trackers import check_installed as check_trackers
 from ndtrain.train.optim import build_optimizer, lr_at, set_lr
 
 
@@ -66,17 +73,33 @@ class Trainer:
         self.rt = distributed.setup(cfg.train)
         # `[parallel] auto`: planned for the world found at every (re)start, before the mesh exists.
         self.auto_choice = apply_auto_layout(cfg, self.rt.world_size)
-        self.dims = pdims.resolve(cfg.parallel, self.rt.world_size, cfg.model, cfg.data.seq_len, cfg.train)
+        self.dims = pdims.resolve(cfg.parallel, self.rt.world_size, cfg.model, cfg.data.seq_len, cfg.train, cfg.data)
         self.mesh = pdims.build_mesh(self.dims, self.rt.device.type) if self.rt.world_size > 1 else None
         self.run_dir = run_dir
         torch.manual_seed(cfg.train.seed)
 
-        self.train_set = TokenDataset(cfg.data.path, "train")
+        self.train_set = open_dataset(cfg.data.path, cfg.data.mix, "train")
         if self.train_set.vocab_size > cfg.model.vocab_size:
             raise NdtrainError(f"the data's tokenizer has {self.train_set.vocab_size} tokens but "
                                f"model.vocab_size is {cfg.model.vocab_size}; raise model.vocab_size")
+        if cfg.data.document_mask and self.train_set.eos_id is None:
+            raise ConfigError("data.document_mask", f"{cfg.data.path} marks no document ends (a format-1 corpus); "
+                                                    "prepare it again with this ndtrain")
         self.dp_rank, self.dp_size = self._dp_coords()
-        self.loader = StatefulLoader(self.train_set, cfg.data.seq_len, cfg.train.seed, self.dp_rank, self.dp_size)
+        self.loader: StatefulLoader = make_loader(self.train_set, cfg.data.seq_len, cfg.train.seed, self.dp_rank,
+                                                  self.dp_size)
+        # The next batches are built on a thread while this step computes (pinned for a GPU copy).
+        self.loader.start_prefetch(cfg.data.prefetch, pin_memory=self.rt.device.type == "cuda")
+
+        # Context parallel: this rank holds a load-balanced share of each sequence, and the model
+        # (every pipeline stage too) needs those tokens' global positions for RoPE (None = 0..s-1,
+        # the whole sequence).
+        self.cp_rank = self.mesh["cp"].get_local_rank() if self.mesh is not None else 0
+        self.cp_positions = None
+        if self.dims.cp > 1:
+            from ndtrain.parallel.context import cp_positions
+
+            self.cp_positions = cp_positions(cfg.data.seq_len, self.dims.cp, self.cp_rank, self.rt.device)
 
         # A pipeline rank builds only its own stage(s), several with virtual stages; every other
         # layout sees one part, the whole model.
@@ -84,12 +107,12 @@ class Trainer:
         if self.dims.pp > 1:
             from ndtrain.parallel.pipeline import build_pipeline
 
-            self.pipeline = build_pipeline(cfg, self.dims, self.mesh, self.rt.device)
+            self.pipeline = build_pipeline(cfg, self.dims, self.mesh, self.rt.device, self.cp_positions)
             self.model_parts = self.pipeline.parts
             self.model = self.model_parts[0]
         else:
             self.model = build_model(cfg.model, "meta")
-            self.model = parallelize(self.model, self.dims, cfg.parallel, self.mesh)
+            self.model = parallelize(self.model, self.dims, self.mesh)
             materialize(self.model, cfg.train.seed, self.rt.device)
             self.model_parts = [self.model]
         self.fsdp = hasattr(self.model, "set_requires_gradient_sync")
@@ -98,26 +121,31 @@ class Trainer:
         self.moe = moe_layers(self.model_parts)
         self.moe_group = self.mesh["dp_cp"].get_group() if self.mesh is not None and self.moe else None
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
-        # bf16 without FSDP (one process, or TP alone) runs under autocast instead of FSDP's policy.
-        self.autocast = (cfg.parallel.mixed_precision == "bf16" and not self.fsdp) or cfg.train.autocast_bf16
-        self.tp_rank = self.mesh["tp"].get_local_rank() if self.mesh is not None else 0
-        # Context parallel: this rank holds a load-balanced share of each sequence, and the model
-        # needs those tokens' global positions for RoPE (None = 0..s-1, the whole sequence).
-        self.cp_rank = self.mesh["cp"].get_local_rank() if self.mesh is not None else 0
-        self.cp_positions = None
-        if self.dims.cp > 1:
-            from ndtrain.parallel.context import cp_positions
+        # bf16 (and fp8, which is bf16 outside its fp8 matmuls) without FSDP (one process, or TP
+        # alone) runs under autocast instead of FSDP's policy.
+        self.fp8 = cfg.parallel.mixed_precision == "fp8"
+        low = cfg.parallel.mixed_precision in ("bf16", "fp8")
+        self.autocast = (low and not self.fsdp) or cfg.train.autocast_bf16
+        self.fp8_scales = None  # FSDP float8 all-gather: the weights' fp8 scales, refreshed per forward
+        if self.fp8 and self.fsdp:
+            from ndtrain.parallel.float8 import float8_all_gather, precompute_scales
 
-            self.cp_positions = cp_positions(cfg.data.seq_len, self.dims.cp, self.cp_rank, self.rt.device)
+            self.fp8_scales = precompute_scales if float8_all_gather(self.dims) else None
+        self.tp_rank = self.mesh["tp"].get_local_rank() if self.mesh is not None else 0
 
         self.step = 0
         self.tokens_seen = 0
-        dtype = torch.bfloat16 if cfg.parallel.mixed_precision == "bf16" or self.autocast else torch.float32
+        dtype = torch.bfloat16 if low or self.autocast else torch.float32
         self.peak_flops_per_rank, self.peak_source = peak_flops(self.rt.device, dtype)
-        self.peak_flops_total = all_reduce_sum([self.peak_flops_per_rank], self.rt.device)[0]
+        # fp8 runs report MFU against the bf16 peak (comparable with bf16 runs) and the fp8 peak.
+        fp8_peak, self.peak_fp8_source = peak_flops(self.rt.device, FP8) if self.fp8 else (0.0, "")
+        self.peak_flops_total, self.peak_fp8_total = all_reduce_sum([self.peak_flops_per_rank, fp8_peak],
+                                                                    self.rt.device)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        if log and run_dir is not None:  # on every rank: a missing package stops all of them, none waits
+            check_trackers(cfg.logging)
         self.logger = MetricsLogger(run_dir, log and self.rt.is_main and run_dir is not None, cfg.train.steps,
-                                    cfg.logging.progress, cfg.logging.tensorboard)
+                                    cfg.logging.progress, cfg.logging, to_dict(cfg))
         self.val_data = None
 
     # ---- layout helpers -------------------------------------------------------------------
@@ -139,10 +167,21 @@ class Trainer:
             return torch.autocast(self.rt.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor, docs: dict | None = None) -> torch.Tensor:
         with self._autocast():
-            logits = self.model(inputs, positions=self.cp_positions)
+            logits = self.model(inputs, positions=self.cp_positions) if docs is None else self.model(inputs, **docs)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+    def _doc_inputs(self, inputs: torch.Tensor) -> dict | None:
+        """Document ids and per-document positions of full [batch, seq] inputs, cp-sharded like
+        the tokens (None without document masking)."""
+        if not self.cfg.data.document_mask:
+            return None
+        doc = document_ids(inputs, self.train_set.eos_id)
+        return {"positions": self._cp_shard(document_positions(doc)), "doc_ids": self._cp_shard(doc)}
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.rt.device, non_blocking=True)  # from pinned memory on a GPU: an async copy
 
     def _cp_shard(self, t: torch.Tensor) -> torch.Tensor:
         """This cp rank's tokens of [batch, seq] inputs or targets."""
@@ -159,8 +198,15 @@ class Trainer:
         return float(t.detach())
 
     # ---- one optimizer step ---------------------------------------------------------------
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, micro: int) -> float:
+    def _refresh_fp8_scales(self) -> None:
+        """Before the weights' first use since they changed (a step, a resume, a rollback): every
+        fp8 all-gather scale in one all-reduce, rather than one per weight inside the forward."""
+        if self.fp8_scales is not None:
+            self.fp8_scales(self.model_parts)
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, micro: int, docs: dict | None = None) -> float:
         """Runs all micro-batches of this rank's share; returns the summed (unnormalised) loss."""
+        self._refresh_fp8_scales()
         if self.pipeline is not None:
             # The schedule runs the micro-batches; its loss normalises exactly as below and the
             # sum comes back on the last stage only (0.0 elsewhere), so train_step counts it once.
@@ -171,10 +217,12 @@ class Trainer:
         slices = split_micro(inputs.shape[0], micro)
         for i, (a, b) in enumerate(slices):
             if self.fsdp:
-                # Reduce gradients only on the last micro-batch; earlier ones accumulate locally.
-                self.model.set_requires_gradient_sync(i == len(slices) - 1)
+                # The ZeRO stage decides: reduce after every micro-batch (2, 3) or accumulate
+                # whole gradients locally and reduce on the last (1, and plain replication).
+                accumulation(self.model_parts, self.dims, i == len(slices) - 1)
             with self._loss_context():
-                loss = self._loss_sum(inputs[a:b].to(self.rt.device), targets[a:b].to(self.rt.device))
+                mb_docs = None if docs is None else {k: self._to_device(v[a:b]) for k, v in docs.items()}
+                loss = self._loss_sum(self._to_device(inputs[a:b]), self._to_device(targets[a:b]), mb_docs)
                 # Normalise by this rank's tokens for the whole step: summed over micro-batches
                 # and averaged over data-parallel ranks by FSDP, this is the exact global mean.
                 (loss / tokens_here).backward()
@@ -185,9 +233,12 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         gb = global_batch_at(cfg, self.tokens_seen)
-        if gb % self.dp_size:
-            raise NdtrainError(f"global batch {gb} is not divisible by the data-parallel size {self.dp_size}")
+        problem = global_batch_problem(gb, self.dp_size)  # the layout's rule, for this step's batch
+        if problem:
+            raise NdtrainError(problem)
+        t_data = time.perf_counter()
         batch = self.loader.next_batch(gb)
+        data_wait = time.perf_counter() - t_data  # ~0 when prefetching keeps ahead of the step
         lr = lr_at(self.step, cfg.optimizer, cfg.train.steps)
         set_lr(self.optimizer, lr)
         # The MoE aux loss is a mean over sequences: each of this rank's sequences weighs 1/n here,
@@ -195,8 +246,9 @@ class Trainer:
         set_aux_scale(self.moe, 1.0 / batch.inputs.shape[0])
         # Under cp, each rank normalises by its own tokens (forward_backward); FSDP averages
         # over dp x cp ranks, which makes that the global token mean.
-        loss_sum = self.forward_backward(self._cp_shard(batch.inputs), self._cp_shard(batch.targets),
-                                         cfg.train.micro_batch)
+        docs = self._doc_inputs(batch.inputs)
+        args = (self._cp_shard(batch.inputs), self._cp_shard(batch.targets), cfg.train.micro_batch)
+        loss_sum = self.forward_backward(*args) if docs is None else self.forward_backward(*args, docs)
         reduce_partial_grads(self.params)
         # tp ranks hold the same loss; count it once. cp ranks hold disjoint tokens: sum them.
         # Pipeline ranks without the last stage return 0.0, so each loss is still counted once.
@@ -216,7 +268,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         # After the step, from the step's global load: aux-loss-free bias update and MoE metrics.
         reduce = (lambda t: torch.distributed.all_reduce(t, group=self.moe_group)) if self.moe_group else None
-        extra = moe_end_step(self.moe, reduce, update_bias=not skipped)
+        extra = {**moe_end_step(self.moe, reduce, update_bias=not skipped), "data_wait_s": data_wait}
         self.step += 1
         self.tokens_seen += global_tokens
         return StepResult(self.step, loss, grad_norm, lr, global_tokens, time.perf_counter() - t0, skipped, extra)
@@ -227,13 +279,14 @@ class Trainer:
         if self.val_data is None:
             # A fixed set of validation samples (val_batches x global_batch) whatever the layout,
             # so validation losses compare across runs.
-            val_set = TokenDataset(cfg.data.path, "val")
-            self.val_data = [(self._cp_shard(i), self._cp_shard(t)) for i, t in validation_batches(
+            val_set = open_dataset(cfg.data.path, cfg.data.mix, "val")
+            self.val_data = [(self._cp_shard(i), self._cp_shard(t), self._doc_inputs(i)) for i, t in validation_batches(
                 val_set, cfg.data.seq_len, cfg.train.global_batch, cfg.train.val_batches, self.dp_rank, self.dp_size)]
         for part in self.model_parts:
             part.eval()
+        self._refresh_fp8_scales()
         total, tokens = 0.0, 0
-        for inputs, targets in self.val_data:
+        for inputs, targets, docs in self.val_data:
             if self.pipeline is not None:  # forward-only schedule; the loss exists on the last stage
                 with self._loss_context(), self._autocast():
                     total += self.pipeline.run(inputs.to(self.rt.device), targets.to(self.rt.device),
@@ -242,11 +295,14 @@ class Trainer:
                 continue
             for a, b in split_micro(inputs.shape[0], cfg.train.micro_batch):
                 with self._loss_context():
-                    loss = self._loss_sum(inputs[a:b].to(self.rt.device), targets[a:b].to(self.rt.device))
+                    mb_docs = None if docs is None else {k: self._to_device(v[a:b]) for k, v in docs.items()}
+                    loss = self._loss_sum(self._to_device(inputs[a:b]), self._to_device(targets[a:b]), mb_docs)
                 total += self._value(loss)
                 tokens += targets[a:b].numel()
         for part in self.model_parts:
             part.train()
+        if self.fsdp:
+            reshard(self.model_parts)  # ZeRO-1/2 keep what a forward gathered; the step must not see it
         total, tokens = all_reduce_sum([total if self.tp_rank == 0 else 0.0,
                                         tokens if self.tp_rank == 0 else 0.0], self.rt.device)
         return total / max(tokens, 1)
@@ -256,7 +312,8 @@ class Trainer:
         return {"step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens_per_s": tps,
                 "mfu": self.flops_per_token * tps / self.peak_flops_total, "step_time_s": r.seconds,
                 "tokens_seen": self.tokens_seen, "peak_memory_mb": peak_memory_mb(self.rt.device),
-                "skipped": r.skipped, **r.extra}
+                "skipped": r.skipped, **r.extra,
+                **({"mfu_fp8": self.flops_per_token * tps / self.peak_fp8_total} if self.fp8 else {})}
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Unsharded fp32 copies of this rank's parameters (a collective under FSDP/TP)."""
@@ -270,7 +327,22 @@ class Trainer:
                 out[canonical_name(name)] = t.detach().float().cpu().clone()
         return out
 
+    def save_pipeline_trace(self, run_dir: Path) -> None:
+        """Every rank's timed F/B/W actions of the step just traced, gathered into rank 0's
+        `pipeline_trace.json` (the input of `ndtrain report`'s Gantt chart)."""
+        trace = {"rank": self.rt.rank, "stages": [s.stage_index for s in self.pipeline.stages],
+                 "traces": self.pipeline.traces[-1:]}
+        self.pipeline.trace, self.pipeline.traces = False, []
+        gathered = [None] * self.rt.world_size
+        torch.distributed.all_gather_object(gathered, trace)
+        if self.rt.is_main:
+            p = self.cfg.parallel
+            (run_dir / "pipeline_trace.json").write_text(json.dumps(
+                {"step": self.step, "schedule": p.pp_schedule, "p": self.dims.pp, "v": p.pp_virtual_stages,
+                 "ranks": gathered}))
+
     def close(self) -> None:
+        self.loader.close()
         self.logger.close()
 
 
@@ -346,19 +418,40 @@ def _train_loop(cfg: JobConfig, run_dir: Path, progress: dict) -> dict:
         if ckpt.resume(spec) is not None:
             break
     recovery.check_global_batch(cfg, trainer.dp_size, trainer.tokens_seen)
+    log.start(trainer.step)
+    # Each attempt's first row: the report marks restarts and changes of world or layout by it.
+    log.log({"step": trainer.step, "event": "restart" if ckpt.loaded_from or recovery.restart_count() else "start",
+             "attempt": recovery.restart_count(), "world": rt.world_size, "layout": trainer.dims.describe(),
+             "tokens_seen": trainer.tokens_seen, "resumed_from": str(ckpt.loaded_from or "") or None})
     log.info(f"ndtrain: {cfg.model.preset} model, {num_params(cfg.model) / 1e6:.2f}M parameters, "
              f"layout {trainer.dims.describe()} on {rt.world_size} x {rt.device.type}, "
-             f"peak {trainer.peak_flops_total / 1e9:.1f} GFLOP/s ({trainer.peak_source}); run dir {run_dir}")
+             f"peak {trainer.peak_flops_total / 1e9:.1f} GFLOP/s ({trainer.peak_source}"
+             + (f" bf16; fp8 {trainer.peak_fp8_total / 1e9:.1f} GFLOP/s {trainer.peak_fp8_source}" if trainer.fp8 else "")
+             + f"); run dir {run_dir}")
+    log.info(f"{MFU_CONVENTION}: {trainer.flops_per_token / 1e6:.2f} MFLOP/token")
+    if trainer.fp8:
+        from ndtrain.layout.fp8 import fp8_linears, summary
+
+        log.info(f"fp8 ({cfg.parallel.fp8_recipe} scaling): {len(fp8_linears(cfg.model, trainer.dims.tp))} "
+                 f"Linear layers in float8 ({summary(cfg.model, trainer.dims.tp)}); all else bf16")
     if trainer.auto_choice:
         log.info(f"auto layout (planner): {describe_auto(trainer.auto_choice)}")
+        log.log({"step": trainer.step, "event": "auto", "layout": describe_auto(trainer.auto_choice),
+                 "predicted_step_time": trainer.auto_choice["predicted_step_time"],
+                 "predicted_tokens_per_s": trainer.auto_choice["predicted_tokens_per_s"]})
     step_times: list[float] = []
     last_val, preempted, interrupted, path = None, False, False, None
     guard = recovery.Recovery(cfg, trainer, ckpt, run_dir)  # watchdog, non-finite rollback, stragglers
     try:
         while trainer.step < cfg.train.steps:
             guard.before_step()
+            trace = trainer.pipeline is not None and trainer.step + 1 == cfg.logging.pipeline_trace_step
+            if trace:
+                trainer.pipeline.trace = True
             result = trainer.train_step()
             progress["step"] = trainer.step
+            if trace:
+                trainer.save_pipeline_trace(run_dir)
             action = guard.after_step(result)
             if action == "rollback":
                 continue

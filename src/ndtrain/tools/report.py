@@ -1,0 +1,220 @@
+"""`ndtrain report RUN_DIR [RUN_DIR ...] --out report.html`: a run, or several overlaid, at a
+glance. One self-contained HTML file (every image embedded as a data URI, nothing fetched from
+the network, no script) plus the same PNGs beside it (`<out stem>-<figure>.png`).
+
+It reads what the run directory holds (config.toml, metrics.jsonl, pipeline_trace.json), so
+it works on a run that is still going and on one that crashed and restarted; torch is not
+imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import os
+import statistics
+import time
+from pathlib import Path
+
+from ndtrain.errors import NdtrainError
+from ndtrain.tools.run_data import Run, config_differences, read_run
+
+GENERATOR = "ndtrain report"
+
+
+# ---- checking --out before any work --------------------------------------------------------
+
+def check_out(out: Path) -> None:
+    """The report may replace an earlier report, never anything else."""
+    if out.suffix.lower() not in (".html", ".htm"):
+        raise NdtrainError(f"--out {out}: must name an .html file")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise NdtrainError(f"--out {out}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise NdtrainError(f"--out {out}: directory {parent} is not writable")
+    if out.is_dir():
+        raise NdtrainError(f"--out {out}: is a directory")
+    if out.exists():
+        with open(out, "rb") as f:
+            head = f.read(4096)
+        if f'name="generator" content="{GENERATOR}"'.encode() not in head:
+            raise NdtrainError(f"--out {out}: exists and is not an ndtrain report; refusing to overwrite it")
+        if not os.access(out, os.W_OK):
+            raise NdtrainError(f"--out {out}: is not writable")
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# ---- the header table ----------------------------------------------------------------------
+
+def _num(x, fmt: str = ",.0f") -> str:
+    return "–" if x is None else format(x, fmt)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
+
+
+def _status(run: Run, now: float) -> str:
+    if run.finished:
+        return "finished"
+    if not run.train:
+        return "no training step logged yet"
+    span = run.time_span()
+    ago = f", last row {_duration(now - span[1])} ago" if span else ""
+    total = run.section("train").get("steps")
+    return f"not finished: step {run.train[-1]['step']}{f' of {total}' if total else ''}{ago} (running, or stopped)"
+
+
+def _model(run: Run) -> str:
+    m = run.section("model")
+    if not m:
+        return "–"
+    moe = f", {m['n_experts']} experts (top {m.get('n_active_experts')})" if m.get("n_experts") else ""
+    return (f"{m.get('preset', '?')}: dim {m.get('dim')}, {m.get('n_layers')} layers, {m.get('n_heads')} heads "
+            f"({m.get('n_kv_heads')} kv), vocab {m.get('vocab_size')}{moe}")
+
+
+def _median(rows: list[dict], key: str, since_step: int) -> float | None:
+    vals = [r[key] for r in rows if r["step"] > since_step and isinstance(r.get(key), (int, float))]
+    return statistics.median(vals) if vals else None
+
+
+def header_rows(runs: list[Run], now: float) -> list[tuple[str, list[str]]]:
+    rows: list[tuple[str, list[str]]] = []
+
+    def add(name: str, fn) -> None:
+        rows.append((name, [fn(r) for r in runs]))
+
+    def wall(run: Run) -> str:
+        span = run.time_span()
+        return _duration(span[1] - span[0]) if span else "–"
+
+    def warm(run: Run) -> int:  # the last attempt's first steps pay for start-up
+        return (run.starts[-1]["step"] if run.starts else 0) + 3
+
+    def auto(run: Run) -> str:
+        a = run.auto
+        if a is None:
+            return "not used"
+        measured = run.measured_step_time()
+        ratio = f" ({measured / a['predicted_step_time']:.2f}x)" if measured and a.get("predicted_step_time") else ""
+        return (f"{a.get('layout', '')}; predicted {_num(a.get('predicted_step_time'), '.3f')} s/step, measured "
+                f"{_num(measured, '.3f')} s/step{ratio}")
+
+    add("run directory", lambda r: str(r.path))
+    add("status", lambda r: _status(r, now))
+    add("model", _model)
+    add("parameters", lambda r: _num(r.params()))
+    add("layout", lambda r: f"{r.layout()} (precision {r.section('parallel').get('mixed_precision', '?')})")
+    add("world", lambda r: _num(r.world()))
+    add("steps", lambda r: f"{r.train[-1]['step'] if r.train else 0} of {r.section('train').get('steps', '?')}")
+    add("tokens", lambda r: _num(r.train[-1].get("tokens_seen") if r.train else None))
+    add("wall time", wall)
+    add("final training loss", lambda r: _num(r.train[-1]["loss"] if r.train else None, ".4f"))
+    add("final validation loss", lambda r: _num(r.val[-1]["val_loss"] if r.val else None, ".4f"))
+    add("tokens/s (median, last attempt)", lambda r: _num(_median(r.train, "tokens_per_s", warm(r))))
+    add("MFU (median, last attempt)", lambda r: _num(_median(r.train, "mfu", warm(r)), ".1%"))
+    add("restarts / rollbacks / skipped steps", lambda r: f"{len(r.restarts)} / {r.count('rollback')} / "
+        f"{sum(1 for x in r.train if x.get('skipped'))}")
+    add("checkpoints saved", lambda r: str(len(r.checkpoints)))
+    add("planner (auto): predicted vs measured", auto)
+    if any(r.unreadable_lines for r in runs):
+        add("unreadable metrics lines", lambda r: f"{r.unreadable_lines} (a live run's last line, or torn by a crash)")
+    for key, values in config_differences(runs).items():
+        rows.append((f"differs: {key}", [str(v) for v in values]))
+    return rows
+
+
+# ---- HTML ----------------------------------------------------------------------------------
+
+CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;
+max-width:1060px;color:#222}h1{font-size:22px;margin-bottom:4px}h2{font-size:16px;margin-top:28px;
+border-bottom:1px solid #ddd;padding-bottom:4px}table{border-collapse:collapse;font-size:13px;width:100%}
+th,td{border:1px solid #ddd;padding:4px 8px;text-align:left;vertical-align:top}th{background:#f5f5f5;
+width:230px}td.run{font-weight:600}img{max-width:100%;height:auto;display:block}.note{color:#666;
+font-size:12px}.swatch{display:inline-block;width:10px;height:10px;margin-right:6px}"""
+
+
+def render_html(runs: list[Run], figures: list[tuple[str, Path]], now: float) -> str:
+    from ndtrain.tools.report_plots import COLORS
+
+    def swatch(i: int) -> str:
+        r, g, b = (int(255 * c) for c in COLORS[i % len(COLORS)])
+        return f'<span class="swatch" style="background:#{r:02x}{g:02x}{b:02x}"></span>'
+
+    esc = html.escape
+    title = "ndtrain report: " + ", ".join(r.label for r in runs)
+    head = "".join(f'<td class="run">{swatch(i)}{esc(r.label)}</td>' for i, r in enumerate(runs))
+    body = "".join(f"<tr><th>{esc(name)}</th>{''.join(f'<td>{esc(v)}</td>' for v in values)}</tr>"
+                   for name, values in header_rows(runs, now))
+    parts = [
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        f'<meta name="generator" content="{GENERATOR}">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{esc(title)}</title><style>{CSS}</style></head><body>",
+        f"<h1>{esc(title)}</h1>",
+        f'<p class="note">generated {time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))} from the run '
+        f"directories as they were then; steps that a restart or rollback redid are shown once, as the "
+        f"later attempt logged them.</p>",
+        f"<table><tr><th></th>{head}</tr>{body}</table>",
+    ]
+    for section, png in figures:
+        data = base64.b64encode(png.read_bytes()).decode("ascii")
+        parts += [f"<h2>{esc(section)}</h2>",
+                  f'<img src="data:image/png;base64,{data}" alt="{esc(section)}">']
+    missing = [r.label for r in runs if r.pipeline is None and r.section("parallel").get("pp", 1) > 1]
+    if missing:
+        parts.append(f'<p class="note">no pipeline trace in {esc(", ".join(missing))} (recorded at step '
+                     f"logging.pipeline_trace_step of a pp &gt; 1 run).</p>")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def build_report(run_dirs: list[str], out: str | Path) -> tuple[Path, list[Path]]:
+    """Read every run, draw every figure that some run has data for, write the HTML and PNGs."""
+    from ndtrain.tools.report_plots import FIGURES
+
+    out = Path(out)
+    check_out(out)
+    runs = [read_run(d) for d in run_dirs]
+    labels = [r.label for r in runs]
+    for r in runs:  # two runs with one directory name (e.g. a/run, b/run): label by path
+        if labels.count(r.label) > 1:
+            r.label = str(r.path)
+    now = time.time()
+    pngs: list[tuple[str, Path]] = []
+    for suffix, section, draw in FIGURES:
+        target = out.with_name(f"{out.stem}-{suffix}.png")
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}.png")
+        try:
+            if draw(runs, tmp) is not None:
+                os.replace(tmp, target)
+                pngs.append((section, target))
+        finally:
+            tmp.unlink(missing_ok=True)
+    _write_atomic(out, render_html(runs, pngs, now).encode("utf-8"))
+    return out, [p for _, p in pngs]
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="ndtrain report", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (several overlay on one set of axes)")
+    p.add_argument("--out", default="report.html", help="the HTML file to write; PNGs go beside it (default report.html)")
+    args = p.parse_args(argv)
+    out, pngs = build_report(args.run_dirs, args.out)
+    print(f"wrote {out} ({len(pngs)} figures; PNGs beside it: {', '.join(p.name for p in pngs)})")
+    return 0

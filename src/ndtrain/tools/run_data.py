@@ -1,0 +1,224 @@
+"""Reading a run directory for the report: what the run is (config, layout, world) and what it
+did (the training timeline as it stands after every restart and rollback, and the events that
+shaped it). Torch-free: a report is drawn on any machine that has the run directory.
+
+A run that is still going is read as it is now (a half-written last line is skipped); a run
+that crashed and restarted from a checkpoint logged some steps twice: the later attempt's rows
+win, and the ones they replace are kept apart (`superseded`) so the timeline can show them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ndtrain.errors import NdtrainError
+
+EVENTS_THAT_REWIND = ("start", "restart", "rollback")
+
+
+@dataclass
+class Run:
+    path: Path
+    label: str
+    config: dict
+    train: list[dict] = field(default_factory=list)  # training rows of the surviving timeline, by step
+    val: list[dict] = field(default_factory=list)
+    checkpoints: list[dict] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)  # start, restart, rollback, skip_window, straggler, ...
+    ranks: list[dict] = field(default_factory=list)  # rank_busy_s / rank_peak_memory_mb rows
+    superseded: list[dict] = field(default_factory=list)  # training rows a restart or rollback replaced
+    unreadable_lines: int = 0
+    pipeline: dict | None = None  # pipeline_trace.json
+
+    # ---- what the header table shows --------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return bool(self.train) and bool(self.train[-1].get("last"))
+
+    @property
+    def starts(self) -> list[dict]:
+        return [e for e in self.events if e.get("event") in ("start", "restart")]
+
+    @property
+    def restarts(self) -> list[dict]:
+        """Attempts after the first (a first attempt that resumed from a given checkpoint is a
+        start), or step regressions in runs from before attempts were logged."""
+        return self.starts[1:] + [e for e in self.events if e.get("event") == "restart (inferred)"]
+
+    def count(self, event: str) -> int:
+        return sum(1 for e in self.events if e.get("event") == event)
+
+    @property
+    def auto(self) -> dict | None:
+        autos = [e for e in self.events if e.get("event") == "auto"]
+        return autos[-1] if autos else None
+
+    def measured_step_time(self) -> float | None:
+        """Median step time of the last attempt, past its first 3 steps (warm-up)."""
+        first = self.starts[-1]["step"] if self.starts else 0
+        times = [r["step_time_s"] for r in self.train if r["step"] > first + 3 and "step_time_s" in r]
+        return statistics.median(times) if times else None
+
+    def section(self, name: str) -> dict:
+        value = self.config.get(name, {})
+        return value if isinstance(value, dict) else {}
+
+    def layout(self) -> str:
+        if self.starts:
+            return str(self.starts[-1].get("layout", "?"))
+        par = self.section("parallel")
+        degrees = [f"{k}={par[k]}" for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+                   if k in par and par[k] != 1]
+        return " x ".join(degrees) or "single"
+
+    def world(self) -> int | None:
+        return self.starts[-1].get("world") if self.starts else None
+
+    def params(self) -> int | None:
+        from ndtrain.model.config import ModelConfig, num_params
+
+        names = {f.name for f in dataclasses.fields(ModelConfig)}
+        try:
+            return num_params(ModelConfig(**{k: v for k, v in self.section("model").items() if k in names}))
+        except (TypeError, ValueError, ZeroDivisionError):
+            return None
+
+    def time_span(self) -> tuple[float, float] | None:
+        times = [r["time"] for r in self.all_rows() if isinstance(r.get("time"), (int, float))]
+        return (min(times), max(times)) if times else None
+
+    def all_rows(self) -> list[dict]:
+        return self.train + self.val + self.checkpoints + self.events + self.ranks + self.superseded
+
+
+def _check_dir(path: Path) -> None:
+    if not path.exists():
+        raise NdtrainError(f"run directory not found: {path}")
+    if not path.is_dir():
+        raise NdtrainError(f"{path} is not a directory (give a run directory, e.g. runs/default-20261130-120000)")
+    if not (path / "metrics.jsonl").is_file() and not (path / "config.toml").is_file():
+        raise NdtrainError(f"{path} is not a run directory: it has neither metrics.jsonl nor config.toml")
+
+
+def read_rows(path: Path) -> tuple[list[dict], int]:
+    """Rows of metrics.jsonl in file order, and how many lines could not be read (a live run's
+    half-written last line, or a line torn by a crash)."""
+    if not path.is_file():
+        return [], 0
+    rows, bad = [], 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                bad += 1
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                rows.append(row)
+            else:
+                bad += 1
+    return rows, bad
+
+
+def _fill_times(rows: list[dict]) -> None:
+    """Rows written before every row carried a wall time take the time of the nearest training
+    row at or before their step."""
+    last = None
+    for r in rows:
+        if isinstance(r.get("time"), (int, float)):
+            last = r["time"]
+        elif last is not None:
+            r["time"] = last
+
+
+def read_run(path: str | Path, label: str | None = None) -> Run:
+    path = Path(path)
+    _check_dir(path)
+    config = {}
+    if (path / "config.toml").is_file():
+        try:
+            config = tomllib.loads((path / "config.toml").read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise NdtrainError(f"{path / 'config.toml'}: not valid TOML: {exc}") from None
+    rows, bad = read_rows(path / "metrics.jsonl")
+    _fill_times(rows)
+    run = Run(path=path, label=label or path.name, config=config, unreadable_lines=bad)
+    train: dict[int, dict] = {}
+    val: dict[int, dict] = {}
+
+    def rewind(to_step: int) -> None:
+        """Rows past `to_step` belong to a timeline that was abandoned."""
+        for step in [s for s in train if s > to_step]:
+            run.superseded.append(train.pop(step))
+        for step in [s for s in val if s > to_step]:
+            del val[step]
+
+    rewound = False  # a start/restart/rollback row came after the last training row
+    for row in rows:
+        step = row["step"]
+        if "loss" in row:
+            if train and step <= max(train):
+                if not rewound:
+                    # A step logged again with no restart row before it (a run from before
+                    # restarts were logged): a restart from the step before.
+                    run.events.append({"step": step - 1, "event": "restart (inferred)", "time": row.get("time")})
+                rewind(step - 1)
+            train[step] = row
+            rewound = False
+        elif "val_loss" in row:
+            val[step] = row
+        elif "checkpoint_mode" in row:
+            run.checkpoints.append(row)
+        elif "event" in row:
+            if row["event"] in EVENTS_THAT_REWIND:
+                rewind(step)
+                rewound = True
+            run.events.append(row)
+        elif "rank_busy_s" in row or "rank_peak_memory_mb" in row:
+            run.ranks.append(row)
+    run.train = [train[s] for s in sorted(train)]
+    run.val = [val[s] for s in sorted(val)]
+    trace = path / "pipeline_trace.json"
+    if trace.is_file():
+        try:
+            run.pipeline = json.loads(trace.read_text())
+        except ValueError:
+            run.pipeline = None  # written by rank 0 in one go; a torn file is simply not drawn
+    return run
+
+
+def tokens_at(run: Run, step: int) -> float | None:
+    """Tokens seen after `step` (validation rows carry only the step)."""
+    best = None
+    for r in run.train:
+        if r["step"] <= step:
+            best = r.get("tokens_seen")
+        else:
+            break
+    return best
+
+
+def config_differences(runs: list[Run]) -> dict[str, list]:
+    """section.key -> value per run, for the keys whose values differ between runs."""
+    if len(runs) < 2:
+        return {}
+    flat = []
+    for run in runs:
+        d = {}
+        for section, values in run.config.items():
+            if isinstance(values, dict):
+                d.update({f"{section}.{k}": v for k, v in values.items()})
+            else:
+                d[section] = values
+        flat.append(d)
+    keys = sorted(set().union(*flat))
+    ignore = {"train.output_dir", "name", "checkpoint.dir", "checkpoint.resume"}
+    return {k: [d.get(k) for d in flat] for k in keys
+            if k not in ignore and len({json.dumps(d.get(k), sort_keys=True) for d in flat}) > 1}

@@ -1,0 +1,184 @@
+"""The launch examples parse and carry what a real cluster needs: torchrun's shutdown timeout
+raised to fit the preemption grace period, Slurm's CPU binding, node-loss and log-directory
+pitfalls handled, /dev/shm in every pod, the ConfigMap wired to the config path, and a global
+batch that divides every world size a job can shrink or grow to."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+from ndtrain.config import load_config  # noqa: E402
+from ndtrain.parallel.dims import resolve  # noqa: E402
+from ndtrain.train.recovery import check_global_batch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
+K8S = ROOT / "examples" / "kubernetes"
+TORCHRUN_DEFAULT_SHUTDOWN_S = 30  # torch 2.13, torch/distributed/launcher/api.py
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    for i, a in enumerate(args):
+        if a.startswith(f"{name}="):
+            return a.split("=", 1)[1]
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
+def _check_global_batch(config_text: str, worlds: list[int], tmp_path: Path) -> None:
+    path = tmp_path / "train.toml"
+    path.write_text(config_text)
+    cfg = load_config(str(path))
+    for world in worlds:
+        dims = resolve(cfg.parallel, world, cfg.model, cfg.data.seq_len, cfg.train)
+        check_global_batch(cfg, dims.dp)  # raises when the batch does not split over dp ranks
+
+
+# ---- Slurm -----------------------------------------------------------------------------------
+
+def _sbatch() -> tuple[str, dict[str, str], list[str], dict[str, str]]:
+    text = SBATCH.read_text()
+    directives = {}
+    for m in re.finditer(r"^#SBATCH\s+--([\w-]+)(?:=(\S+))?", text, re.M):
+        directives[m[1]] = m[2] or ""
+    # the srun command, with its backslash continuations joined
+    joined = text.replace("\\\n", " ")
+    srun = shlex.split(next(line for line in joined.splitlines() if line.startswith("srun ")).rstrip("&"))
+    # NAME=123 or NAME=${NAME:-123}: the numbers the script uses unless the caller overrides them
+    defaults = dict(re.findall(r"^(\w+)=(?:\$\{\w+:-)?(\d+)\}?(?=\s|$)", text, re.M))
+    return text, directives, srun, defaults
+
+
+def test_slurm_script_is_valid_bash():
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    proc = subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_slurm_grace_period_survives_torchrun():
+    text, directives, srun, defaults = _sbatch()
+    lead = int(re.fullmatch(r"B:USR1@(\d+)", directives["signal"])[1])
+    assert int(defaults["GRACE_S"]) == lead
+    assert _flag(srun, "--shutdown-timeout") == "$SHUTDOWN_TIMEOUT"
+    shutdown = int(defaults["SHUTDOWN_TIMEOUT"])
+    # Longer than torchrun's default (which would SIGKILL a worker mid-save), shorter than the
+    # signal's lead so torchrun and the requeue finish before Slurm's hard kill.
+    assert TORCHRUN_DEFAULT_SHUTDOWN_S * 4 <= shutdown < lead
+    assert re.search(r"^trap stop_and_requeue USR1 TERM", text, re.M)
+    assert "kill -TERM \"$SRUN_PID\"" in text and "requeue" in directives
+
+
+def test_slurm_cpus_node_loss_log_dir_and_rendezvous():
+    text, directives, srun, _ = _sbatch()
+    # srun does not inherit --cpus-per-task (Slurm >= 22.05): exported before srun runs.
+    export = re.search(r"^export SRUN_CPUS_PER_TASK=\$SLURM_CPUS_PER_TASK$", text, re.M)
+    assert "cpus-per-task" in directives and export and export.start() < text.index("\nsrun ")
+    # A lost node keeps the job and the step alive, and torchrun may shrink.
+    assert "no-kill" in directives and "--no-kill" in srun[: srun.index("torchrun")]
+    nnodes = _flag(srun, "--nnodes")
+    assert nnodes == "${MIN_NODES}:${SLURM_JOB_NUM_NODES}"
+    # The log directory exists before Slurm opens --output: the documented command creates it.
+    log_dir = Path(directives["output"]).parent
+    usage = next(line for line in text.splitlines() if "sbatch " in line and "examples/slurm/train.sbatch" in line)
+    assert f"mkdir -p {log_dir} && sbatch" in usage
+    # The rendezvous host is documented as a single point of failure and its loss requeues the job
+    # (bounded), or the endpoint moves out of the job.
+    assert "single point of failure" in text
+    assert _flag(srun, "--rdzv-endpoint") == "$RDZV_ENDPOINT" and "RDZV_ENDPOINT=${RDZV_ENDPOINT:-" in text
+    assert re.search(r'SLURM_RESTART_COUNT:-0}" -lt "\$MAX_REQUEUES"', text)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text and _flag(srun, "--rdzv-conf") == "last_call_timeout=2"
+
+
+def test_slurm_global_batch_divides_every_world(tmp_path):
+    text, directives, srun, _ = _sbatch()
+    config = ROOT / re.search(r"CONFIG=\$\{CONFIG:-(\S+)\}", text)[1]
+    nodes, gpus = int(directives["nodes"]), int(directives["gpus-per-node"])
+    _check_global_batch(config.read_text(), [n * gpus for n in range(1, nodes + 1)], tmp_path)
+
+
+# ---- Kubernetes ------------------------------------------------------------------------------
+
+def _docs(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
+
+
+def _pod_templates(doc: dict) -> list[dict]:
+    if doc["kind"] == "Job":
+        return [doc["spec"]["template"]]
+    if doc["kind"] == "PyTorchJob":
+        return [r["template"] for r in doc["spec"]["pytorchReplicaSpecs"].values()]
+    return []
+
+
+def _jobs() -> list[tuple[str, dict]]:
+    return [(name, d) for name in ("indexed-job.yaml", "pytorchjob.yaml") for d in _docs(name) if _pod_templates(d)]
+
+
+def _config_map() -> dict:
+    (cm,) = _docs("configmap.yaml")
+    assert cm["kind"] == "ConfigMap"
+    return cm
+
+
+def test_kubernetes_examples_cover_both_jobs():
+    assert sorted(name for name, _ in _jobs()) == ["indexed-job.yaml", "pytorchjob.yaml"]
+
+
+@pytest.mark.parametrize("name", ["indexed-job.yaml", "pytorchjob.yaml"])
+def test_kubernetes_pods_have_shm_grace_and_the_config(name):
+    cm = _config_map()
+    for _, job in [j for j in _jobs() if j[0] == name]:
+        for template in _pod_templates(job):
+            spec = template["spec"]
+            volumes = {v["name"]: v for v in spec["volumes"]}
+            (container,) = spec["containers"]
+            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+            assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+            # The config the command reads is the ConfigMap's key, mounted where the command looks.
+            config_path = _flag(container["args"], "--config")
+            mount = str(Path(config_path).parent)
+            assert volumes[mounts[mount]]["configMap"]["name"] == cm["metadata"]["name"]
+            assert Path(config_path).name in cm["data"]
+            # torchrun must give the workers time to save after SIGTERM, within the pod's grace.
+            assert container["command"] == ["torchrun"]
+            shutdown = int(_flag(container["args"], "--shutdown-timeout"))
+            assert TORCHRUN_DEFAULT_SHUTDOWN_S * 4 <= shutdown < spec["terminationGracePeriodSeconds"]
+            env = {e["name"]: e["value"] for e in container["env"]}
+            assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
+def test_indexed_job_states_the_version_backoff_limit_per_index_needs():
+    text = (K8S / "indexed-job.yaml").read_text()
+    (job,) = [d for d in _docs("indexed-job.yaml") if d["kind"] == "Job"]
+    assert job["spec"]["backoffLimitPerIndex"] > 0 and job["spec"]["completionMode"] == "Indexed"
+    assert re.search(r"Kubernetes 1\.29 or newer", text) and "JobBackoffLimitPerIndex" in text
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert int(_flag(args, "--nnodes").split(":")[-1]) == job["spec"]["completions"] == job["spec"]["parallelism"]
+    assert _flag(args, "--rdzv-endpoint").startswith(f"{job['metadata']['name']}-0.")
+
+
+def test_kubernetes_global_batch_divides_every_world_the_jobs_can_run_on(tmp_path):
+    config = _config_map()["data"]["train.toml"]
+    worlds = set()
+    for name, job in _jobs():
+        args = _pod_templates(job)[0]["spec"]["containers"][0]["args"]
+        gpus = int(_flag(args, "--nproc-per-node"))
+        if job["kind"] == "PyTorchJob":
+            lo, hi = job["spec"]["elasticPolicy"]["minReplicas"], job["spec"]["elasticPolicy"]["maxReplicas"]
+        else:
+            lo, hi = map(int, _flag(args, "--nnodes").split(":"))
+        worlds |= {n * gpus for n in range(lo, hi + 1)}
+    assert worlds == {8, 16, 24, 32}
+    _check_global_batch(config, sorted(worlds), tmp_path)
+    with pytest.raises(Exception, match="cannot be split evenly"):  # the check has teeth
+        _check_global_batch(config.replace("global_batch = 96", "global_batch = 64"), sorted(worlds), tmp_path)
