@@ -113,7 +113,7 @@ def plan_main(argv: list[str]) -> int:
     pb = make_problem(cfg, args.seq, batch, args.gpus, args.gpu, stack=args.stack, precision=args.precision,
                       strict=not args.relaxed, profile=args.profile)
     if args.layout:
-        lay = parse_layout(args.layout, args.gpus)
+        lay = parse_layout(parse_items(args.layout, "--layout"), args.gpus)  # errors name the flag
         ev = Evaluator(pb)
         pred = ev(lay)
         res = SearchResult(top=[pred], considered=1, evaluated=1, fitting=int(pred.fits), seconds=0.0)
