@@ -15,24 +15,24 @@ from ndtrain.errors import ConfigError, NdtrainError
 
 
 def check_data(cfg) -> None:
-    from ndtrain.data.loader import TokenDataset
+    from ndtrain.data.mixture import open_dataset  # the dataset the loader will read: one corpus or a mixture
 
-    train = TokenDataset(cfg.data.path, "train")
+    train = open_dataset(cfg.data.path, cfg.data.mix, "train")
     if train.vocab_size > cfg.model.vocab_size:
         raise NdtrainError(f"the data's tokenizer has {train.vocab_size} tokens but model.vocab_size is "
                            f"{cfg.model.vocab_size}; raise model.vocab_size")
     seq = cfg.data.seq_len
     if train.num_samples(seq) == 0:
-        raise ConfigError("data.seq_len", f"{cfg.data.path}: the train split has {len(train):,} tokens, fewer "
+        raise ConfigError("data.seq_len", f"{train.describe()}: the train split has {len(train):,} tokens, fewer "
                                           f"than one sample of seq_len + 1 = {seq + 1}")
     t = cfg.train
     if t.val_interval > 0 and t.val_batches > 0:
-        val = TokenDataset(cfg.data.path, "val")
+        val = open_dataset(cfg.data.path, cfg.data.mix, "val")
         have, need = val.num_samples(seq), t.val_batches * t.global_batch
         if have < need:
             raise ConfigError("train.val_batches", f"{t.val_batches} batches of {t.global_batch} sequences of "
                                                    f"{seq} tokens need {need} validation samples, but the validation "
-                                                   f"split of {cfg.data.path} has {have}; lower train.val_batches "
+                                                   f"split of {val.describe()} has {have}; lower train.val_batches "
                                                    f"(or set train.val_interval=0), or prepare with a larger "
                                                    f"--val-fraction")
 
