@@ -1,8 +1,15 @@
-"""Checkpoint cost: sync save time vs the training stall of an async save, and restart-to-first-
-step time after a rank is killed.
+"""Checkpoint cost: sync save time vs the training stall of an async save, restart-to-first-
+step time after a rank is killed, and publish/verify time vs the number of ranks.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/checkpoint.py --preset small --saves 3
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/checkpoint.py --restart-only --preset debug
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/checkpoint.py --publish-verify --total-mb 256 --per-rank-mb 32
+
+Part 3 (--publish-verify) forks 1, 2, 4 and 8 ranks. Each writes its shard file (the bytes DCP
+would write: total/world each for a fixed checkpoint, or a fixed size each as the model grows
+with the world), then the checkpoint is published and verified the old way (rank 0 hashes every
+file) and the new way (each rank hashes its own shards, rank 0 combines the digests; verification
+shared out by size), interleaved, several repetitions; medians are printed with the load average.
 
 Part 1 runs in two forked ranks (FSDP dp_shard=2). Each round does one sync save and one async
 save side by side, from the same trained state; the async stall is what the training loop
@@ -116,6 +123,97 @@ def bench_restart(args) -> None:
               f"over {len(results)} kills")
 
 
+def _publish_verify_rank(root: str, per_rank: int, reps: int) -> list[dict]:
+    import pickle
+    import shutil
+
+    import numpy as np
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from ndtrain.train.ckpt_digest import collect_digests, verify_shared, write_manifest_from, write_own_digests
+    from ndtrain.train.ckpt_store import verify, write_manifest, write_marker
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rng = np.random.default_rng(rank)
+    rows = []
+    for rep in range(-1, reps):  # repetition -1 warms up (imports, allocator) and is not kept
+        for mode in (("before", "after") if rep % 2 == 0 else ("after", "before")):  # interleaved
+            tmp = Path(root) / f"rep{rep}-{mode}" / ".step_00000001.partial"
+            if rank == 0:
+                tmp.mkdir(parents=True)
+                (tmp / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))
+                (tmp / "train_state.json").write_text("{}" + " " * 10_000)
+            dist.barrier()
+            (tmp / f"__{rank}_0.distcp").write_bytes(rng.bytes(per_rank))
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            if mode == "before":
+                if rank == 0:
+                    write_manifest(tmp)  # the old publish: rank 0 hashes every shard
+            else:
+                write_own_digests(tmp, rank)
+                dist.barrier()
+                if rank == 0:
+                    write_manifest_from(tmp, collect_digests(tmp, world, 600))
+            publish_cpu = time.thread_time() - c0
+            dist.barrier()
+            publish_s = time.perf_counter() - t0
+            if rank == 0:
+                write_marker(tmp, "step_00000001")
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            if mode == "before":
+                ok = verify(tmp) is None if rank == 0 else True  # the old resume: rank 0 hashes all
+            else:
+                ok = verify_shared([tmp])[str(tmp)] is None
+            verify_cpu = time.thread_time() - c0
+            dist.barrier()
+            verify_s = time.perf_counter() - t0
+            if rep >= 0:
+                rows.append({"mode": mode, "publish_s": publish_s, "verify_s": verify_s, "publish_cpu": publish_cpu,
+                             "verify_cpu": verify_cpu, "ok": ok})
+            if rank == 0:
+                shutil.rmtree(tmp.parent)
+            dist.barrier()
+    return rows
+
+
+def bench_publish_verify(args) -> None:
+    import statistics
+
+    from ndtrain.parallel.launch import run_ranks
+
+    worlds = [int(w) for w in args.worlds.split(",")]
+    print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}; {os.cpu_count()} cores")
+    for label, per_rank_of in (("fixed checkpoint", lambda w: args.total_mb * 2**20 // w),
+                               ("fixed shard per rank", lambda w: args.per_rank_mb * 2**20)):
+        print(f"\n{label}: median of {args.reps} interleaved repetitions, seconds. cpu = busiest rank's CPU "
+              f"time (its critical path when every rank has its own core); wall = barrier to barrier here, "
+              f"{os.cpu_count()} cores shared by all ranks")
+        print("| ranks | total MiB | publish cpu before | after | verify cpu before | after "
+              "| publish wall before | after | verify wall before | after |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for world in worlds:
+            with tempfile.TemporaryDirectory(prefix="ndtrain-pv-", dir=args.tmp) as root:
+                per_rank = run_ranks(world, _publish_verify_rank, root, per_rank_of(world), args.reps,
+                                     timeout_s=1800)
+            rows = [r for ranks in zip(*per_rank) for r in ranks]
+            assert all(r["ok"] for r in rows), "a benchmark checkpoint did not verify"
+
+            def med(mode, key):
+                # per repetition, the slowest (busiest) rank; then the median over repetitions
+                spans = [max(r[key] for r in rep if r["mode"] == mode) for rep in zip(*per_rank)
+                         if any(r["mode"] == mode for r in rep)]
+                return statistics.median(spans)
+
+            cells = [med(m, k) for k in ("publish_cpu", "verify_cpu", "publish_s", "verify_s")
+                     for m in ("before", "after")]
+            print(f"| {world} | {world * per_rank_of(world) / 2**20:.0f} | " + " | ".join(f"{c:.2f}" for c in cells)
+                  + " |", flush=True)
+    print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="small")
@@ -126,7 +224,16 @@ def main() -> int:
     p.add_argument("--restarts", type=int, default=3)
     p.add_argument("--restart-only", action="store_true")
     p.add_argument("--saves-only", action="store_true")
+    p.add_argument("--publish-verify", action="store_true", help="only part 3: publish/verify time vs ranks")
+    p.add_argument("--worlds", default="1,2,4,8")
+    p.add_argument("--total-mb", type=int, default=256, help="part 3: the fixed checkpoint's size")
+    p.add_argument("--per-rank-mb", type=int, default=32, help="part 3: each rank's shard when the model grows")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--tmp", default=None, help="part 3: where the shards are written (default: the system temp)")
     a = p.parse_args()
+    if a.publish_verify:
+        bench_publish_verify(a)
+        return 0
     if not a.restart_only:
         bench_saves(a)
     if not a.saves_only:

@@ -6,7 +6,10 @@ dispatches, importing lazily so that `ndtrain plan` never imports torch.distribu
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import importlib
+import os
 import sys
 
 # name -> (module, function, one-line help)
@@ -40,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"ndtrain: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"ndtrain: error: unknown command {name!r} (commands: {', '.join(COMMANDS)}; "
+              f"`ndtrain --help` describes them)", file=sys.stderr)
         return 2
     module_name, func_name, _ = COMMANDS[name]
     try:
@@ -53,11 +57,45 @@ def main(argv: list[str] | None = None) -> int:
     from ndtrain.errors import NdtrainError
 
     try:
-        return int(getattr(module, func_name)(rest) or 0)
+        with _one_line_usage_errors():
+            return int(getattr(module, func_name)(rest) or 0)
     except NdtrainError as exc:
-        print(f"ndtrain {name}: error: {exc}", file=sys.stderr)
-        return 2
+        # An error every rank agreed on is printed once, by rank 0.
+        if not (exc.all_ranks and os.environ.get("RANK", "0") != "0"):
+            print(f"ndtrain {name}: error: {_one_line(exc)}", file=sys.stderr)
+        return exc.exit_code
+    except OSError as exc:  # a path the checks up front could not foresee (a disk filling up, a race)
+        if os.environ.get("NDTRAIN_DEBUG"):
+            raise
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"ndtrain {name}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"ndtrain {name}: interrupted", file=sys.stderr)
+        return 130
 
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split("\n")).strip()
+
+
+@contextlib.contextmanager
+def _one_line_usage_errors():
+    """argparse prints the usage and then the error (two or more lines) and exits; every ndtrain
+    command instead reports a bad command line as one UsageError line, exit code 2. The
+    dispatcher owns how errors look, so this covers every subcommand's parser (and its
+    subparsers) without each one subclassing ArgumentParser."""
+    from ndtrain.errors import UsageError
+
+    def error(self, message):
+        raise UsageError(message)
+
+    original = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = error
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = original
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,6 +4,7 @@ overrides, validated up front so a bad value fails with one message naming its k
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import tomllib
 import typing
@@ -107,6 +108,9 @@ class TrainConfig:
     backend: str = "auto"  # auto | gloo | nccl
     autocast_bf16: bool = False
     output_dir: str = ""  # default runs/<config-name>-<timestamp>
+    # A fresh run in a directory that holds another run's checkpoints or metrics is refused;
+    # true moves the old run aside (to <output_dir>.replaced-<time>/) instead. Nothing is deleted.
+    overwrite: bool = False
     val_interval: int = 50
     val_batches: int = 4
     log_interval: int = 1
@@ -183,6 +187,8 @@ def _coerce(key: str, value, typ):
         raise ConfigError(key, f"expected an integer, got {value!r}")
     if typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # TOML spells nan and inf; no ndtrain key means either
+                raise ConfigError(key, f"must be a finite number, got {value!r}")
             return float(value)
         raise ConfigError(key, f"expected a number, got {value!r}")
     if typ is str:
@@ -248,7 +254,9 @@ def _merge(base: dict, extra: dict) -> dict:
     merged = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
     for section, values in extra.items():
         if isinstance(values, dict):
-            merged.setdefault(section, {}).update(values)
+            if not isinstance(merged.setdefault(section, {}), dict):
+                raise ConfigError(section, f"must be a table, got {merged[section]!r}")
+            merged[section].update(values)
         else:
             merged[section] = values
     return merged
@@ -347,6 +355,10 @@ def validate(cfg: JobConfig) -> None:
         ("optimizer.grad_clip", o.grad_clip >= 0, f"must be >= 0 (0 disables), got {o.grad_clip}"),
         ("optimizer.implementation", o.implementation in ("foreach", "fused", "for-loop"), f"must be foreach, fused or for-loop, got {o.implementation!r}"),
         ("train.steps", t.steps > 0, f"must be positive, got {t.steps}"),
+        ("train.seed", t.seed >= 0, f"must be >= 0, got {t.seed}"),
+        ("train.sample_tokens", t.sample_tokens >= 0, f"must be >= 0 (0 disables the sample), got {t.sample_tokens}"),
+        ("train.sample_prompt", t.sample_tokens == 0 or t.sample_prompt != "", "must not be empty when sample_tokens > 0"),
+        ("data.vocab_size", d.vocab_size >= 1, f"must be positive, got {d.vocab_size}"),
         ("train.global_batch", t.global_batch > 0, f"must be positive, got {t.global_batch}"),
         ("train.micro_batch", t.micro_batch > 0, f"must be positive, got {t.micro_batch}"),
         ("train.device", t.device in ("auto", "cpu", "cuda"), f"must be auto, cpu or cuda, got {t.device!r}"),

@@ -87,6 +87,7 @@ def test_elastic_shrink_continues_on_fewer_workers(corpus_dir, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "run"
+    out.mkdir()  # resume=auto needs the run directory to exist (a first attempt that later ones continue)
     args = [a for a in chaos.train_args(corpus_dir, out, 0.0) if not a.startswith("--train.steps")]
     args += ["--train.steps=200", "--checkpoint.resume=auto"]
 

@@ -89,9 +89,16 @@ def test_corrupt_newest_is_skipped_and_rejected_and_kept(kind, saved_run, parity
 
     loaded = ck.resume("auto")
     assert loaded.name == step_name(2) and trainer.step == 2
-    if kind != "missing marker":  # an unmarked directory is not even a candidate
-        assert any(reason in m and step_name(4) in m for m in messages), messages
-    assert tree(run / "checkpoints") == before  # nothing deleted or rewritten
+    after = tree(run / "checkpoints")
+    if kind == "missing marker":  # an unmarked directory is not even a candidate: left alone
+        assert after == before
+        return
+    assert any(reason in m and step_name(4) in m and "moved to" in m for m in messages), messages
+    # Moved aside to corrupt/, byte for byte; nothing deleted or rewritten.
+    [aside] = (run / "checkpoints" / "corrupt").iterdir()
+    assert aside.name.startswith(step_name(4) + "-")
+    moved = {k.replace(f"corrupt/{aside.name}/", f"{step_name(4)}/"): v for k, v in after.items()}
+    assert moved == before
 
 
 def test_other_model_shape_is_rejected(saved_run, parity_base, tmp_path):
@@ -145,17 +152,19 @@ def test_retention_and_republish_keep_everything_they_must(parity_base, tmp_path
                      checkpoint={"interval_steps": 1, "keep_last": 2, "keep_every": 3})))
     assert [c.name for c in list_checkpoints(run / "checkpoints")] == [step_name(s) for s in (3, 6, 7)]
 
-    # A stale partial from a killed save is cleared; re-publishing an existing step (another
-    # timeline) moves the old directory aside instead of deleting it.
+    # A stale partial from a killed save is cleared; resuming from step 6 starts a new timeline:
+    # the old step 7 moves to abandoned-<time>/ (nothing deleted) before the new one is written.
     (run / "checkpoints" / ".step_00000009.partial").mkdir()
+    old7 = tree(run / "checkpoints" / step_name(7))
     trainer, ck, messages = _resumer(parity_base, run, train={"steps": 7})
     assert not (run / "checkpoints" / ".step_00000009.partial").exists()
     ck.resume(str(run / "checkpoints" / step_name(6)))
+    [abandoned] = (run / "checkpoints").glob("abandoned-*")
+    assert tree(abandoned / step_name(7)) == old7
+    assert any("abandoned timeline" in m for m in messages), messages
     trainer.step = 7
     ck.save()
-    names = sorted(p.name for p in (run / "checkpoints").iterdir())
-    assert step_name(7) in names and any(n.startswith(step_name(7) + ".replaced-") for n in names)
-    assert any("moved it to" in m for m in messages)
+    assert [c.name for c in list_checkpoints(run / "checkpoints")] == [step_name(6), step_name(7)]
 
 
 def test_global_batch_must_divide_over_data_parallel_ranks(parity_base):

@@ -56,6 +56,13 @@ class ModelConfig:
         for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
             if getattr(self, key) <= 0:
                 errs.append((f"model.{key}", f"must be positive, got {getattr(self, key)}"))
+        for key in ("rope_theta", "norm_eps", "init_std"):
+            if not getattr(self, key) > 0:  # also false for nan
+                errs.append((f"model.{key}", f"must be positive, got {getattr(self, key)}"))
+        for key in ("n_experts", "n_active_experts", "n_shared_experts", "expert_ffn_dim", "moe_dense_layers",
+                    "aux_loss_coef", "aux_free_update_rate", "capacity_factor"):
+            if not getattr(self, key) >= 0:
+                errs.append((f"model.{key}", f"must be >= 0, got {getattr(self, key)}"))
         if errs:
             return errs
         if self.dim % self.n_heads:

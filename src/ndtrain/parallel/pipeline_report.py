@@ -11,11 +11,13 @@ costs F, B, W, in torch's own action order, with no process group.
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import sys
 from pathlib import Path
 
 from ndtrain.errors import NdtrainError
+from ndtrain.paths import check_output_file
 from ndtrain.parallel import pipeline_schedule as ps
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3"}
@@ -255,16 +257,22 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", help="write the Gantt chart PNG here")
     p.add_argument("--json", help="measure: write the raw timeline and summary here")
     args, rest = p.parse_known_args(argv)
+    for flag, path in (("--out", args.out), ("--json", args.json)):
+        if path:
+            check_output_file(Path(path), flag)
     if args.simulate:
         if rest:
             raise NdtrainError(f"--simulate takes no config overrides (got {' '.join(rest)})")
-        if args.pp < 2 or args.microbatches < 1 or args.v < 0:
-            raise NdtrainError("--simulate needs --pp >= 2, --microbatches >= 1 and --v >= 0")
-        if not 0 <= args.w <= args.b or args.f <= 0:
-            raise NdtrainError("costs need F > 0 and 0 <= W <= B")
+        if not 2 <= args.pp <= 64 or not 1 <= args.microbatches <= 1024 or not 0 <= args.v <= 16:
+            raise NdtrainError(f"--simulate needs --pp in [2, 64], --microbatches in [1, 1024] and --v in [0, 16] "
+                               f"(got {args.pp}, {args.microbatches}, {args.v})")
+        if not all(math.isfinite(x) for x in (args.f, args.b, args.w)) or not 0 <= args.w <= args.b or args.f <= 0:
+            raise NdtrainError(f"costs need finite F > 0 and 0 <= W <= B (got --f {args.f}, --b {args.b}, --w {args.w})")
         return _simulate_main(args)
-    if args.nproc < 2:
-        raise NdtrainError("give --nproc N (N >= 2 local ranks) to measure, or --simulate")
+    if not 2 <= args.nproc <= 64:
+        raise NdtrainError(f"give --nproc N (2 to 64 local ranks) to measure, or --simulate (got --nproc {args.nproc})")
+    if args.steps < 2:
+        raise NdtrainError(f"--steps must be >= 2 (the first step warms up and is not counted), got {args.steps}")
     return _measure_main(args, rest)
 
 

@@ -199,6 +199,9 @@ def main(argv: list[str]) -> int:
         raise NdtrainError("give at least one layout: --layouts dp_shard=2 tp=2,dp_shard=2 (one per argument)")
     if args.steps < 1:
         raise NdtrainError(f"--steps must be >= 1, got {args.steps}")
+    for flag, tol in (("--tol-loss", args.tol_loss), ("--tol-weight", args.tol_weight)):
+        if tol is not None and not (math.isfinite(tol) and tol > 0):  # nan would pass every comparison
+            raise NdtrainError(f"{flag} must be a finite number > 0, got {tol}")
     base_cfg = load_config(args.config, rest)
     from ndtrain.config import to_dict
 

@@ -23,6 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from ndtrain.errors import NdtrainError
+from ndtrain.paths import check_output_file
 from ndtrain.planner.calibrate_host import (SHAPES, dp_host, fit_dp, fit_tp, optimizer_seconds_per_param, plain_host,
                                             tp_host, typical)
 from ndtrain.planner.hardware import DEFAULT_PROFILE
@@ -308,16 +309,19 @@ def main(argv: list[str]) -> int:
         worlds = tuple(int(w) for w in args.worlds.split(","))
     except ValueError as exc:
         raise NdtrainError(f"--worlds must be a comma list of integers, got {args.worlds!r}") from exc
-    if any(w < 2 for w in worlds):
-        raise NdtrainError("--worlds: each world needs at least 2 processes")
+    if any(not 2 <= w <= 64 for w in worlds):
+        raise NdtrainError(f"--worlds: each world needs 2 to 64 processes, got {args.worlds!r}")
+    out = Path(args.out).expanduser()
+    check_output_file(out, "--out")  # before minutes of measuring, not after
     if args.quick:
         prof = calibrate(worlds, sizes=(1 << 12, 1 << 18), reps=3, matmul_sizes=(128, 256), min_time=0.05,
                          attention_seqs=(256,), overhead_reps=3, tp_degrees=(2,))
     else:
         prof = calibrate(worlds)
-    out = Path(args.out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(prof, indent=1))
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")  # a reader never sees half a profile
+    tmp.write_text(json.dumps(prof, indent=1))
+    os.replace(tmp, out)
     print(f"wrote {out} ({prof['seconds']:.1f} s)")
     for name, flops in prof["matmul"].items():
         print(f"  matmul {name:<12} {flops / 1e9:8.1f} GFLOP/s")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 
 from ndtrain.errors import NdtrainError
@@ -108,10 +109,28 @@ def _network(text: str | None) -> dict | None:
             raise NdtrainError(f"--network: {key} must be positive" + (" and at least 1" if key == "oversub" else ""))
         out[field] = type(scale)(number * scale) if isinstance(scale, int) else number * scale
     return out
+def _check_plan_args(args) -> None:
+    """Every argument, up front, with its flag named."""
+    for flag, value in (("--gpus", args.gpus), ("--seq", args.seq), ("--top", args.top)):
+        if value < 1:
+            raise NdtrainError(f"{flag} must be a positive integer, got {value}")
+    if args.global_batch is not None and args.global_batch < 1:
+        raise NdtrainError(f"--global-batch must be a positive integer, got {args.global_batch}")
+    if args.profile is not None:
+        from pathlib import Path
+
+        if not Path(args.profile).expanduser().is_file():
+            raise NdtrainError(f"--profile {args.profile}: no such file (`ndtrain calibrate --out {args.profile}` "
+                               f"writes one)")
+        if args.gpu != "this-machine":
+            raise NdtrainError("--profile describes this machine; it needs --gpu this-machine")
+    if _count(args.tokens) <= 0:
+        raise NdtrainError(f"--tokens must be a positive token count, got {args.tokens!r}")
 
 
 def plan_main(argv: list[str]) -> int:
     args = plan_parser().parse_args(argv)
+    _check_plan_args(args)
     cfg = resolve_model(args.model, args.model_shape)
     if args.strict and args.relaxed:
         raise NdtrainError("give --strict or --relaxed, not both")
@@ -133,7 +152,8 @@ def plan_main(argv: list[str]) -> int:
     pb = make_problem(cfg, args.seq, batch, args.gpus, args.gpu, stack=args.stack, precision=args.precision,
                       strict=not args.relaxed, profile=args.profile, network=_network(args.network))
     if args.layout:
-        lay = dataclasses.replace(parse_layout(args.layout, args.gpus), mp=args.precision)
+        lay = dataclasses.replace(parse_layout(parse_items(args.layout, "--layout"), args.gpus),  # errors name the flag
+                                  mp=args.precision)
         ev = Evaluator(pb)
         pred = ev(lay)
         res = SearchResult(top=[pred], considered=1, evaluated=1, fitting=int(pred.fits), seconds=0.0)
@@ -142,6 +162,8 @@ def plan_main(argv: list[str]) -> int:
             mbs = [int(x) for x in args.mb.split(",")] if args.mb else None
         except ValueError as exc:
             raise NdtrainError(f"--mb must be a comma list of integers, got {args.mb!r}") from exc
+        if mbs is not None and min(mbs) < 1:
+            raise NdtrainError(f"--mb sizes must be positive, got {args.mb!r}")
         scheds = tuple(canonical_schedule(s) for s in args.schedules.split(",")) if args.schedules else None
         # more candidates than shown: the robustness check re-times them in sampled worlds
         res = search(pb, top_k=max(8, args.top), fixed=_fixed(args.fix), mb_options=mbs, schedules=scheds)
@@ -196,8 +218,18 @@ def goodput_main(argv: list[str]) -> int:
         ckpt, restart = parse_duration(args.ckpt_save), parse_duration(args.restart)
     except ValueError as exc:
         raise NdtrainError(str(exc)) from exc
-    if args.gpus < 1 or args.mtbf_gpu_hours <= 0 or ckpt <= 0 or restart < 0 or args.trials < 1 or args.days <= 0:
-        raise NdtrainError("--gpus, --mtbf-gpu-hours, --ckpt-save, --days and --trials must be positive")
+    checks = [("--gpus", 1 <= args.gpus <= 10**8, "an integer from 1 to 10^8", args.gpus),
+              ("--mtbf-gpu-hours", math.isfinite(args.mtbf_gpu_hours) and args.mtbf_gpu_hours > 0,
+               "a finite number of hours > 0", args.mtbf_gpu_hours),
+              ("--ckpt-save", 0 < ckpt < 1e9, "a duration > 0", args.ckpt_save),
+              ("--restart", 0 <= restart < 1e9, "a duration >= 0", args.restart),
+              # the simulation walks every segment of every trial: its size must be bounded
+              ("--days", math.isfinite(args.days) and 0 < args.days <= 36500, "a number of days in (0, 36500]",
+               args.days),
+              ("--trials", 1 <= args.trials <= 100_000, "an integer from 1 to 100000", args.trials)]
+    for flag, ok, what, value in checks:
+        if not ok:
+            raise NdtrainError(f"{flag} must be {what}, got {value!r}")
     rep = goodput_report(args.gpus, args.mtbf_gpu_hours, ckpt, restart, args.days, args.trials, args.seed)
     if args.json:
         json.dump(rep, sys.stdout, indent=1)

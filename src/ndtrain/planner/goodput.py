@@ -30,7 +30,10 @@ def daly_interval(ckpt: float, mtbf: float) -> float:
 def expected_efficiency(tau: float, ckpt: float, restart: float, mtbf: float) -> float:
     """Useful work / wall time for interval tau (Daly 2006, eq. 13, exact for Poisson failures):
     wall/work = (M/tau) e^(R/M) (e^((tau+C)/M) - 1)."""
-    return tau / (mtbf * math.exp(restart / mtbf) * math.expm1((tau + ckpt) / mtbf))
+    try:
+        return tau / (mtbf * math.exp(restart / mtbf) * math.expm1((tau + ckpt) / mtbf))
+    except OverflowError:  # restarts and segments so long that no work ever completes
+        return 0.0
 
 
 def simulate(tau: float, ckpt: float, restart: float, mtbf: float, work: float, trials: int = 100,
@@ -78,12 +81,13 @@ def goodput_report(gpus: int, mtbf_gpu_hours: float, ckpt: float, restart: float
     # segment and failure of the run).
     events = work / daly + 2 * work / mtbf
     trials = max(3, min(trials, int(1e6 / events)))
+    affordable = trials * events <= 3e6  # a few seconds at most; beyond, the formulas stand alone
     rows = []
     for name, tau in [("young", young), ("daly", daly)] + [(f"daly x {f:g}", daly * f) for f in (0.5, 2.0)]:
         expected = expected_efficiency(tau, ckpt, restart, mtbf)
         # below 1% goodput the run is dominated by restarts that fail again; simulating it would
         # take exponentially long and teach nothing
-        sim = simulate(tau, ckpt, restart, mtbf, work, trials, seed) if expected >= 0.01 else None
+        sim = simulate(tau, ckpt, restart, mtbf, work, trials, seed) if expected >= 0.01 and affordable else None
         rows.append({"name": name, "interval_s": tau, "expected": expected, "simulated": sim})
     return {"gpus": gpus, "mtbf_job_s": mtbf, "ckpt_s": ckpt, "restart_s": restart, "work_days": work_days,
             "failures_per_day": 86400 / mtbf, "trials": trials, "rows": rows}

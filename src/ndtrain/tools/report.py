@@ -31,7 +31,8 @@ def check_out(out: Path) -> None:
         raise NdtrainError(f"--out {out}: must name an .html file")
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
-        raise NdtrainError(f"--out {out}: directory {parent} does not exist")
+        what = "is a file, not a directory" if parent.exists() else "does not exist"
+        raise NdtrainError(f"--out {out}: {parent} {what}")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise NdtrainError(f"--out {out}: directory {parent} is not writable")
     if out.is_dir():

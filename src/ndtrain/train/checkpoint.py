@@ -1,9 +1,12 @@
 """Checkpoints on torch.distributed.checkpoint (DCP): sharded, layout-independent, atomic, async.
 
-Saving writes DCP shards of model and optimizer state into `.step_XXXXXXXX.partial/`; rank 0
-then adds `train_state.json` (step, tokens seen, loader position, RNG, data fingerprint,
-resolved config), `manifest.json` (sizes + SHA-256) and the COMPLETE marker, and renames the
-directory to `step_XXXXXXXX/`. Nothing older is touched until that rename has happened.
+Saving writes DCP shards of model and optimizer state into `.step_XXXXXXXX.partial/`; each rank
+hashes the shards it wrote (ckpt_digest.py); rank 0 then adds `train_state.json` (step, tokens
+seen, loader position, RNG, data fingerprint, resolved config, timeline), `manifest.json` (sizes
++ SHA-256, combined from the ranks' digests) and the COMPLETE marker, and renames the directory
+to `step_XXXXXXXX/`. Nothing older is touched until that rename has happened; a save that fails
+(a full disk) removes its partial directory and leaves the previous checkpoint published.
+Retention and timelines: ckpt_policy.py.
 
 With `checkpoint.async = true` the step only pays for copying the state into RAM; a background
 thread writes it through its own Gloo group (sharing the training group with a concurrent
@@ -35,18 +38,20 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from ndtrain.config import to_dict
-from ndtrain.errors import NdtrainError
+from ndtrain.errors import NdtrainError, RunError
 from ndtrain.parallel.diloco import checkpoint_restore, checkpoint_view
-from ndtrain.train.ckpt_store import (FORMAT, MARKER, TRAIN_STATE, dcp_load, fsync_dir, list_checkpoints, partials,
-                                      read_train_state, step_name, step_of, verify, write_manifest, write_marker)
+from ndtrain.train.ckpt_failure import state_bytes, write_failure
+from ndtrain.train import ckpt_policy
+from ndtrain.train.ckpt_digest import (collect_digests, has_digests, verify_shared, write_manifest_from,
+                                       write_own_digests)
+from ndtrain.train.ckpt_store import (FORMAT, MARKER, MODEL_KEYS, TRAIN_STATE, dcp_load, fsync_dir, list_checkpoints,
+                                      model_mismatch, read_train_state, step_name, step_of, verify, write_marker)
 
-__all__ = ["Checkpointer", "list_checkpoints", "read_train_state", "verify", "MARKER"]
+__all__ = ["Checkpointer", "list_checkpoints", "read_train_state", "verify", "MARKER", "MODEL_KEYS"]
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # One process saving alone is intended (world 1), not a misconfiguration worth a warning per save.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-MODEL_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "n_experts", "expert_ffn_dim",
-              "n_shared_experts", "moe_dense_layers", "tie_embeddings")
 
 
 def _dist() -> bool:
@@ -97,6 +102,13 @@ class Checkpointer:
         self.pending: _Pending | None = None
         self.last_saved_step: int | None = None
         self.loaded_from: Path | None = None
+        # Verification verdicts (None = intact) of checkpoints this process wrote or checked:
+        # retention never hashes them again.
+        self.verdicts: dict[str, str | None] = {}
+        self._last_bytes = 0  # the size of the last checkpoint published: what the next one needs
+        # Which line of history the checkpoints continue (ckpt_policy): new unless resumed from
+        # the newest checkpoint of this directory.
+        self.timeline = ckpt_policy.new_timeline()
         # Created once, by every rank, before any save: the async writer's collectives must never
         # share a group with the training loop's.
         # Its timeout covers the slowest rank's whole write (a hung peer is caught by the training
@@ -110,8 +122,8 @@ class Checkpointer:
             # Kept for the whole run: it reuses its RAM copies, so later saves skip allocation.
             self._stager = DefaultStager(StagingOptions(False, False, False, False))
         if self.is_main:
-            for stale in partials(self.root):  # never published; left by a killed save
-                shutil.rmtree(stale, ignore_errors=True)
+            ckpt_policy.clear_leftovers(self.root)  # never published; left by a killed save
+            ckpt_policy.finish_abandoning(self.root, self._info)  # a timeline switch a crash interrupted
         _barrier()
 
     @property
@@ -154,7 +166,8 @@ class Checkpointer:
                 "rng": {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()},
                 "data": data_fingerprint(t.train_set.manifest), "config": to_dict(self.cfg),
                 "layout": t.dims.describe(), "world_size": t.rt.world_size, "dp_size": t.dp_size,
-                "saved_at": time.time(), **({"diloco": t.diloco.info()} if getattr(t, "diloco", None) else {})}
+                "timeline": dict(self.timeline), "saved_at": time.time(),
+                **({"diloco": t.diloco.info()} if getattr(t, "diloco", None) else {})}
 
     # ---- saving ------------------------------------------------------------------------------
     def save(self, final: bool = False) -> Path:
@@ -166,13 +179,17 @@ class Checkpointer:
         self.wait()  # one save in flight: its RAM copy and the directory names are reused
         tmp = self.root / f".{name}.partial"
         if self.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+            except OSError as exc:
+                raise self._write_failure(exc, name) from None
         _barrier()
         meta = self.train_state()
         t0 = time.perf_counter()
         state = self._state()
+        rank = t.rt.rank
         if self.async_ and not final:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg,
                                     async_stager=self._stager, no_dist=not _dist())
@@ -182,19 +199,45 @@ class Checkpointer:
                                                      name="ndtrain-ckpt-publish", daemon=True)
                 pending.publisher.start()
             else:
-                future.add_done_callback(lambda _f: pending.done_at.append(time.perf_counter()))
+                future.add_done_callback(lambda f: self._report_written(f, pending, tmp, rank))
             self.pending = pending
             self.last_saved_step = t.step
             self.fault("save", t.step)
             return self.root / name
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist())
-        if self.is_main:
-            self._publish(tmp, name, meta)
+        error = None
+        try:
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist())
+            write_own_digests(tmp, rank)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            error = exc
+        if _any_rank(error is not None, t.rt.device):
+            _barrier()
+            self._discard(tmp)
+            raise self._write_failure(error, name)
         _barrier()
+        if self.is_main:
+            try:
+                self._publish(tmp, name, meta)
+            except Exception as exc:  # every rank must learn it, or they wait in the next collective
+                error = exc
+        if _any_rank(error is not None, t.rt.device):
+            self._discard(tmp)
+            raise self._write_failure(error, name)
         total = time.perf_counter() - t0
         self._record(t.step, "sync", total, total)
         self.last_saved_step = t.step
         return self.root / name
+
+    def _report_written(self, future, pending: _Pending, tmp: Path, rank: int) -> None:
+        """A non-zero rank's part of an async save is on disk: hash it for rank 0's manifest."""
+        if future.exception() is None:
+            try:
+                write_own_digests(tmp, rank)
+            except OSError:
+                pass  # rank 0 times out waiting for these digests and reports the save as failed
+        pending.done_at.append(time.perf_counter())
 
     def _publish_when_written(self, pending: _Pending, tmp: Path, meta: dict) -> None:
         try:
@@ -205,8 +248,16 @@ class Checkpointer:
             pending.error.append(exc)
 
     def _publish(self, tmp: Path, name: str, meta: dict) -> None:
+        grace = 5.0
+        if not has_digests(tmp, 0):  # async (the sync path hashed before its barrier)
+            t0 = time.perf_counter()
+            write_own_digests(tmp, 0)
+            # The other ranks hash shards of about this size: wait a few times that long for
+            # their digests, then hash what is missing here (a rank that died after writing).
+            grace += 3 * (time.perf_counter() - t0)
         (tmp / TRAIN_STATE).write_text(json.dumps(meta, indent=1))
-        write_manifest(tmp)
+        world = self.trainer.rt.world_size
+        self._last_bytes = write_manifest_from(tmp, collect_digests(tmp, world, grace))
         self.fault("publish", meta["step"])
         write_marker(tmp, name)
         self.fault("rename", meta["step"])
@@ -219,14 +270,28 @@ class Checkpointer:
             self._info(f"checkpoint {target} existed from an earlier attempt; moved it to {aside.name}")
         os.replace(tmp, target)
         fsync_dir(self.root)
+        self.verdicts[str(target)] = None  # hashed as it was written
         self._retain()
 
     def _retain(self) -> None:
-        keep_last, keep_every = self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every
-        for ckpt in list_checkpoints(self.root)[:-keep_last]:
-            if keep_every and step_of(ckpt) % keep_every == 0:
-                continue
-            shutil.rmtree(ckpt, ignore_errors=True)
+        ckpt_policy.retain(self.root, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every,
+                           self._verdict, self._info)
+
+    def _verdict(self, ckpt: Path) -> str | None:
+        key = str(ckpt)
+        if key not in self.verdicts:  # older than this process and not checked at resume
+            self.verdicts[key] = verify(ckpt)
+        return self.verdicts[key]
+
+    # ---- failed writes -----------------------------------------------------------------------
+    def _discard(self, tmp: Path) -> None:
+        """Rank 0 removes a partial save that failed (it was never published)."""
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _write_failure(self, error: BaseException | None, name: str) -> RunError:
+        return write_failure(error, name, self.root,
+                             lambda: self._last_bytes or state_bytes(self._state(), self.trainer.rt.world_size))
 
     def _record(self, step: int, mode: str, stall_s: float, total_s: float) -> None:
         row = {"step": step, "checkpoint_mode": mode, "checkpoint_stall_s": stall_s, "checkpoint_total_s": total_s}
@@ -253,7 +318,8 @@ class Checkpointer:
         if failed:
             if self.last_saved_step == p.step:
                 self.last_saved_step = None
-            raise NdtrainError(f"checkpoint {p.name} could not be written: {error or 'failed on another rank'}")
+            self._discard(self.root / f".{p.name}.partial")
+            raise self._write_failure(error, p.name)
         self._record(p.step, "async", p.stall_s, (p.done_at[0] if p.done_at else time.perf_counter()) - p.started)
 
     def finish(self) -> None:
@@ -263,56 +329,68 @@ class Checkpointer:
             self._stager = None
 
     # ---- resuming ----------------------------------------------------------------------------
-    def latest_good(self, root: Path | None = None) -> Path | None:
-        for ckpt in reversed(list_checkpoints(root or self.root)):
-            problem = verify(ckpt)
-            if problem is None:
-                return ckpt
-            self._info(f"checkpoint {ckpt} skipped: {problem}; trying the previous one (nothing deleted)")
-        return None
-
     def _choose(self, spec: str) -> tuple[Path | None, str | None]:
-        """Rank 0 picks (every rank must load the same directory); returns (path, error)."""
-        if spec == "auto":
-            return self.latest_good(), None
-        path = Path(spec)
-        if path.is_dir() and not (path / MARKER).exists() and not (path / TRAIN_STATE).exists():
-            for root in (path, path / "checkpoints"):  # a checkpoints/ or run directory: its newest good one
-                if list_checkpoints(root):
-                    found = self.latest_good(root)
-                    return (found, None) if found else (None, f"no intact checkpoint under {root}")
-        problem = verify(path)
-        return (path, None) if problem is None else (None, f"cannot resume from {path}: {problem}")
+        """Every rank: the newest candidate that verifies (the hashing shared out over the ranks,
+        a few candidates at a time); the same answer everywhere."""
+        plan = ckpt_policy.resume_candidates(spec, self.root) if self.is_main else None
+        candidates, error, explicit = _broadcast(plan)
+        if error:
+            return None, error
+        batch = max(1, self.cfg.checkpoint.keep_last)  # also pre-verifies what retention will count
+        for i in range(0, len(candidates), batch):
+            verdicts = verify_shared([Path(c) for c in candidates[i:i + batch]])
+            self.verdicts.update(verdicts)
+            for c in candidates[i:i + batch]:
+                if verdicts[c] is None:
+                    return Path(c), None
+                if explicit:
+                    return None, f"cannot resume from {c}: {verdicts[c]}"
+                self._set_aside(Path(c), verdicts[c])
+        if spec != "auto" and candidates:  # the user named a directory: none of it is usable
+            return None, f"no intact checkpoint under {spec} (each failed verification; see the log)"
+        return None, None
+
+    def _set_aside(self, ckpt: Path, problem: str) -> None:
+        if not self.is_main:
+            return
+        if ckpt.parent.resolve() == self.root.resolve():  # never rearrange another run's directory
+            target = ckpt_policy.move_aside(ckpt, self.root)
+            self._info(f"checkpoint {ckpt} skipped: {problem}; moved to {target} (nothing deleted); "
+                       f"trying the previous one")
+        else:
+            self._info(f"checkpoint {ckpt} skipped: {problem}; trying the previous one (nothing deleted)")
 
     def resume(self, spec: str) -> Path | None:
-        path, error = self._choose(spec) if self.is_main else (None, None)
-        path, error = _broadcast((str(path) if path else None, error))
+        path, error = self._choose(spec)
         if error:
-            raise NdtrainError(error)
+            raise NdtrainError(error, all_ranks=True)
         if path is None:
             self._info(f"no checkpoint under {self.root}: starting from scratch")
             return None
-        self.load(Path(path))
-        return Path(path)
+        state = read_train_state(path) if self.is_main else None
+        state = _broadcast(state)
+        self.timeline = ckpt_policy.continue_timeline(path, self.root, state, self.is_main, self._info)
+        _barrier()
+        self.load(path, state)
+        return path
 
     def check_compatible(self, path: Path, state: dict) -> None:
-        saved_model = state.get("config", {}).get("model", {})
-        for key in MODEL_KEYS:
-            if key in saved_model and saved_model[key] != getattr(self.cfg.model, key):
-                raise NdtrainError(f"checkpoint {path} has model.{key}={saved_model[key]} but this run has "
-                                   f"{getattr(self.cfg.model, key)}: it belongs to a different model shape")
+        problem = model_mismatch(self.cfg.model, state)
+        if problem:
+            raise NdtrainError(f"checkpoint {path} {problem}", all_ranks=True)
         if state.get("kind", "full") != "full":
             return
         saved, here = state.get("data"), data_fingerprint(self.trainer.train_set.manifest)
         if saved and saved != here:
             diff = [k for k in here if saved.get(k) != here[k]]
             raise NdtrainError(f"checkpoint {path} was trained on different data ({', '.join(diff)} differ from "
-                               f"{self.cfg.data.path}); resuming would not continue the same sample stream")
+                               f"{self.cfg.data.path}); resuming would not continue the same sample stream",
+                               all_ranks=True)
 
-    def load(self, path: Path) -> None:
+    def load(self, path: Path, state: dict | None = None) -> None:
         t = self.trainer
         self.wait()
-        state = read_train_state(path)
+        state = state or read_train_state(path)
         self.check_compatible(path, state)
         module = self._module()
         if state.get("kind", "full") != "full":  # imported weights: model only, fresh optimizer and data
@@ -346,3 +424,4 @@ def _any_rank(flag: bool, device) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item() > 0)
+

@@ -72,25 +72,35 @@ def write_marker(ckpt: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def verify(ckpt: Path, check_hashes: bool = True) -> str | None:
-    """None if `ckpt` is a published, intact checkpoint; else the reason it is not."""
+def manifest_items(ckpt: Path) -> tuple[list[tuple[str, int, str]], str | None]:
+    """The files a published checkpoint must hold, (relative path, bytes, sha256), from its
+    manifest; or the reason `ckpt` is not a published checkpoint. Cheap: no file is hashed."""
     ckpt = Path(ckpt)
     if not ckpt.exists():
-        return "it does not exist"
+        return [], "it does not exist"
     if not ckpt.is_dir():
-        return _not_a_directory(ckpt)
+        return [], not_a_directory(ckpt)
     if not (ckpt / MARKER).is_file():
-        return "no COMPLETE marker (an interrupted save, or not an ndtrain checkpoint)"
+        return [], "no COMPLETE marker (an interrupted save, or not an ndtrain checkpoint)"
     try:
         files = json.loads((ckpt / MANIFEST).read_text())["files"]
-        items = [(rel, int(meta["bytes"]), str(meta["sha256"])) for rel, meta in files.items()]
+        items = [(rel, meta["bytes"], meta["sha256"]) for rel, meta in files.items()]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        return f"unreadable manifest: {exc}"
-    if not any(rel == ".metadata" for rel, _, _ in items) or not any(rel == TRAIN_STATE for rel, _, _ in items):
-        return "the manifest does not list .metadata and train_state.json"
+        return [], f"unreadable manifest: {exc}"
     for rel, size, digest in items:
-        p = ckpt / rel
-        if ".." in Path(rel).parts or not p.is_file():
+        if not (isinstance(size, int) and not isinstance(size, bool) and size >= 0 and isinstance(digest, str)
+                and re.fullmatch(r"[0-9a-f]{64}", digest)) or ".." in Path(rel).parts or Path(rel).is_absolute():
+            return [], f"unreadable manifest: bad entry for {rel!r}"
+    if not any(rel == ".metadata" for rel, _, _ in items) or not any(rel == TRAIN_STATE for rel, _, _ in items):
+        return [], "the manifest does not list .metadata and train_state.json"
+    return items, None
+
+
+def check_items(ckpt: Path, items: list[tuple[str, int, str]], check_hashes: bool = True) -> str | None:
+    """None if these manifest entries match the files on disk; else the first mismatch."""
+    for rel, size, digest in items:
+        p = Path(ckpt) / rel
+        if not p.is_file():
             return f"missing file {rel}"
         if p.stat().st_size != size:
             return f"file {rel} has {p.stat().st_size} bytes, the manifest says {size} (truncated?)"
@@ -99,23 +109,94 @@ def verify(ckpt: Path, check_hashes: bool = True) -> str | None:
     return None
 
 
-def _not_a_directory(path: Path) -> str:
-    with open(path, "rb") as f:
-        head = f.read(2)
+def verify(ckpt: Path, check_hashes: bool = True) -> str | None:
+    """None if `ckpt` is a published, intact checkpoint; else the reason it is not. Hashes every
+    file in this process; a process group shares that work (ckpt_digest.verify_shared)."""
+    items, problem = manifest_items(ckpt)
+    return problem or check_items(ckpt, items, check_hashes)
+
+
+def not_a_directory(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+    except OSError as exc:
+        return f"cannot read it: {exc.strerror}"
     if head[:1] == b"\x80" or head == b"PK":
         return ("it is a single file that looks like a pickle / torch.save archive; ndtrain never unpickles "
                 "files (it could run code). Convert it to safetensors and use `ndtrain import`")
     return "it is a file, not a checkpoint directory"
 
 
+def _is_int(v, minimum: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+
+
+# Field -> (check, what it must be). Absent optional fields are fine; present ones must match.
+_STATE_FIELDS = {
+    "step": (_is_int, "an integer >= 0"),
+    "tokens_seen": (_is_int, "an integer >= 0"),
+    "config": (lambda v: isinstance(v, dict) and isinstance(v.get("model", {}), dict), "a table with a model table"),
+    "kind": (lambda v: v in ("full", "weights"), "'full' or 'weights'"),
+    "loader": (lambda v: isinstance(v, dict) and all(_is_int(v.get(k)) for k in ("consumed_samples", "seed"))
+               and _is_int(v.get("seq_len"), 1), "a table of consumed_samples, seed and seq_len integers"),
+    "skip_windows": (lambda v: isinstance(v, list) and all(isinstance(w, list) and len(w) == 2 and all(map(_is_int, w))
+                                                          for w in v), "a list of [start, end] integer pairs"),
+    "rng": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()), "a table of strings"),
+    "data": (lambda v: v is None or isinstance(v, dict), "a table"),
+    "world_size": (lambda v: _is_int(v, 1), "an integer >= 1"),
+    "dp_size": (lambda v: _is_int(v, 1), "an integer >= 1"),
+    "layout": (lambda v: isinstance(v, str), "a string"),
+    "saved_at": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "timeline": (lambda v: isinstance(v, dict) and isinstance(v.get("id", ""), str), "a table with an id string"),
+}
+_REQUIRED_STATE = {"full": ("step", "tokens_seen", "config", "loader"), "weights": ("step", "config")}
+
+
 def read_train_state(ckpt: Path) -> dict:
+    """train_state.json, checked field by field: a hand-edited or foreign file is refused with
+    the field named, instead of failing later in the middle of a load."""
+    path = Path(ckpt) / TRAIN_STATE
     try:
-        state = json.loads((Path(ckpt) / TRAIN_STATE).read_text())
+        state = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise NdtrainError(f"{ckpt}: cannot read {TRAIN_STATE}: {exc}") from None
-    if not isinstance(state, dict) or "step" not in state or "config" not in state:
-        raise NdtrainError(f"{ckpt}: {TRAIN_STATE} lacks step/config; not an ndtrain checkpoint")
+    if not isinstance(state, dict):
+        raise NdtrainError(f"{path}: not a JSON object; not an ndtrain checkpoint")
+    kind = state.get("kind", "full")
+    if kind not in _REQUIRED_STATE:
+        raise NdtrainError(f"{path}: field 'kind' must be 'full' or 'weights', got {str(kind)[:80]!r}")
+    missing = [k for k in _REQUIRED_STATE[kind] if k not in state]
+    if missing:
+        raise NdtrainError(f"{path} lacks {', '.join(missing)}; not an ndtrain checkpoint (or an incomplete one)")
+    for key, (ok, what) in _STATE_FIELDS.items():
+        if key in state and not ok(state[key]):
+            raise NdtrainError(f"{path}: field {key!r} must be {what}, got {str(state[key])[:80]!r}")
     return state
+
+
+def checkpoint_config(ckpt: Path, state: dict):
+    """The JobConfig recorded in a checkpoint, validated like any config; a bad value names the file."""
+    from ndtrain.config import from_dict
+
+    try:
+        return from_dict(state["config"])
+    except NdtrainError as exc:
+        raise NdtrainError(f"{Path(ckpt) / TRAIN_STATE}: recorded config is invalid: {exc}") from None
+
+
+MODEL_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "n_experts", "expert_ffn_dim",
+              "n_shared_experts", "moe_dense_layers", "tie_embeddings")
+
+
+def model_mismatch(model_cfg, state: dict) -> str | None:
+    """How the checkpoint's recorded model shape differs from `model_cfg`, or None."""
+    saved = state.get("config", {}).get("model", {})
+    for key in MODEL_KEYS:
+        if key in saved and saved[key] != getattr(model_cfg, key):
+            return (f"has model.{key}={saved[key]} but this run has {getattr(model_cfg, key)}: it belongs to a "
+                    f"different model shape")
+    return None
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -154,21 +235,55 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"disallowed object {module}.{name}")
 
 
+def read_dcp_metadata(ckpt: Path):
+    """DCP's `.metadata` through the allow-list; anything else is one NdtrainError line (torch's
+    own loader would log a traceback per attempt before failing)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = Path(ckpt) / ".metadata"
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except OSError as exc:
+        raise NdtrainError(f"{path}: cannot read checkpoint metadata: {exc.strerror}") from None
+    except Exception as exc:  # a hostile or damaged pickle can raise almost anything
+        raise NdtrainError(f"{path}: refused to read checkpoint metadata ({type(exc).__name__}: {exc}); the file "
+                           f"is corrupt or was not written by torch.distributed.checkpoint") from None
+    if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
+        raise NdtrainError(f"{path}: refused to read checkpoint metadata (it holds a {type(metadata).__name__}, not "
+                           f"DCP Metadata); the file was not written by torch.distributed.checkpoint")
+    return metadata
+
+
 class SafeReader(FileSystemReader):
-    """DCP's file reader, with `.metadata` read through an allow-list instead of plain pickle."""
+    """DCP's file reader, with `.metadata` read through an allow-list instead of plain pickle
+    (and read once: dcp_load checks it before DCP sees it)."""
+
+    def __init__(self, path, metadata=None):
+        super().__init__(path)
+        self._metadata = metadata
 
     def read_metadata(self, *args, **kwargs):
-        path = Path(self.path) / ".metadata"
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
-            raise NdtrainError(f"{path}: refused to read checkpoint metadata ({exc}); the file is corrupt "
-                               f"or was not written by torch.distributed.checkpoint") from None
+        metadata = self._metadata if self._metadata is not None else read_dcp_metadata(Path(self.path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def check_tensor_shapes(ckpt: Path, expected: dict, metadata=None, prefix: str = "model.") -> None:
+    """Refuses a checkpoint whose recorded model (train_state.json) disagrees with its tensors:
+    `expected` maps names to the shapes that model has."""
+    stored = (metadata or read_dcp_metadata(ckpt)).state_dict_metadata
+    for name, shape in expected.items():
+        meta = stored.get(prefix + name)
+        if meta is None:
+            raise NdtrainError(f"checkpoint {ckpt}: its recorded model has {name} but no such tensor is stored; "
+                               f"train_state.json and the tensors disagree")
+        size = list(getattr(meta, "size", []) or [])
+        if size != list(shape):
+            raise NdtrainError(f"checkpoint {ckpt}: its recorded model gives {name} the shape {list(shape)} but the "
+                               f"stored tensor has {size}; train_state.json and the tensors disagree")
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -189,10 +304,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 def dcp_load(state: dict, ckpt: Path, no_dist: bool = False) -> None:
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+    metadata = read_dcp_metadata(ckpt)  # before DCP: its loader logs tracebacks on a bad file
+    model = state.get("model")
+    if isinstance(model, dict):
+        check_tensor_shapes(ckpt, {k: tuple(v.shape) for k, v in model.items() if hasattr(v, "shape")}, metadata)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP warns when loading without a process group
-            dcp.load(state, storage_reader=SafeReader(str(ckpt)), planner=SafeLoadPlanner(), no_dist=no_dist)
+            dcp.load(state, storage_reader=SafeReader(str(ckpt), metadata), planner=SafeLoadPlanner(), no_dist=no_dist)
     except NdtrainError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP wraps per-rank failures: keep one line
@@ -209,7 +328,6 @@ def dcp_load(state: dict, ckpt: Path, no_dist: bool = False) -> None:
 def load_model_weights(ckpt: Path, check: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
     """Consolidated model weights of a checkpoint, in this process (no process group), whatever
     layout saved it; plus its train_state."""
-    from ndtrain.config import from_dict
     from ndtrain.model.llama import build_model
 
     ckpt = Path(ckpt)
@@ -217,7 +335,7 @@ def load_model_weights(ckpt: Path, check: bool = True) -> tuple[dict[str, torch.
     if problem:
         raise NdtrainError(f"checkpoint {ckpt} is not usable: {problem}")
     state = read_train_state(ckpt)
-    cfg = from_dict(state["config"])
+    cfg = checkpoint_config(ckpt, state)
     model = build_model(cfg.model, "cpu")
     sd = {"model": model.state_dict()}
     dcp_load(sd, ckpt, no_dist=True)

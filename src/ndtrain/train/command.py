@@ -1,13 +1,22 @@
-"""`ndtrain train`: run in this process, under torchrun, or launch N local processes."""
+"""`ndtrain train`: run in this process, under torchrun, or launch N local processes.
+
+Exit codes: 0 done; 2 bad input (one line naming the key or path); 1 the run failed (a full
+disk, a dead rank: one line); 130 interrupted (Ctrl-C); 143 stopped by SIGTERM/SIGUSR1 after
+saving a checkpoint (schedulers retry nonzero exits).
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import signal
 import sys
 
 from ndtrain.config import load_config
-from ndtrain.errors import NdtrainError
+from ndtrain.errors import UsageError
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
 
 def _under_launcher() -> bool:
@@ -15,23 +24,52 @@ def _under_launcher() -> bool:
 
 
 def launch_local(nproc: int, max_restarts: int, argv: list[str]) -> int:
-    """Start `nproc` workers through torch.distributed.run (what torchrun does), on one host."""
+    """Start `nproc` workers through torch.distributed.run (what torchrun does), on one host.
+    The workers print what went wrong themselves (one line each); this process adds one line
+    only for what they cannot say, e.g. which rank was killed."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
     # Restarted workers that reuse the agent's shared rendezvous store sometimes see stale
     # connections; a store per attempt makes restarts reliable.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # The agent's own log (closing signals, failure tables) would bury the workers' one line.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     args = ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
             "-m", "ndtrain", "train", *argv]
     try:
         torchrun_main(args)
+    except SignalException as exc:  # Ctrl-C / SIGTERM to this process: forwarded to the workers
+        return 128 + int(exc.sigval)
     except SystemExit as exc:  # torchrun exits via SystemExit on some paths
         return int(exc.code or 0)
-    except Exception as exc:  # ChildFailedError: the workers already printed their tracebacks
-        print(f"ndtrain train: workers failed: {type(exc).__name__}", file=sys.stderr)
-        return 1
+    except ChildFailedError as exc:
+        return _child_failure(exc)
     return 0
+
+
+def _child_failure(exc) -> int:
+    codes = {f.exitcode for f in exc.failures.values()}
+    if codes <= {1, 2, EXIT_INTERRUPTED, 143}:
+        # Bad input (2), a failed run (1: disk full, a dead peer), Ctrl-C, a stop signal sent
+        # to the workers themselves: a worker already said what happened, in one line.
+        return next(c for c in (1, 2, EXIT_INTERRUPTED, 143) if c in codes)
+    rank, failure = min(((r, f) for r, f in exc.failures.items() if f.exitcode not in (1, 2)),
+                        key=lambda rf: rf[1].timestamp)
+    if failure.exitcode < 0:
+        try:
+            how = f"was killed by {signal.Signals(-failure.exitcode).name}"
+        except ValueError:
+            how = f"was killed by signal {-failure.exitcode}"
+    else:
+        how = f"exited with code {failure.exitcode}"
+    print(f"ndtrain train: rank {rank} {how}, so the group stopped (no restart left; --max-restarts K restarts "
+          f"it from the last checkpoint)", file=sys.stderr)
+    return 1
 
 
 def main(argv: list[str]) -> int:
@@ -42,43 +80,96 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart the group after a crash or hang, up to K times, from the last checkpoint")
     args, overrides = p.parse_known_args(argv)
+    if args.nproc < 0 or args.nproc > 4096:
+        raise UsageError(f"--nproc must be between 1 and 4096, got {args.nproc}")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     cfg = load_config(args.config, overrides)  # fails here, before any process starts
     from ndtrain.train.trackers import check_installed
 
     check_installed(cfg.logging)
 
-    if args.nproc and not _under_launcher():
-        if args.nproc < 1:
-            raise NdtrainError("--nproc must be >= 1")
-        from ndtrain.parallel.dims import resolve
-        from ndtrain.train.trainer import default_run_dir
+    if _under_launcher():
+        from ndtrain.train.distributed import die_with_parent
+        from ndtrain.train.rundir import LAUNCHER_ENV
 
-        from ndtrain.train.recovery import check_global_batch
+        die_with_parent(int(os.environ.get(LAUNCHER_ENV, "0") or 0) or None)
+    elif args.nproc:
+        return _launch(cfg, args, argv)
+    return _run(cfg)
 
-        from ndtrain.parallel.auto import apply_auto_layout
 
-        apply_auto_layout(cfg, args.nproc)  # workers plan again for themselves; this surfaces errors now
-        dims = resolve(cfg.parallel, args.nproc, cfg.model, cfg.data.seq_len, cfg.train,
-                       cfg.data)  # errors before spawning
-        check_global_batch(cfg, dims.dp)
+def _run(cfg) -> int:
+    from ndtrain.train.recovery import EXIT_PREEMPTED
+    from ndtrain.train.trainer import train
+
+    try:
+        summary = train(cfg)
+    except KeyboardInterrupt as exc:  # Ctrl-C outside the loop's own handling (start-up, a failing collective)
+        if os.environ.get("RANK", "0") == "0":
+            from ndtrain.train.ckpt_store import list_checkpoints
+            from ndtrain.train.rundir import checkpoint_root
+
+            step = getattr(exc, "step", None)
+            found = list_checkpoints(checkpoint_root(cfg, cfg.train.output_dir or "."))
+            last = f"last checkpoint {found[-1]}" if found else "no checkpoint was saved"
+            print(f"ndtrain train: interrupted{f' at step {step}' if step is not None else ''}; {last}",
+                  file=sys.stderr, flush=True)
+        if _under_launcher():
+            os._exit(EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
+    if summary is None:
+        return 1
+    rank0 = os.environ.get("RANK", "0") == "0"
+    ckpt = summary.get("checkpoint")
+    again = f"continue with --checkpoint.resume=auto --train.output_dir={summary['run_dir']}"
+    if summary.get("interrupted"):
+        if rank0:
+            last = f"last checkpoint {ckpt}; {again}" if ckpt and ckpt != "None" else "no checkpoint was saved"
+            print(f"ndtrain train: interrupted at step {summary['steps']}; {last}", file=sys.stderr, flush=True)
+        if _under_launcher():  # its peers are stopping too: skip the process group's slow teardown
+            sys.stdout.flush()
+            os._exit(EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
+    if summary.get("preempted"):
+        if rank0:
+            print(f"ndtrain train: stopped by {summary.get('stop_signal') or 'a signal'} at step {summary['steps']}; "
+                  f"saved {ckpt}; {again}", file=sys.stderr, flush=True)
+        if _under_launcher():  # saved and published: skip the process group's slow teardown
+            sys.stdout.flush()
+            os._exit(EXIT_PREEMPTED)
+        return EXIT_PREEMPTED  # saved and stopped on a signal: nonzero so schedulers run it again
+    return 0
+
+
+def _launch(cfg, args, argv: list[str]) -> int:
+    """Everything that can fail is checked here, before any worker starts; then this process
+    holds the run directory's lock for its workers and all their restarts."""
+    from ndtrain.parallel.auto import apply_auto_layout
+    from ndtrain.parallel.dims import resolve
+    from ndtrain.train import preflight, rundir
+    from ndtrain.train.recovery import check_global_batch
+    from ndtrain.train.trainer import default_run_dir
+
+    apply_auto_layout(cfg, args.nproc)  # workers plan again for themselves; this surfaces errors now
+    dims = resolve(cfg.parallel, args.nproc, cfg.model, cfg.data.seq_len, cfg.train,
+                   cfg.data)  # errors before spawning
+    check_global_batch(cfg, dims.dp)
+    preflight.check_all(cfg)
+    run_dir = default_run_dir(cfg)
+    lock = rundir.claim(cfg, run_dir, log=lambda text: print(text, flush=True))
+    try:
         # One run directory for every rank and every restart attempt.
-        forwarded = [a for a in argv]
+        forwarded = list(argv)
         for flag in ("--nproc", "--max-restarts"):
             forwarded = _drop_flag(forwarded, flag)
         if not cfg.train.output_dir:
-            forwarded.append(f"--train.output_dir={default_run_dir(cfg)}")
+            forwarded.append(f"--train.output_dir={run_dir}")
+        os.environ[rundir.LAUNCHER_ENV] = str(os.getpid())  # the workers' parent and the lock's holder
         return launch_local(args.nproc, args.max_restarts, forwarded)
-
-    from ndtrain.train.trainer import train
-
-    summary = train(cfg)
-    if summary is None:
-        return 1
-    if summary.get("preempted"):
-        from ndtrain.train.recovery import EXIT_PREEMPTED
-
-        return EXIT_PREEMPTED  # saved and stopped on a signal: nonzero so schedulers run it again
-    return 0
+    finally:
+        os.environ.pop(rundir.LAUNCHER_ENV, None)
+        lock.release()
 
 
 def _drop_flag(argv: list[str], flag: str) -> list[str]:

@@ -4,8 +4,12 @@ returned `Runtime` is passed to whatever needs it."""
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -61,3 +65,72 @@ def setup(train_cfg) -> Runtime:
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
     return Runtime(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
+
+
+# ---- processes that die together --------------------------------------------------------------
+def die_with_parent(expected_parent: int | None = None) -> None:
+    """Ask the kernel to SIGKILL this worker when the process that started it dies (a launcher
+    killed with SIGKILL cannot stop its workers itself), so no orphan goes on writing into the
+    run directory. Linux only; elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    # The parent may have died before the request: then it will never be delivered.
+    if os.getppid() == 1 or (expected_parent and os.getppid() != expected_parent):
+        os._exit(1)
+
+
+def peer_table() -> list[tuple[str, int]]:
+    """(host, pid) of every rank, gathered once at start: when a collective later fails, a rank
+    can say which peer died instead of quoting a socket address."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return []
+    table: list = [None] * dist.get_world_size()
+    dist.all_gather_object(table, (socket.gethostname(), os.getpid()))
+    return table
+
+
+_PEER_FAILURES = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
+                  "timed out", "timeout", "socket", "nccl", "gloo")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """An exception out of a collective whose cause is another rank (dead, or hung), not this one."""
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(p in text for p in _PEER_FAILURES)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")  # a killed child stays a zombie until its launcher reaps it
+
+
+def peer_failure_message(exc: BaseException, peers: list[tuple[str, int]], rank: int) -> str:
+    import time
+
+    host = socket.gethostname()
+    local = [r for r, (h, _) in enumerate(peers) if r != rank and h == host]
+    deadline = time.monotonic() + 2.0  # a killed peer's sockets close a moment before it is gone
+    while True:
+        dead = [r for r in local if not _alive(peers[r][1])]
+        if dead or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    first = first.split("] ", 1)[-1].split(". This is typically")[0][:160]
+    if dead:
+        who = ", ".join(f"rank {r} (pid {peers[r][1]})" for r in dead)
+        return f"rank {rank}: {who} died, so this rank stops too ({first}); a restart resumes from the last checkpoint"
+    return (f"rank {rank}: lost a peer in a collective ({first}); another rank died or hung, see its log; "
+            f"a restart resumes from the last checkpoint")

@@ -3,42 +3,44 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import torch
 
-from ndtrain.config import from_dict
 from ndtrain.data.mixture import first_data_dir
 from ndtrain.data.tokenizer import load_tokenizer
-from ndtrain.errors import NdtrainError
+from ndtrain.errors import NdtrainError, UsageError
 from ndtrain.model.llama import Transformer, build_model
-from ndtrain.train.checkpoint import list_checkpoints, read_train_state, verify
+from ndtrain.train.ckpt_store import list_checkpoints
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """Accept a checkpoint directory, a `checkpoints/` directory or a run directory."""
+    from ndtrain.train.ckpt_store import not_a_directory
+
     path = Path(path)
+    if not path.exists():
+        raise NdtrainError(f"{path}: no such checkpoint, checkpoints/ or run directory")
+    if not path.is_dir():
+        raise NdtrainError(f"{path}: {not_a_directory(path)}")
     if (path / "train_state.json").exists():
         return path
     for root in (path, path / "checkpoints"):
         found = list_checkpoints(root)
         if found:
             return found[-1]
-    raise NdtrainError(f"no checkpoint found at {path}")
+    raise NdtrainError(f"no checkpoint found at {path} (no step_XXXXXXXX/ with a COMPLETE marker, nor checkpoints/)")
 
 
 def load_model(path: str | Path) -> tuple[Transformer, object]:
-    ckpt = resolve_checkpoint(path)
-    problem = verify(ckpt)
-    if problem:
-        raise NdtrainError(f"checkpoint {ckpt} is not usable: {problem}")
-    cfg = from_dict(read_train_state(ckpt)["config"])
-    model = build_model(cfg.model, "cpu")
-    state = {"model": model.state_dict()}
-    from ndtrain.train.ckpt_store import dcp_load  # reads DCP metadata without unpickling arbitrary objects
+    from ndtrain.train.ckpt_store import checkpoint_config, load_model_weights
 
-    dcp_load(state, ckpt, no_dist=True)
-    model.load_state_dict(state["model"])
+    ckpt = resolve_checkpoint(path)
+    weights, state = load_model_weights(ckpt)  # verified, shapes checked, nothing unpickled
+    cfg = checkpoint_config(ckpt, state)
+    model = build_model(cfg.model, "cpu")
+    model.load_state_dict(weights)
     model.eval()
     return model, cfg
 
@@ -83,5 +85,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    if not 0 <= a.tokens <= 1_000_000:
+        raise UsageError(f"--tokens must be between 0 and 1000000, got {a.tokens}")
+    if not (math.isfinite(a.temperature) and a.temperature >= 0):
+        raise UsageError(f"--temperature must be a finite number >= 0 (0 = greedy), got {a.temperature}")
+    if a.top_k < 0:
+        raise UsageError(f"--top-k must be >= 0 (0 = no limit), got {a.top_k}")
+    if a.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {a.seed}")
+    if not a.prompt:
+        raise UsageError("--prompt must not be empty (the model needs at least one token to continue)")
     print(generate_from_checkpoint(a.checkpoint, a.prompt, a.tokens, a.temperature, a.top_k, a.seed))
     return 0

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import shutil
 import time
 import warnings
 from pathlib import Path
@@ -72,9 +75,42 @@ def hf_config(m: ModelConfig, dtype: str) -> dict:
     }
 
 
+def _hf_field(c: dict, key: str, kind: str, required: bool = False, default=None):
+    """One config.json field, type-checked: 'int' (positive integer), 'num' (finite positive
+    number), 'bool', 'str' or 'dict'."""
+    if key not in c or c[key] is None:
+        if required:
+            raise NdtrainError(f"config.json lacks {key!r}; not a Hugging Face Llama config")
+        return default
+    v = c[key]
+    ok = {"int": lambda: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+          "num": lambda: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
+          "bool": lambda: isinstance(v, bool), "str": lambda: isinstance(v, str),
+          "dict": lambda: isinstance(v, dict)}[kind]()
+    if not ok:
+        what = {"int": "a positive integer", "num": "a finite positive number", "bool": "true or false",
+                "str": "a string", "dict": "an object"}[kind]
+        raise NdtrainError(f"config.json: {key!r} must be {what}, got {str(v)[:60]!r}")
+    return v
+
+
 def model_config_from_hf(c: dict) -> ModelConfig:
-    if c.get("model_type") != "llama":
+    if not isinstance(c, dict):
+        raise NdtrainError(f"config.json holds a {type(c).__name__}, not an object; not a Hugging Face config")
+    if _hf_field(c, "model_type", "str") != "llama":
         raise NdtrainError(f"config.json has model_type {c.get('model_type')!r}; only 'llama' can be imported")
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        _hf_field(c, key, "int", required=True)
+    for key in ("num_key_value_heads", "max_position_embeddings", "head_dim"):
+        _hf_field(c, key, "int")
+    for key in ("rope_theta", "rms_norm_eps", "initializer_range"):
+        _hf_field(c, key, "num")
+    for key in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
+        _hf_field(c, key, "bool")
+    _hf_field(c, "hidden_act", "str")
+    _hf_field(c, "rope_parameters", "dict")
+    if isinstance(c.get("rope_parameters"), dict):
+        _hf_field(c["rope_parameters"], "rope_theta", "num")
     rope = c.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if c.get("rope_scaling") or rope_type != "default":
@@ -101,34 +137,75 @@ def model_config_from_hf(c: dict) -> ModelConfig:
 
 
 # ---- export --------------------------------------------------------------------------------
+def check_new_output(out: Path, what: str) -> None:
+    """`out` must not exist yet (or be an empty directory, for --to hf) and must be creatable:
+    an export never overwrites a file the user already has."""
+    from ndtrain.paths import check_creatable
+
+    out = Path(out)
+    if out.is_dir() and what == "dir" and not any(out.iterdir()):
+        check_creatable(out, "OUT")
+        return
+    if out.exists() or out.is_symlink():
+        raise NdtrainError(f"{out} already exists; ndtrain never overwrites it: choose another output path or "
+                           f"remove it first")
+    check_creatable(out.parent, "OUT")
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """The finished temporary file or directory takes the output's name in one rename."""
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    os.replace(tmp, out)
+
+
+def _write_failed(exc: OSError, out: Path, tmp: Path, needed: int):
+    from ndtrain.errors import RunError
+
+    shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+    free = shutil.disk_usage(out.parent if out.parent.exists() else Path(".")).free
+    return RunError(f"cannot write {out}: {exc.strerror or exc} (it needs about {needed / 1e6:,.1f} MB, "
+                    f"{free / 1e6:,.1f} MB free); nothing was written")
+
+
 def export(checkpoint: str | Path, to: str, out: str | Path, dtype: str = "float32") -> Path:
     from safetensors.torch import save_file
 
-    from ndtrain.config import from_dict
-    from ndtrain.train.ckpt_store import load_model_weights
+    from ndtrain.train.ckpt_store import checkpoint_config, load_model_weights
     from ndtrain.train.generate import resolve_checkpoint
 
+    out = Path(out)
+    check_new_output(out, "file" if to == "safetensors" else "dir")
     ckpt = resolve_checkpoint(checkpoint)
     weights, state = load_model_weights(ckpt)
-    cfg = from_dict(state["config"])
+    cfg = checkpoint_config(ckpt, state)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    out = Path(out)
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     if to == "safetensors":
         tensors = {k: v.to(torch_dtype).contiguous().clone() for k, v in weights.items()}
         if cfg.model.tie_embeddings:
             tensors.pop("output.weight", None)  # the same tensor as the embedding
+        meta = {"format": "pt", "ndtrain_step": str(state["step"]), "ndtrain_config": json.dumps(state["config"])}
+    else:
+        hf_cfg = hf_config(cfg.model, dtype)
+        tensors = {to_hf_name(name): value.to(torch_dtype).contiguous().clone() for name, value in weights.items()
+                   if not (cfg.model.tie_embeddings and name == "output.weight")}
+    needed = sum(t.numel() * t.element_size() for t in tensors.values())
+    try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out), metadata={"format": "pt", "ndtrain_step": str(state["step"]),
-                                               "ndtrain_config": json.dumps(state["config"])})
-        return out
-    tensors = {}
-    for name, value in weights.items():
-        if cfg.model.tie_embeddings and name == "output.weight":
-            continue
-        tensors[to_hf_name(name)] = value.to(torch_dtype).contiguous().clone()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(hf_config(cfg.model, dtype), indent=2) + "\n")
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        if to == "safetensors":
+            save_file(tensors, str(tmp), metadata=meta)
+        else:
+            tmp.mkdir()
+            (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        _publish(tmp, out)
+    except OSError as exc:
+        raise _write_failed(exc, out, tmp, needed) from None
+    except Exception as exc:  # safetensors reports I/O failures as its own error type
+        if "No space left" in str(exc) or "I/O error" in str(exc):
+            raise _write_failed(OSError(str(exc).split(":")[-1].strip()), out, tmp, needed) from None
+        raise
     return out
 
 
@@ -138,23 +215,40 @@ def export_main(argv: list[str]) -> int:
     p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoints/ or run directory")
     p.add_argument("--to", choices=["safetensors", "hf"], required=True)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("out", help="OUT.safetensors (--to safetensors) or a directory (--to hf)")
+    p.add_argument("out", help="OUT.safetensors (--to safetensors) or a directory (--to hf); must not exist")
     a = p.parse_args(argv)
     print(f"wrote {export(a.checkpoint, a.to, a.out, a.dtype)}")
     return 0
 
 
 # ---- import --------------------------------------------------------------------------------
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise NdtrainError(f"{path}: not readable JSON ({exc})") from None
+
+
 def read_hf(src: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     src = Path(src)
+    if not src.is_dir():
+        raise NdtrainError(f"{src}: {'no such directory' if not src.exists() else 'not a directory'}; expected a "
+                           f"Hugging Face model directory")
     if not (src / "config.json").is_file():
         raise NdtrainError(f"{src}: no config.json; expected a Hugging Face model directory")
-    cfg = model_config_from_hf(json.loads((src / "config.json").read_text()))
+    cfg = model_config_from_hf(_read_json(src / "config.json"))
     index = src / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = _read_json(index).get("weight_map") if isinstance(_read_json(index), dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise NdtrainError(f"{index}: 'weight_map' must map tensor names to file names")
+        files = sorted(set(weight_map.values()))
+        for f in files:
+            if Path(f).is_absolute() or ".." in Path(f).parts or not (src / f).is_file():
+                raise NdtrainError(f"{index}: shard {f!r} is not a file inside {src}")
     elif (src / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
@@ -163,9 +257,12 @@ def read_hf(src: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         raise NdtrainError(f"{src}: no model.safetensors{hint}; convert the weights to safetensors first")
     hf: dict[str, torch.Tensor] = {}
     for f in files:
-        hf.update(load_file(str(src / f)))
+        try:
+            hf.update(load_file(str(src / f)))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise NdtrainError(f"{src / f}: not a readable safetensors file ({exc})") from None
     tensors = {from_hf_name(k): v.float() for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")}
-    if cfg.tie_embeddings:
+    if cfg.tie_embeddings and "tok_embeddings.weight" in tensors:
         tensors["output.weight"] = tensors["tok_embeddings.weight"]
     return cfg, tensors
 
@@ -176,34 +273,57 @@ def import_hf(src: str | Path, out_root: str | Path) -> Path:
 
     from ndtrain.config import JobConfig, to_dict
     from ndtrain.model.llama import build_model
-    from ndtrain.train.ckpt_store import (FORMAT, TRAIN_STATE, fsync_dir, step_name, write_manifest,
-                                          write_marker)
+    from ndtrain.train.ckpt_store import FORMAT, TRAIN_STATE, fsync_dir, step_name, write_manifest, write_marker
+    from ndtrain.paths import check_creatable
 
+    out_root = Path(out_root)
+    name = step_name(0)
+    target, tmp = out_root / name, out_root / f".{name}.partial"
+    if target.exists():
+        raise NdtrainError(f"{target} already exists; choose another --out")
+    if out_root.is_dir() and any(p.name.startswith(("step_", ".step_")) for p in out_root.iterdir()):
+        raise NdtrainError(f"--out {out_root} already holds checkpoints (another run's?); import into a new directory")
+    check_creatable(out_root, "--out")
     mcfg, tensors = read_hf(src)
     model = build_model(mcfg, "cpu")
     expected = set(model.state_dict())
     if set(tensors) != expected:
         missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
         raise NdtrainError(f"{src}: tensors do not match config.json (missing {missing[:3]}, unexpected {extra[:3]})")
-    model.load_state_dict(tensors)  # shape checks
-    out_root = Path(out_root)
-    name = step_name(0)
-    target, tmp = out_root / name, out_root / f".{name}.partial"
-    if target.exists():
-        raise NdtrainError(f"{target} already exists; choose another --out")
-    tmp.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP warns that it saves without a process group: intended
-        dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp), no_dist=True)
-    job = JobConfig(name=f"import-{Path(src).name}")
-    job.model = mcfg
-    state = {"format": FORMAT, "version": 2, "kind": "weights", "step": 0, "tokens_seen": 0,
-             "config": to_dict(job), "source": str(Path(src).resolve()), "saved_at": time.time()}
-    (tmp / TRAIN_STATE).write_text(json.dumps(state, indent=1))
-    write_manifest(tmp)
-    write_marker(tmp, name)
-    tmp.rename(target)
-    fsync_dir(out_root)
+    for key, value in model.state_dict().items():
+        if tuple(tensors[key].shape) != tuple(value.shape):
+            raise NdtrainError(f"{src}: tensor {to_hf_name(key)} has shape {list(tensors[key].shape)} but config.json "
+                               f"implies {list(value.shape)}")
+    model.load_state_dict(tensors)
+    created = [d for d in [out_root, *out_root.parents] if not d.exists()]
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP warns that it saves without a process group: intended
+            dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp), no_dist=True)
+        job = JobConfig(name=f"import-{Path(src).name}")
+        job.model = mcfg
+        state = {"format": FORMAT, "version": 2, "kind": "weights", "step": 0, "tokens_seen": 0,
+                 "config": to_dict(job), "source": str(Path(src).resolve()), "saved_at": time.time()}
+        (tmp / TRAIN_STATE).write_text(json.dumps(state, indent=1))
+        write_manifest(tmp)
+        write_marker(tmp, name)
+        tmp.rename(target)
+        fsync_dir(out_root)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        shutil.rmtree(tmp, ignore_errors=True)
+        for d in sorted(created, key=lambda d: len(d.parts), reverse=True):  # only what this call created
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        from ndtrain.errors import RunError
+
+        needed = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        raise RunError(f"cannot write the imported checkpoint to {out_root}: {str(exc).splitlines()[-1][:200]} "
+                       f"(it needs about {needed / 1e6:,.1f} MB); nothing was written") from None
     return target
 
 

@@ -34,6 +34,12 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
+def run_id() -> str:
+    """torchrun's id of this job ('' when none): the same for every restart attempt."""
+    rid = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return "" if rid == "none" else rid
+
+
 def launcher_run_dir(cfg) -> Path | None:
     """runs/<name>-<rdzv id> under torchrun with a run id: the same directory on every restart
     attempt (a timestamp would give each attempt a new one, with no checkpoint to resume)."""
@@ -179,6 +185,7 @@ class Preemption:
 
     def __init__(self):
         self.requested = False
+        self.signal_name = ""  # the first stop signal this rank received
         self.previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
@@ -186,6 +193,7 @@ class Preemption:
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
+        self.signal_name = self.signal_name or signal.Signals(signum).name
         signal.signal(signum, signal.SIG_DFL)
 
     def agreed(self, device) -> bool:
@@ -198,6 +206,41 @@ class Preemption:
     def close(self) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, carrying how far the run got (for the one line the user sees)."""
+
+    def __init__(self, step: int | None = None):
+        super().__init__()
+        self.step = step
+
+
+def hold_sigterm() -> None:
+    """From here on a SIGTERM does not end this process (it is about to end on its own)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: None)
+
+
+class InterruptRecord:
+    """Notes that this process got SIGINT, then raises KeyboardInterrupt as Python would. A
+    KeyboardInterrupt raised while a collective fails can be lost inside torch; the note is
+    not, so a rank whose peer stopped on Ctrl-C does not report that peer as dead."""
+
+    def __init__(self):
+        self.seen = False
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def close(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            self.previous = None
 
 
 # ---- fault injection -----------------------------------------------------------------------

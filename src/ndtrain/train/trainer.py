@@ -372,7 +372,6 @@ def default_run_dir(cfg: JobConfig) -> Path:
 def train(cfg: JobConfig) -> dict:
     """Run a whole job: train, validate, checkpoint, sample. Returns a summary (rank 0's view)."""
     from ndtrain.train import recovery
-    from ndtrain.train.checkpoint import Checkpointer
 
     # Under torchrun the run id is stable across restarts, so a restarted group finds its checkpoints.
     run_dir = recovery.launcher_run_dir(cfg) or default_run_dir(cfg)
@@ -382,6 +381,50 @@ def train(cfg: JobConfig) -> dict:
         holder = [str(run_dir)]
         torch.distributed.broadcast_object_list(holder, src=0)
         run_dir = Path(holder[0])
+    from ndtrain.train.rundir import claim_for_group
+
+    lock = claim_for_group(cfg, run_dir)
+    try:
+        return _train(cfg, run_dir)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: JobConfig, run_dir: Path) -> dict:
+    from ndtrain.train import recovery
+
+    peers = distributed.peer_table()  # who is who, should a peer die later
+    progress = {"step": None}
+    interrupt = recovery.InterruptRecord()
+    try:
+        return _train_loop(cfg, run_dir, progress)
+    except KeyboardInterrupt:
+        raise recovery.Interrupted(progress["step"]) from None
+    except Exception as exc:
+        if peers and distributed.is_peer_failure(exc):
+            from ndtrain.errors import RunError
+
+            # A peer that stopped on Ctrl-C looks dead from here; this rank's own signal is on
+            # its way (a launcher signals its workers one by one): wait for it. A SIGTERM now is
+            # the launcher stopping the group after the death: say what happened, then go.
+            recovery.hold_sigterm()
+            try:
+                time.sleep(1.0)
+            except KeyboardInterrupt:
+                pass
+            if interrupt.seen:
+                raise recovery.Interrupted(progress["step"]) from None
+            raise RunError(distributed.peer_failure_message(exc, peers, torch.distributed.get_rank())) from None
+        raise
+    finally:
+        interrupt.close()
+
+
+def _train_loop(cfg: JobConfig, run_dir: Path, progress: dict) -> dict:
+    from ndtrain.train import recovery
+    from ndtrain.train.checkpoint import Checkpointer, list_checkpoints
+
     trainer = Trainer(cfg, run_dir)
     rt, log = trainer.rt, trainer.logger
     ckpt = Checkpointer(cfg, run_dir, trainer)
@@ -414,7 +457,7 @@ def train(cfg: JobConfig) -> dict:
                  "predicted_step_time": trainer.auto_choice["predicted_step_time"],
                  "predicted_tokens_per_s": trainer.auto_choice["predicted_tokens_per_s"]})
     step_times: list[float] = []
-    last_val, preempted = None, False
+    last_val, preempted, interrupted, path = None, False, False, None
     guard = recovery.Recovery(cfg, trainer, ckpt, run_dir)  # watchdog, non-finite rollback, stragglers
     try:
         while trainer.step < cfg.train.steps:
@@ -425,6 +468,7 @@ def train(cfg: JobConfig) -> dict:
             result = trainer.train_step()
             for row in trainer.diloco.take_rows() if trainer.diloco else ():  # outer steps
                 log.log(row)
+            progress["step"] = trainer.step
             if trace:
                 trainer.save_pipeline_trace(run_dir)
             action = guard.after_step(result)
@@ -448,6 +492,10 @@ def train(cfg: JobConfig) -> dict:
                 ckpt.save()
         path = ckpt.save(final=True)
         ckpt.finish()
+    except KeyboardInterrupt:  # Ctrl-C: stop now, save nothing more (a save in flight finishes on its own)
+        interrupted = True
+        published = list_checkpoints(ckpt.root)
+        path = published[-1] if published else None
     finally:
         guard.close()
     if trainer.auto_choice and len(step_times) > 3:
@@ -455,8 +503,9 @@ def train(cfg: JobConfig) -> dict:
         log.info(f"auto layout: measured {measured:.3f} s/step vs predicted "
                  f"{trainer.auto_choice['predicted_step_time']:.3f} s/step")
     summary = {"run_dir": str(run_dir), "steps": trainer.step, "val_loss": last_val, "checkpoint": str(path),
-               "preempted": preempted}
-    if rt.is_main and cfg.train.sample_tokens > 0 and path is not None and not preempted:
+               "preempted": preempted, "interrupted": interrupted,
+               "stop_signal": guard.preemption.signal_name if preempted else ""}
+    if rt.is_main and cfg.train.sample_tokens > 0 and path is not None and not (preempted or interrupted):
         from ndtrain.train.generate import generate_from_checkpoint
 
         text = generate_from_checkpoint(path, cfg.train.sample_prompt, cfg.train.sample_tokens, seed=cfg.train.seed)

@@ -1,0 +1,241 @@
+"""A run directory belongs to one run.
+
+- A fresh run (no `checkpoint.resume`) in a directory that holds another run's checkpoints or
+  metrics is refused; `train.overwrite = true` moves the old run aside (nothing is deleted).
+- `checkpoint.resume = auto` needs a run directory that exists: otherwise it could only ever
+  start from scratch, which is what a mistyped directory looks like.
+- A lock file (`.ndtrain.lock`, holding the owner's pid and host) keeps two live runs out of one
+  directory. It is an flock: the kernel releases it when its owner dies, however it dies, so a
+  lock left by a dead process is taken over (with a message) and a live one never is.
+
+One process per run holds the lock: the `--nproc` launcher (its workers, and their restarts, are
+its own) or, under a plain torchrun, rank 0 (a restart attempt or a re-formed elastic group of
+the same run id takes it over silently). Ranks never lock against each other.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ndtrain.errors import ConfigError, NdtrainError
+from ndtrain.paths import check_creatable
+
+LOCK_NAME = ".ndtrain.lock"
+LAUNCHER_ENV = "NDTRAIN_RUN_LOCK_PID"  # set by `ndtrain train --nproc` for its workers: the lock's holder
+
+
+def checkpoint_root(cfg, run_dir: Path) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
+
+
+# ---- what an earlier run left ---------------------------------------------------------------
+def run_traces(run_dir: Path, ckpt_root: Path) -> list[str]:
+    """What in these directories belongs to a run: checkpoints (published or not) and metrics."""
+    found = []
+    if ckpt_root.is_dir():
+        ckpts = [p for p in ckpt_root.iterdir() if p.name.startswith(("step_", ".step_")) or
+                 p.name in ("corrupt", "abandoned") or p.name.startswith("abandoned-")]
+        if ckpts:
+            found.append(f"{len(ckpts)} checkpoint entr{'y' if len(ckpts) == 1 else 'ies'} in {ckpt_root}")
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        found.append(str(metrics))
+    return found
+
+
+def continues_here(spec: str, ckpt_root: Path, run_dir: Path) -> bool:
+    """Does resuming from `spec` continue the run in this directory (rather than start a new one
+    from elsewhere, e.g. a fine-tune from imported weights)?"""
+    if spec == "auto":
+        return True
+    if not spec:
+        return False
+    path = Path(spec).resolve()
+    for own in (Path(ckpt_root).resolve(), Path(run_dir).resolve()):
+        if path == own or own in path.parents:
+            return True
+    return False
+
+
+def _aside_name(path: Path) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = path.with_name(f"{path.name}.replaced-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.replaced-{stamp}-{n}")
+    return target
+
+
+def move_aside(run_dir: Path, ckpt_root: Path) -> list[Path]:
+    """Moves the earlier run's files (all but the lock) to `<dir>.replaced-<time>/` beside
+    each directory; renames only, on the same file system, so nothing is copied or deleted."""
+    moved = []
+    for root in dict.fromkeys([Path(run_dir), Path(ckpt_root)]):
+        entries = [p for p in root.iterdir() if p.name != LOCK_NAME] if root.is_dir() else []
+        if not entries:
+            continue
+        target = _aside_name(root)
+        target.mkdir()
+        for entry in entries:
+            os.replace(entry, target / entry.name)
+        moved.append(target)
+    return moved
+
+
+# ---- the lock ---------------------------------------------------------------------------------
+def _describe(owner: dict) -> str:
+    started = owner.get("started")
+    when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else ""
+    return f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')}{when}"
+
+
+def _read(fd: int) -> dict:
+    os.lseek(fd, 0, os.SEEK_SET)
+    data = b""
+    while chunk := os.read(fd, 65536):
+        data += chunk
+    try:
+        owner = json.loads(data.decode() or "{}")
+    except (UnicodeDecodeError, ValueError):
+        return {}
+    return owner if isinstance(owner, dict) else {}
+
+
+@dataclass
+class RunLock:
+    path: Path
+    fd: int
+    previous: dict  # what the lock file held before: a dead owner's record, or {}
+
+    @classmethod
+    def acquire(cls, run_dir: Path, run_id: str = "") -> RunLock:
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / LOCK_NAME
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = _read(fd)
+                os.close(fd)
+                raise NdtrainError(f"{run_dir} is in use by a live run ({_describe(owner)}; lock {path}): wait for "
+                                   f"it to finish or stop it, or choose another train.output_dir") from None
+            try:  # the holder we waited for may have removed the file: then lock the new one
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        previous = _read(fd)
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "run_id": run_id}
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, json.dumps(record).encode())
+        return cls(path, fd, previous)
+
+    def release(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            os.unlink(self.path)  # before unlocking: a waiter then sees a new inode and retries
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = -1
+
+
+def held_by_launcher(run_dir: Path) -> bool:
+    """A worker of `ndtrain train --nproc`: its launcher holds the lock of this directory."""
+    pid = os.environ.get(LAUNCHER_ENV, "")
+    if not pid:
+        return False
+    try:
+        with open(Path(run_dir) / LOCK_NAME) as f:
+            return str(json.load(f).get("pid")) == pid
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def claim(cfg, run_dir: Path, restart: bool = False, run_id: str = "", log=print) -> RunLock:
+    """Checks that this run may use `run_dir` and locks it. Raises NdtrainError (one line) and
+    leaves the directory as it was when it may not."""
+    run_dir = Path(run_dir)
+    ckpt_root = checkpoint_root(cfg, run_dir)
+    spec = cfg.checkpoint.resume
+    if spec == "auto" and not restart and not run_dir.is_dir():
+        if not cfg.train.output_dir:
+            raise ConfigError("checkpoint.resume", "'auto' needs --train.output_dir=<the run to continue>: without "
+                                                   "it each run gets a new directory and could only start from scratch")
+        raise ConfigError("checkpoint.resume", f"'auto' but {run_dir} does not exist, so there is nothing to resume "
+                                               f"(a mistyped train.output_dir?); create it first to start a run "
+                                               f"that later attempts continue, or drop --checkpoint.resume")
+    check_creatable(run_dir, "train.output_dir")
+    if cfg.checkpoint.dir:
+        check_creatable(ckpt_root, "checkpoint.dir")
+    fresh = not restart and not continues_here(spec, ckpt_root, run_dir)
+    traces = run_traces(run_dir, ckpt_root) if fresh else []
+    if traces and not cfg.train.overwrite:  # refused before the lock: nothing is created
+        raise NdtrainError(_refusal(run_dir, traces, spec))
+    lock = RunLock.acquire(run_dir, run_id)
+    try:
+        previous = lock.previous
+        same_run = bool(run_id) and previous.get("run_id") == run_id
+        if previous.get("pid") and not same_run:
+            log(f"took over the lock of a run that is gone ({_describe(previous)}): {lock.path}")
+        traces = run_traces(run_dir, ckpt_root) if fresh and not same_run else []
+        if traces:  # a run may have finished between the first look and the lock
+            if not cfg.train.overwrite:
+                raise NdtrainError(_refusal(run_dir, traces, spec))
+            for target in move_aside(run_dir, ckpt_root):
+                log(f"train.overwrite: moved the earlier run's files to {target} (nothing deleted)")
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _refusal(run_dir: Path, traces: list[str], spec: str) -> str:
+    why = f"resuming from {spec} here would start a second run" if spec else "a fresh run here would mix with it"
+    return (f"{run_dir} holds an earlier run ({'; '.join(traces)}) and {why}: continue it with "
+            f"--checkpoint.resume=auto, choose another --train.output_dir, or pass --train.overwrite=true "
+            f"to move the old run aside (nothing is deleted)")
+
+
+def claim_for_group(cfg, run_dir: Path) -> RunLock | None:
+    """Before anything is built: the checks that need no model (preflight.py), then the run
+    directory. Rank 0 decides, every rank learns the verdict, rank 0 holds the lock
+    unless the `--nproc` launcher already does."""
+    import torch
+
+    from ndtrain.train import distributed, preflight, recovery
+
+    rt = distributed.setup(cfg.train)
+    lock, error = None, None
+    if rt.is_main:
+        try:
+            preflight.check_all(cfg)
+            if not held_by_launcher(run_dir):
+                lock = claim(cfg, run_dir, restart=recovery.restart_count() > 0, run_id=recovery.run_id(),
+                             log=lambda text: print(text, flush=True))
+        except NdtrainError as exc:
+            error = (str(exc), exc.exit_code)
+        except OSError as exc:  # e.g. the lock file cannot be created: one line, and no rank left waiting
+            error = (f"{exc.strerror or exc}: {exc.filename or run_dir}", 1)
+    if rt.world_size > 1:
+        holder = [error]
+        torch.distributed.broadcast_object_list(holder, src=0)
+        error = holder[0]
+    if error:
+        exc = NdtrainError(error[0], all_ranks=True)
+        exc.exit_code = error[1]
+        raise exc
+    return lock
