@@ -87,7 +87,7 @@ def _load(jobs: list) -> list[dict]:
         t = Trainer(cfg, None, log=False)
         ck = Checkpointer(cfg, root, t)
         try:
-            ck.load(ck.latest_good())
+            ck.resume("auto")  # the newest checkpoint that verifies, as a resumed run picks it
         except NdtrainError as exc:
             results.append({"error": str(exc)})
             continue

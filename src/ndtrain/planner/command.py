@@ -122,8 +122,6 @@ def _check_plan_args(args) -> None:
         if not Path(args.profile).expanduser().is_file():
             raise NdtrainError(f"--profile {args.profile}: no such file (`ndtrain calibrate --out {args.profile}` "
                                f"writes one)")
-        if args.gpu != "this-machine":
-            raise NdtrainError("--profile describes this machine; it needs --gpu this-machine")
     if _count(args.tokens) <= 0:
         raise NdtrainError(f"--tokens must be a positive token count, got {args.tokens!r}")
 
