@@ -422,11 +422,7 @@ def main(argv: list[str]) -> int:
               "       ndtrain config check --world N [--config F] [--section.key=value ...]")
         return 0
     action, rest = argv[0], argv[1:]
-    if action == "check":
-        from ndtrain.parallel.config_check import main as check_main
-
-        return check_main(rest)
-    if action != "show":
+    if action != "show":  # `check` builds stages, so ndtrain.tools.config_check answers it first
         raise NdtrainError(f"unknown config action {action!r}; use `config show` or `config check --world N`")
     path = None
     if "--config" in rest:

@@ -34,7 +34,8 @@ def launch_local(nproc: int, max_restarts: int, argv: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], plan=None) -> int:
+    """`plan`: the `[parallel] auto` planner (ndtrain.tools.auto hands it in; see trainer.plan_layout)."""
     p = argparse.ArgumentParser(prog="ndtrain train", description="Train a model.",
                                 epilog="Any --section.key=value overrides the config file.")
     p.add_argument("--config", help="TOML config (default: built-in debug defaults)")
@@ -51,13 +52,10 @@ def main(argv: list[str]) -> int:
         if args.nproc < 1:
             raise NdtrainError("--nproc must be >= 1")
         from ndtrain.parallel.dims import resolve
-        from ndtrain.train.trainer import default_run_dir
-
         from ndtrain.train.recovery import check_global_batch
+        from ndtrain.train.trainer import default_run_dir, plan_layout
 
-        from ndtrain.parallel.auto import apply_auto_layout
-
-        apply_auto_layout(cfg, args.nproc)  # workers plan again for themselves; this surfaces errors now
+        plan_layout(cfg, args.nproc, plan)  # workers plan again for themselves; this surfaces errors now
         dims = resolve(cfg.parallel, args.nproc, cfg.model, cfg.data.seq_len, cfg.train,
                        cfg.data)  # errors before spawning
         check_global_batch(cfg, dims.dp)
@@ -71,9 +69,7 @@ def main(argv: list[str]) -> int:
 
     from ndtrain.train.trainer import train
 
-    summary = train(cfg)
-    if summary is None:
-        return 1
+    summary = train(cfg, plan=plan)
     if summary.get("preempted"):
         from ndtrain.train.recovery import EXIT_PREEMPTED
 

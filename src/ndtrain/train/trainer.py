@@ -28,7 +28,6 @@ from ndtrain.model.init import canonical_name, materialize
 from ndtrain.model.moe import end_step as moe_end_step, moe_layers, set_aux_scale
 from ndtrain.model.llama import build_model
 from ndtrain.parallel import dims as pdims
-from ndtrain.parallel.auto import apply_auto_layout, describe as describe_auto
 from ndtrain.parallel.compose import parallelize
 from ndtrain.parallel.data_parallel import accumulation, reshard
 from ndtrain.parallel.grad_norm import (all_reduce_sum, clip_coefficient, local_grad_sq, reduce_partial_grads,
@@ -67,12 +66,24 @@ def split_micro(n: int, micro: int) -> list[tuple[int, int]]:
     return [(s, min(s + micro, n)) for s in range(0, n, micro)]
 
 
+def plan_layout(cfg: JobConfig, world_size: int, plan=None) -> dict | None:
+    """`[parallel] auto`: `plan(cfg, world_size)` (the planner glue, ndtrain.tools.auto, handed
+    down by the command because the planner sits above the trainer) overwrites cfg's layout keys
+    for this world and returns its choice; None when auto is off."""
+    if not cfg.parallel.auto:
+        return None
+    if plan is None:
+        raise ConfigError("parallel.auto", "parallel.auto needs the planner: start the run with `ndtrain train` "
+                                           "(or pass plan=ndtrain.tools.auto.apply_auto_layout)")
+    return plan(cfg, world_size)
+
+
 class Trainer:
-    def __init__(self, cfg: JobConfig, run_dir: Path | None = None, log: bool = True):
+    def __init__(self, cfg: JobConfig, run_dir: Path | None = None, log: bool = True, plan=None):
         self.cfg = cfg
         self.rt = distributed.setup(cfg.train)
         # `[parallel] auto`: planned for the world found at every (re)start, before the mesh exists.
-        self.auto_choice = apply_auto_layout(cfg, self.rt.world_size)
+        self.auto_choice = plan_layout(cfg, self.rt.world_size, plan)
         self.dims = pdims.resolve(cfg.parallel, self.rt.world_size, cfg.model, cfg.data.seq_len, cfg.train, cfg.data)
         self.mesh = pdims.build_mesh(self.dims, self.rt.device.type) if self.rt.world_size > 1 else None
         self.run_dir = run_dir
@@ -352,8 +363,9 @@ def default_run_dir(cfg: JobConfig) -> Path:
     return Path("runs") / f"{cfg.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
-def train(cfg: JobConfig) -> dict:
-    """Run a whole job: train, validate, checkpoint, sample. Returns a summary (rank 0's view)."""
+def train(cfg: JobConfig, plan=None) -> dict:
+    """Run a whole job: train, validate, checkpoint, sample. Returns a summary (rank 0's view).
+    `plan`: see plan_layout."""
     from ndtrain.train import recovery
     from ndtrain.train.checkpoint import Checkpointer
 
@@ -365,7 +377,7 @@ def train(cfg: JobConfig) -> dict:
         holder = [str(run_dir)]
         torch.distributed.broadcast_object_list(holder, src=0)
         run_dir = Path(holder[0])
-    trainer = Trainer(cfg, run_dir)
+    trainer = Trainer(cfg, run_dir, plan=plan)
     rt, log = trainer.rt, trainer.logger
     ckpt = Checkpointer(cfg, run_dir, trainer)
     if rt.is_main:
@@ -392,8 +404,8 @@ def train(cfg: JobConfig) -> dict:
         log.info(f"fp8 ({cfg.parallel.fp8_recipe} scaling): {len(fp8_linears(cfg.model, trainer.dims.tp))} "
                  f"Linear layers in float8 ({summary(cfg.model, trainer.dims.tp)}); all else bf16")
     if trainer.auto_choice:
-        log.info(f"auto layout (planner): {describe_auto(trainer.auto_choice)}")
-        log.log({"step": trainer.step, "event": "auto", "layout": describe_auto(trainer.auto_choice),
+        log.info(f"auto layout (planner): {trainer.auto_choice['description']}")
+        log.log({"step": trainer.step, "event": "auto", "layout": trainer.auto_choice["description"],
                  "predicted_step_time": trainer.auto_choice["predicted_step_time"],
                  "predicted_tokens_per_s": trainer.auto_choice["predicted_tokens_per_s"]})
     step_times: list[float] = []
