@@ -368,6 +368,15 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(found[0].key, str(found[0]))
 
 
+def global_batch_at(cfg: JobConfig, tokens_seen: int) -> int:
+    """The global batch (sequences) for the next step; `batch_ramp` raises it by tokens seen."""
+    gb = cfg.train.global_batch
+    for threshold, batch in sorted(cfg.train.batch_ramp):
+        if tokens_seen >= threshold:
+            gb = batch
+    return gb
+
+
 def layout_batches(train: TrainConfig) -> list[int]:
     """Every global batch (sequences) a run uses: the batch first, then each stage of its ramp."""
     out = [train.global_batch]

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ndtrain.config import JobConfig, to_dict, to_toml
+from ndtrain.config import JobConfig, global_batch_at, to_dict, to_toml
 from ndtrain.data.loader import StatefulLoader, validation_batches
 from ndtrain.data.mixture import make_loader, open_dataset
 from ndtrain.data.packing import document_ids, document_positions
@@ -49,15 +49,6 @@ class StepResult:
     seconds: float
     skipped: bool = False
     extra: dict = field(default_factory=dict)
-
-
-def global_batch_at(cfg: JobConfig, tokens_seen: int) -> int:
-    """The global batch (sequences) for the next step; `batch_ramp` raises it by tokens seen."""
-    gb = cfg.train.global_batch
-    for threshold, batch in sorted(cfg.train.batch_ramp):
-        if tokens_seen >= threshold:
-            gb = batch
-    return gb
 
 
 def split_micro(n: int, micro: int) -> list[tuple[int, int]]:
