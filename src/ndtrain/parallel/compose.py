@@ -50,7 +50,7 @@ def parallelize(model: nn.Module, dims: Layout, mesh=None) -> nn.Module:
     if dims.compile:
         for block in model.layers.values():
             block.compile()
-    if mesh is not None and dims.world_size // (dims.tp * dims.pp) > 1:
+    if dims.world_size // (dims.tp * dims.pp) > 1:
         from ndtrain.parallel.data_parallel import apply_fsdp
 
         apply_fsdp(model, mesh.fsdp_mesh(dims), dims.reshards_after_forward, dims.mp, dims.offload)

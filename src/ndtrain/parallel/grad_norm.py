@@ -36,7 +36,7 @@ def local_grad_sq(params, ranks_per_stage: int) -> torch.Tensor:
         g = p.grad
         if g is None or getattr(p, "_ndtrain_tied_copy", False):
             continue  # a pipeline's copy of a tied weight: its gradient is the embedding's, counted there
-        shards = getattr(p, "_ndtrain_shard_factor", 1)
+        shards = 1
         if hasattr(g, "to_local"):
             from torch.distributed.tensor.placement_types import _StridedShard
 

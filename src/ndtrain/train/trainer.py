@@ -1,5 +1,8 @@
 """The training loop. One code path for every layout: a single process is the layout whose
-degrees are all 1 (no mesh, no process group)."""
+degrees are all 1 (a mesh with no dimension, no process group). It branches on the layout only
+where a dimension adds work: pipeline (pp > 1: the schedule runs the micro-batches), context
+parallel (cp > 1: a share of each sequence), tensor parallel (tp > 1: the vocab-parallel loss),
+FSDP (gradient sync per micro-batch) and fp8."""
 
 from __future__ import annotations
 
@@ -76,7 +79,7 @@ class Trainer:
         # `[parallel] auto`: planned for the world found at every (re)start, before the mesh exists.
         self.auto_choice = plan_layout(cfg, self.rt.world_size, plan)
         self.dims = pdims.resolve(cfg.parallel, self.rt.world_size, cfg.model, cfg.data.seq_len, cfg.train, cfg.data)
-        self.mesh = pdims.build_mesh(self.dims, self.rt.device.type) if self.rt.world_size > 1 else None
+        self.mesh = pdims.build_mesh(self.dims, self.rt.device.type)  # one process: a mesh with no dimension
         self.run_dir = run_dir
         torch.manual_seed(cfg.train.seed)
 
@@ -96,7 +99,7 @@ class Trainer:
         # Context parallel: this rank holds a load-balanced share of each sequence, and the model
         # (every pipeline stage too) needs those tokens' global positions for RoPE (None = 0..s-1,
         # the whole sequence).
-        self.cp_rank = self.mesh["cp"].get_local_rank() if self.mesh is not None else 0
+        self.cp_rank = self.mesh.coordinate("cp")[0]
         self.cp_positions = None
         if self.dims.cp > 1:
             from ndtrain.parallel.context import cp_positions
@@ -121,7 +124,7 @@ class Trainer:
         self.params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
         # MoE routing statistics are summed over the ranks that saw different tokens (dp x cp).
         self.moe = moe_layers(self.model_parts)
-        self.moe_group = self.mesh["dp_cp"].get_group() if self.mesh is not None and self.moe else None
+        self.moe_group = self.mesh["dp_cp"].get_group() if self.moe else None  # None: one such rank
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
         # bf16 (and fp8, which is bf16 outside its fp8 matmuls) without FSDP (one process, or TP
         # alone) runs under autocast instead of FSDP's policy.
@@ -133,7 +136,7 @@ class Trainer:
             from ndtrain.parallel.float8 import float8_all_gather, precompute_scales
 
             self.fp8_scales = precompute_scales if float8_all_gather(self.dims) else None
-        self.tp_rank = self.mesh["tp"].get_local_rank() if self.mesh is not None else 0
+        self.tp_rank = self.mesh.coordinate("tp")[0]
 
         self.step = 0
         self.tokens_seen = 0
@@ -152,10 +155,7 @@ class Trainer:
 
     # ---- layout helpers -------------------------------------------------------------------
     def _dp_coords(self) -> tuple[int, int]:
-        if self.mesh is None:
-            return 0, 1
-        dp = self.mesh["dp"]
-        return dp.get_local_rank(), dp.size()
+        return self.mesh.coordinate("dp")
 
     def _loss_context(self):
         if self.dims.tp > 1:
