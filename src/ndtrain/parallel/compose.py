@@ -53,5 +53,6 @@ def parallelize(model: nn.Module, dims: Layout, mesh=None) -> nn.Module:
     if dims.world_size // (dims.tp * dims.pp) > 1:
         from ndtrain.parallel.data_parallel import apply_fsdp
 
-        apply_fsdp(model, mesh.fsdp_mesh(dims), dims.reshards_after_forward, dims.mp, dims.offload)
+        apply_fsdp(model, mesh.fsdp_mesh(dims), dims.reshards_after_forward, dims.mp, dims.offload,
+                   mesh["ep_fsdp"] if dims.ep > 1 else None)
     return model
