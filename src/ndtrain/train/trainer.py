@@ -2,7 +2,8 @@
 degrees are all 1 (a mesh with no dimension, no process group). It branches on the layout only
 where a dimension adds work: pipeline (pp > 1: the schedule runs the micro-batches), context
 parallel (cp > 1: a share of each sequence), tensor parallel (tp > 1: the vocab-parallel loss),
-FSDP (gradient sync per micro-batch) and fp8."""
+FSDP (gradient sync per micro-batch) and fp8; on the data for document masking; and, in
+`train`, on the launcher (ranks of a plain torchrun agree on one run directory)."""
 
 from __future__ import annotations
 
