@@ -94,7 +94,7 @@ def main() -> None:
     from ndtrain.config import load_config
     from ndtrain.model.config import num_params, preset
     from ndtrain.parallel.launch import run_ranks
-    from ndtrain.parallel.verify import layout_config
+    from ndtrain.tools.verify import layout_config
 
     shape = preset(a.preset)
     data = synthetic_tokens(Path(tempfile.mkdtemp()) / "data", shape.vocab_size, 400_000)

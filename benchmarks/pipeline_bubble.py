@@ -31,7 +31,7 @@ import torch
 
 from ndtrain.config import load_config
 from ndtrain.parallel import pipeline_schedule as ps
-from ndtrain.parallel.pipeline_report import draw_gantt, measure, measured_panel, summarize
+from ndtrain.tools.pipeline_report import draw_gantt, measure, measured_panel, summarize
 
 
 def config(args, schedule: str, v: int, m: int, control: bool = False):

@@ -14,15 +14,15 @@ import sys
 
 # name -> (module, function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "train": ("ndtrain.train.command", "main", "train a model (single process, --nproc N, or under torchrun)"),
+    "train": ("ndtrain.tools.auto", "train_main", "train a model (single process, --nproc N, or under torchrun)"),
     "prepare": ("ndtrain.data.prepare", "main", "tokenize text files into a binary token shard"),
     "generate": ("ndtrain.train.generate", "main", "sample text from a checkpoint"),
-    "config": ("ndtrain.config", "main", "`config show`: the resolved config; `config check --world N`: check it for N ranks"),
-    "verify": ("ndtrain.parallel.verify", "main", "check that parallel layouts match a single process"),
+    "config": ("ndtrain.tools.config_check", "config_main", "`config show`: the resolved config; `config check --world N`: check it for N ranks"),
+    "verify": ("ndtrain.tools.verify", "main", "check that parallel layouts match a single process"),
     "plan": ("ndtrain.planner.command", "plan_main", "predict memory/time/MFU of layouts and pick the best"),
     "goodput": ("ndtrain.planner.command", "goodput_main", "expected goodput and optimal checkpoint interval"),
     "calibrate": ("ndtrain.tools.calibrate_gpu", "main", "measure this machine (its GPUs, or its CPU ranks) for the planner"),
-    "pipeline-report": ("ndtrain.parallel.pipeline_report", "main", "draw a pipeline schedule timeline"),
+    "pipeline-report": ("ndtrain.tools.pipeline_report", "main", "draw a pipeline schedule timeline"),
     "export": ("ndtrain.train.interop", "export_main", "export a checkpoint (safetensors or Hugging Face)"),
     "import": ("ndtrain.train.interop", "import_main", "import Hugging Face Llama weights"),
     "report": ("ndtrain.tools.report", "main", "draw runs (loss, throughput, memory, restarts...) into one HTML file"),

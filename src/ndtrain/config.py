@@ -398,6 +398,15 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(found[0].key, str(found[0]))
 
 
+def global_batch_at(cfg: JobConfig, tokens_seen: int) -> int:
+    """The global batch (sequences) for the next step; `batch_ramp` raises it by tokens seen."""
+    gb = cfg.train.global_batch
+    for threshold, batch in sorted(cfg.train.batch_ramp):
+        if tokens_seen >= threshold:
+            gb = batch
+    return gb
+
+
 def layout_batches(train: TrainConfig) -> list[int]:
     """Every global batch (sequences) a run uses: the batch first, then each stage of its ramp."""
     out = [train.global_batch]
@@ -452,11 +461,7 @@ def main(argv: list[str]) -> int:
               "       ndtrain config check --world N [--config F] [--section.key=value ...]")
         return 0
     action, rest = argv[0], argv[1:]
-    if action == "check":
-        from ndtrain.parallel.config_check import main as check_main
-
-        return check_main(rest)
-    if action != "show":
+    if action != "show":  # `check` builds stages, so ndtrain.tools.config_check answers it first
         raise NdtrainError(f"unknown config action {action!r}; use `config show` or `config check --world N`")
     path = None
     if "--config" in rest:

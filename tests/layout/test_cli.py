@@ -88,7 +88,7 @@ def test_verify_one_layout_per_argument(capsys, corpus_dir):
 
 
 def test_ep_alone_takes_that_many_data_parallel_ranks(capsys):
-    from ndtrain.parallel.verify import layout_overrides, layout_world
+    from ndtrain.tools.verify import layout_overrides, layout_world
 
     # `--nproc 2 --parallel.ep=2` on an MoE config: dp_shard = -1 takes both ranks, ep borrows them
     assert cli(["config", "check", "--world", "2", "--model.preset=debug-moe", "--parallel.ep=2"]) == 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from ndtrain.model.config import preset, replace
-from ndtrain.parallel.verify import verify
+from ndtrain.tools.verify import verify
 from ndtrain.planner.hardware import from_profile, this_machine
 from ndtrain.planner.problem import make_problem
 from ndtrain.planner.search import search

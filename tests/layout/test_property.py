@@ -15,7 +15,7 @@ from ndtrain.config import load_config
 from ndtrain.errors import NdtrainError
 from ndtrain.layout import Layout
 from ndtrain.model.config import preset
-from ndtrain.parallel.config_check import check_config
+from ndtrain.tools.config_check import check_config
 from ndtrain.planner.problem import make_problem
 from ndtrain.planner.search import _schedules, divisors
 from ndtrain.planner.stack import PLANNED_AC

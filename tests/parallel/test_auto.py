@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ndtrain.config import load_config
-from ndtrain.parallel.auto import apply_auto_layout, describe
+from ndtrain.tools.auto import apply_auto_layout, describe
 from ndtrain.parallel.dims import resolve
 
 
@@ -46,7 +46,7 @@ def test_auto_plans_for_the_gpu_it_finds(monkeypatch):
     import torch
 
     from ndtrain.errors import NdtrainError
-    from ndtrain.parallel.auto import auto_hardware
+    from ndtrain.tools.auto import auto_hardware
     from ndtrain.planner.hardware import catalog_name
 
     assert catalog_name("NVIDIA H100 80GB HBM3") == "h100"
@@ -66,3 +66,16 @@ def test_auto_plans_for_the_gpu_it_finds(monkeypatch):
         auto_hardware(cfg)
     cfg.parallel.auto_hardware = "a100-80"  # the config key overrides what is found
     assert auto_hardware(cfg) == "a100-80"
+
+
+def test_the_trainer_without_the_planner_refuses_auto_with_the_key(capsys):
+    """The planner sits above the trainer: a caller that hands no `plan` gets one line, not a guess."""
+    from ndtrain.errors import ConfigError
+    from ndtrain.train.trainer import plan_layout
+
+    cfg = load_config(None, {"parallel": {"auto": True}})
+    with pytest.raises(ConfigError, match="parallel.auto"):
+        plan_layout(cfg, 2)
+    assert plan_layout(load_config(None, {}), 2) is None
+    choice = plan_layout(cfg, 2, apply_auto_layout)
+    assert choice["description"] == describe(choice)

@@ -281,7 +281,7 @@ def test_validation_and_positions_guard(cp_ranks, corpus_dir):
 # ---- training parity ---------------------------------------------------------------------------
 @pytest.mark.timeout(300)
 def test_training_parity_vs_world1(parity_base):
-    from ndtrain.parallel.verify import verify
+    from ndtrain.tools.verify import verify
 
     layouts = ["cp=2", "cp=2,cp_attention=allgather,ac=full,ga=2",
                "cp=2,dp_shard=2", "cp=2,tp=2", "cp=4"]

@@ -9,7 +9,7 @@ import torch
 
 from ndtrain.config import load_config
 from ndtrain.parallel.launch import run_ranks
-from ndtrain.parallel.verify import layout_config
+from ndtrain.tools.verify import layout_config
 
 FP32_TOL = 1e-5
 DILOCO = ",replicate_sync=diloco"

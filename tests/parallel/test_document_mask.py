@@ -196,7 +196,7 @@ def test_trainer_with_document_mask_matches_one_process_under_cp_and_tp(parity_b
 
     from ndtrain.data.loader import StatefulLoader, TokenDataset
     from ndtrain.data.prepare import prepare
-    from ndtrain.parallel.verify import format_table, verify
+    from ndtrain.tools.verify import format_table, verify
 
     words = ["def", "return", "self", "value", "é", "日本", "x", "=", "(", ")", "\n"]
     g = torch.Generator().manual_seed(0)

@@ -9,7 +9,7 @@ import importlib.util
 
 import pytest
 
-from ndtrain.parallel.verify import verify
+from ndtrain.tools.verify import verify
 
 TOL = 1e-5
 # Cross-feature layouts join the same launches when those features are present.

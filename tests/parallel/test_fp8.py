@@ -132,7 +132,7 @@ def test_bad_fp8_layout_is_one_line_exit_2(tmp_path):
 
 def one_process_curves(parity_base, recipe: str) -> None:
     """World 1 (bf16 autocast), 30 steps; fp8 GEMMs counted as they run."""
-    from ndtrain.parallel.verify import run_steps
+    from ndtrain.tools.verify import run_steps
 
     calls = []
     scaled_mm = torch._scaled_mm
@@ -160,7 +160,7 @@ def test_fp8_tracks_bf16_in_one_process(parity_base):
 
 def _fsdp_probe(cfgs, steps):
     """On each rank: the runs' losses, plus what the fp8 run's weights are."""
-    from ndtrain.parallel.verify import run_steps
+    from ndtrain.tools.verify import run_steps
     from ndtrain.train.trainer import Trainer
 
     out = [run_steps(cfg, steps)["losses"] for cfg in cfgs]
@@ -175,7 +175,7 @@ def _fsdp_probe(cfgs, steps):
 def test_fp8_tracks_bf16_under_fsdp(parity_base):
     """FSDP world 2, tensorwise: fp8 matmuls and float8 all-gather of the sharded weights."""
     from ndtrain.parallel.launch import run_ranks
-    from ndtrain.parallel.verify import layout_config
+    from ndtrain.tools.verify import layout_config
 
     base = _base(parity_base)
     cfgs = [layout_config(base, f"dp_shard=2,mp={mp}") for mp in ("bf16", "fp8")]

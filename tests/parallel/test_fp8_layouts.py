@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from ndtrain.parallel.verify import verify
+from ndtrain.tools.verify import verify
 
 FP8_TOL = 2e-2
 WORLD2 = ["dp_shard=2,mp=fp8,fp8_recipe=rowwise", "dp_replicate=2,mp=fp8", "tp=2,mp=fp8,ac=selective",
@@ -61,7 +61,7 @@ def test_fp8_tracks_bf16_under_fsdp_x_tp(parity_base):
     from test_fp8 import STEPS, _base, _check_curves
 
     from ndtrain.parallel.launch import run_ranks
-    from ndtrain.parallel.verify import _run_many, layout_config
+    from ndtrain.tools.verify import _run_many, layout_config
 
     base = _base(parity_base)
     specs = ["dp_shard=2,tp=2,mp=bf16", "dp_shard=2,tp=2,mp=fp8", "dp_shard=2,tp=2,mp=fp8,fp8_recipe=rowwise"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ndtrain.parallel.verify import verify
+from ndtrain.tools.verify import verify
 
 FP32_TOL = 1e-5
 BF16_TOL = 1e-2  # bf16 parameters carry ~3 significant digits; 3 steps stay well inside 1e-2

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ndtrain.parallel.verify import verify
+from ndtrain.tools.verify import verify
 
 TOL = 1e-5
 

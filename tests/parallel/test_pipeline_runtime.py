@@ -36,7 +36,7 @@ def _pp_rank(cfg, steps: int, other) -> dict:
 @pytest.mark.timeout(300)
 def test_checkpoint_reshards_pp_to_world1_and_timeline(parity_base, tmp_path):
     from ndtrain.parallel.launch import run_ranks
-    from ndtrain.parallel.pipeline_report import draw_gantt, measured_panel, summarize
+    from ndtrain.tools.pipeline_report import draw_gantt, measured_panel, summarize
     from ndtrain.train.checkpoint import Checkpointer
     from ndtrain.train.trainer import Trainer
 

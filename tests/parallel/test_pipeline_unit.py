@@ -211,7 +211,7 @@ def test_valid_pipeline_layouts_resolve():
 
 
 def test_verify_layouts_default_to_a_runnable_microbatch_count(parity_base):
-    from ndtrain.parallel.verify import layout_config
+    from ndtrain.tools.verify import layout_config
 
     parity_base = {**parity_base, "model": {"preset": "debug", "n_layers": 8}}
     cases = {"pp=2,schedule=1F1B": 4, "pp=4,v=2,schedule=DualPipeV": 1, "pp=2,dp_shard=2,tp=2": 2,

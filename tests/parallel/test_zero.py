@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ndtrain.parallel.launch import run_ranks
-from ndtrain.parallel.verify import layout_config
+from ndtrain.tools.verify import layout_config
 
 
 def _state(trainer) -> list[bool]:

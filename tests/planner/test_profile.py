@@ -9,7 +9,7 @@ import pytest
 from ndtrain.cli import main as cli
 from ndtrain.model.config import preset
 from ndtrain.planner import profile
-from ndtrain.planner.calibrate import fit_alpha_beta
+from ndtrain.tools.calibrate import fit_alpha_beta
 from ndtrain.planner.hardware import CATALOG, GiB
 from ndtrain.planner.problem import make_problem
 from ndtrain.tools import calibrate_gpu

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ndtrain.config import OptimizerConfig, load_config
-from ndtrain.parallel.verify import run_steps
+from ndtrain.tools.verify import run_steps
 from ndtrain.train.optim import lr_at
 from ndtrain.train.trainer import global_batch_at, split_micro, train
 

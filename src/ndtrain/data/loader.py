@@ -237,6 +237,11 @@ class StatefulLoader:
             self._prefetch = None
         self._ahead.clear()
 
+    def skip_to(self, consumed: int) -> None:
+        """Continue from sample `consumed` (ahead of the position: a skipped window). Batches
+        prefetched for the old position are keyed by it and simply never asked for."""
+        self.consumed_samples = _check_int("consumed_samples", consumed, self.consumed_samples)
+
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples, "seed": self.seed, "seq_len": self.seq_len}
 

@@ -23,11 +23,9 @@ import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from ndtrain.data.encode import encode_unit, encode_units
-from ndtrain.data.manifest import (FORMAT, FORMAT_VERSION, MANIFEST_NAME, TOKENIZER_NAME, check_shards,
-                                   dtype_for_vocab, read_manifest, write_json_atomic)
+from ndtrain.data.manifest import (FORMAT, FORMAT_VERSION, MANIFEST_NAME, TOKENIZER_NAME, dtype_for_vocab,
+                                   read_manifest, write_json_atomic)
 from ndtrain.data.shards import ShardWriter
 from ndtrain.data.sources import SourceFile, check_readable, collect, default_corpus_root, plan_units, sample_texts
 from ndtrain.data.tokenizer import BPETokenizer, check_bpe_vocab_size, load_tokenizer, make_tokenizer
@@ -35,9 +33,6 @@ from ndtrain.errors import NdtrainError
 
 __all__ = ["prepare", "ensure_prepared", "main", "default_corpus_root"]
 
-# A sensible cap for the default corpus in quick runs (`make train`): ~20 MB keeps prepare to a
-# few seconds with the byte tokenizer while still being far more text than a small model can memorise.
-DEFAULT_CORPUS_MAX_MB = 20
 DEFAULT_SHARD_MB = 256.0
 DEFAULT_BPE_SAMPLE_MB = 256.0
 _PARALLEL_MIN_BYTES = 16 << 20

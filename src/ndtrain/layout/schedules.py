@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ndtrain.errors import NdtrainError
-from ndtrain.layout.degrees import microbatch_count  # noqa: F401  (re-exported: schedules use it)
 
 
 @dataclass(frozen=True)

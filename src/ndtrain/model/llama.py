@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ndtrain.model.config import ModelConfig
+from ndtrain.model.feed_forward import FeedForward
+from ndtrain.model.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -107,17 +109,6 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -125,8 +116,6 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         if cfg.is_moe_layer(layer):
-            from ndtrain.model.moe import MoE
-
             self.feed_forward = MoE(cfg)
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ndtrain.model.config import ModelConfig
-from ndtrain.model.llama import FeedForward
+from ndtrain.model.feed_forward import FeedForward
 
 # Per-layer statistics accumulated over a step: selections per expert, then these columns.
 _DROPPED, _ENTROPY, _TOKENS, _AUX, _SEQS = range(5)

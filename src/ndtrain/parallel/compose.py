@@ -50,11 +50,12 @@ def parallelize(model: nn.Module, dims: Layout, mesh=None) -> nn.Module:
     if dims.compile:
         for block in model.layers.values():
             block.compile()
-    if mesh is not None and dims.world_size // (dims.tp * dims.pp) > 1:
+    if dims.world_size // (dims.tp * dims.pp) > 1:
         from ndtrain.parallel.data_parallel import apply_fsdp
 
         # DiLoCo: FSDP shards and reduces inside each replica only, at any ZeRO stage
         # (parallel/diloco.py syncs the replicas).
         dp_mesh = mesh.fsdp_mesh(dims, across_replicas=dims.sync != "diloco")
-        apply_fsdp(model, dp_mesh, dims.reshards_after_forward, dims.mp, dims.offload)
+        apply_fsdp(model, dp_mesh, dims.reshards_after_forward, dims.mp, dims.offload,
+                   mesh["ep_fsdp"] if dims.ep > 1 else None)
     return model

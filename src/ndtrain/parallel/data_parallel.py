@@ -31,7 +31,8 @@ from ndtrain.parallel.expert import shard_experts
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool, mixed_precision: str,
-               cpu_offload: bool) -> None:
+               cpu_offload: bool, ep_fsdp_mesh=None) -> None:
+    """`ep_fsdp_mesh`: with expert parallelism, the mesh that shards the experts' weights."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed_precision in ("bf16", "fp8") else MixedPrecisionPolicy()
     # pin_memory needs an accelerator; on CPU-only hosts torch raises if it is requested.
@@ -44,7 +45,8 @@ def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool, mixed_pre
         # The last block's parameters are needed again first in backward: keep them gathered.
         reshard = reshard_after_forward and i < len(blocks) - 1
         # Expert-parallel weights first: they live on their own (smaller) mesh.
-        shard_experts(block, kwargs, reshard)
+        if ep_fsdp_mesh is not None:
+            shard_experts(block, ep_fsdp_mesh, kwargs, reshard)
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
 

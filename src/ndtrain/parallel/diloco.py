@@ -88,12 +88,13 @@ class DiLoCo:
         self.total_steps = total_steps
         self.R = dims.dp_replicate
         self.replica = mesh["dp_replicate"].get_local_rank()
-        grid = mesh.root.mesh  # ranks, shape (pp, dp_replicate, dp_shard, cp, tp)
+        # ranks over the mesh's dimensions in use (those larger than one), dp_replicate among them
+        grid, rep = mesh.root.mesh, mesh.root.mesh_dim_names.index("dp_replicate")
         # Scalars that must agree across replicas (skip/rollback) use the mesh's replicate group;
         # the outer all-reduce gets a group of its own, so it can run in the background.
         self.flag_group = mesh["dp_replicate"].get_group()
-        self.outer_group = _subgroup(_groups(grid, 1))
-        self.replica_group = _subgroup(grid.movedim(1, 0).reshape(self.R, -1).tolist())
+        self.outer_group = _subgroup(_groups(grid, rep))
+        self.replica_group = _subgroup(grid.movedim(rep, 0).reshape(self.R, -1).tolist())
         self.ranks_per_stage = dims.world_size // self.R // dims.pp
         self.tracked: list[_Tracked] = []
         self.alias: dict[str, int] = {}  # canonical name (tied weights: every name) -> index

@@ -27,47 +27,119 @@ def resolve(par, world_size: int, model: ModelConfig, seq_len: int = 0, train=No
     return check_layout(lay, model, world_size, seq_len or None, batches)
 
 
+VIEWS = {  # flattened dimensions, by the name callers use
+    "dp": ("dp_replicate", "dp_shard"),  # loader sharding
+    "dp_shard_cp": ("dp_shard", "cp"),  # FSDP sharding: cp ranks shard parameters too
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),  # ranks that see different tokens
+}
+
+
+class One:
+    """A dimension of size one: this rank is its only member, and it needs no process group."""
+
+    def get_local_rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1
+
+    def get_group(self):
+        return None
+
+
+ONE = One()
+
+
 class Meshes:
-    """The root mesh plus the flattened views other code uses, kept here because slicing a
-    flattened dim back out of the root mesh is deprecated:
-    'dp' (loader sharding), 'dp_shard_cp' (FSDP sharding), 'dp_cp' (loss/gradient averaging)."""
+    """The device mesh of the dimensions in use, under the names callers use: the five of
+    MESH_ORDER, the flattened VIEWS, and 'ep' / 'ep_fsdp' with expert parallelism.
 
-    def __init__(self, root, flat: dict):
-        self.root = root
-        self.flat = flat
+    Only dimensions larger than one get process groups (on Gloo each `new_group` costs a
+    rendezvous, and a size-1 dimension of world W costs W of them); a size-1 name answers with
+    ONE. A view is built on first use (flattening is collective: SPMD code asks for the same views
+    in the same order on every rank), and is just its dimension when only one of its parts is
+    larger than one. A single process is the mesh with no dimension at all."""
 
-    def __getitem__(self, key):
-        if isinstance(key, str) and key in self.flat:
-            return self.flat[key]
-        return self.root[key]
+    def __init__(self, dims: Layout, device_type: str, rank: int = 0):
+        self.dims = dims
+        self.rank = rank
+        sizes = dict(zip(MESH_ORDER, dims.shape))
+        self.used = tuple(n for n in MESH_ORDER if sizes[n] > 1 or (n == "dp_shard" and self._replicate_only()))
+        self.root = None
+        if self.used:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.root = init_device_mesh(device_type, tuple(sizes[n] for n in self.used), mesh_dim_names=self.used)
+        self._views: dict = {}
+
+    def _replicate_only(self) -> bool:
+        # FSDP replicating without sharding still wants a 2-D (replicate, shard) mesh: keep the
+        # size-1 shard dimension then.
+        return self.dims.dp_replicate > 1 and self.dims.dp_shard * self.dims.cp == 1
+
+    def __getitem__(self, name: str):
+        if name in self.used:
+            return self.root[name]
+        if name in MESH_ORDER:
+            return ONE
+        if name not in self._views:
+            self._views.update(self._build_view(name))
+        return self._views[name]
+
+    def _build_view(self, name: str) -> dict:
+        if name in ("ep", "ep_fsdp"):
+            # Expert parallel: the same dp x cp ranks seen as (dp_replicate, dp_shard_cp / ep, ep);
+            # 'ep' splits experts, 'ep_fsdp' shards them (one root, so FSDP can combine the two).
+            d = self.dims
+            edp = self["dp_cp"]._unflatten(0, (d.dp_replicate, d.dp_shard * d.cp // d.ep, d.ep),
+                                           ("ep_replicate", "ep_shard", "ep"))
+            return {"ep": edp["ep"], "ep_fsdp": edp["ep_replicate", "ep_shard"]}
+        parts = tuple(n for n in VIEWS[name] if n in self.used)
+        if not parts:
+            return {name: ONE}
+        if len(parts) == 1:
+            return {name: self.root[parts[0]]}
+        return {name: self.root[parts]._flatten(name)}
+
+    def coordinate(self, name: str) -> tuple[int, int]:
+        """(this rank's index, size) along a dimension or view, from the rank alone: no group."""
+        coords, r = {}, self.rank
+        for n, extent in reversed(list(zip(MESH_ORDER, self.dims.shape))):  # row-major, like the mesh
+            coords[n], r = r % extent, r // extent
+        index, size = 0, 1
+        for n in VIEWS.get(name, (name,)):
+            extent = self.dims.shape[MESH_ORDER.index(n)]
+            index, size = index * extent + coords[n], size * extent
+        return index, size
+
+    @property
+    def ranks(self):
+        """The global rank at every coordinate, [pp, dp_replicate, dp_shard, cp, tp] (row-major,
+        as init_device_mesh numbers them)."""
+        import torch
+
+        return torch.arange(self.dims.world_size).reshape(self.dims.shape)
 
     def fsdp_mesh(self, dims: Layout, across_replicas: bool = True):
-        """2-D (replicate, shard) mesh for FSDP/HSDP; cp ranks shard parameters too. Without
-        `across_replicas` (DiLoCo) the 1-D shard mesh: gradients never leave the replica."""
-        rep = ("dp_replicate",) if across_replicas else ()
-        if dims.cp == 1:
-            return self.root[(*rep, "dp_shard")]
+        """FSDP's mesh: 1-D (shard) without replication, 2-D (replicate, shard) for HSDP; cp ranks
+        shard parameters too. Without `across_replicas` (DiLoCo) the 1-D shard mesh: gradients
+        never leave the replica."""
+        if not across_replicas and self._replicate_only():
+            return self.root["dp_shard"]  # DiLoCo replicas of one rank each: FSDP over that rank
+        if dims.dp_replicate == 1 or not across_replicas:
+            return self["dp_shard_cp"]
+        if self._replicate_only():
+            return self.root["dp_replicate", "dp_shard"]
+        shard = self["dp_shard_cp"]  # registers the flattened name with the root when it is one
+        name = shard.mesh_dim_names[0]
         import warnings
 
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # slicing a flattened dim out of the root is deprecated
             warnings.simplefilter("ignore", UserWarning)
-            return self.root[(*rep, "dp_shard_cp")]
+            return self.root["dp_replicate", name]
 
 
 def build_mesh(dims: Layout, device_type: str) -> Meshes:
-    from torch.distributed.device_mesh import init_device_mesh
+    import torch.distributed as dist
 
-    root = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_ORDER)
-    flat = {
-        "dp": root["dp_replicate", "dp_shard"]._flatten("dp"),
-        "dp_shard_cp": root["dp_shard", "cp"]._flatten("dp_shard_cp"),
-        "dp_cp": root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
-    }
-    if dims.ep > 1:
-        # Expert parallel: the same dp x cp ranks seen as (dp_replicate, dp_shard_cp / ep, ep);
-        # 'ep' splits experts, 'ep_fsdp' shards them (one root, so FSDP can combine the two).
-        edp = flat["dp_cp"]._unflatten(0, (dims.dp_replicate, dims.dp_shard * dims.cp // dims.ep, dims.ep),
-                                       ("ep_replicate", "ep_shard", "ep"))
-        flat["ep"] = edp["ep"]
-        flat["ep_fsdp"] = edp["ep_replicate", "ep_shard"]
-    return Meshes(root, flat)
+    return Meshes(dims, device_type, dist.get_rank() if dist.is_initialized() else 0)

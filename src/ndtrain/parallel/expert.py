@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from ndtrain.model.moe import MoE
+from ndtrain.model.moe import GroupedExperts, MoE
 
 
 class TrafficMeter:
@@ -164,18 +164,16 @@ def apply_expert_parallel(model: nn.Module, mesh, dims) -> None:
             experts.register_parameter(
                 name, nn.Parameter(distribute_tensor(full, ep_mesh, [Shard(0)]), param.requires_grad))
         moe.exchange = exchange
-        experts.ep_fsdp_mesh = mesh["ep_fsdp"]  # read by shard_experts, from apply_fsdp
 
 
-def shard_experts(block: nn.Module, fsdp_kwargs: dict, reshard_after_forward: bool) -> None:
-    """FSDP for expert-parallel weights over their own mesh; call before sharding `block`."""
+def shard_experts(block: nn.Module, ep_fsdp_mesh, fsdp_kwargs: dict, reshard_after_forward: bool) -> None:
+    """FSDP for expert-parallel weights over their own mesh (Meshes['ep_fsdp']); call before
+    sharding `block`."""
     from torch.distributed.fsdp import fully_shard
 
     for module in block.modules():
-        ep_mesh = getattr(module, "ep_fsdp_mesh", None)
-        if ep_mesh is None:
-            continue
-        fully_shard(module, reshard_after_forward=reshard_after_forward, **{**fsdp_kwargs, "mesh": ep_mesh})
+        if isinstance(module, GroupedExperts):
+            fully_shard(module, reshard_after_forward=reshard_after_forward, **{**fsdp_kwargs, "mesh": ep_fsdp_mesh})
 
 
 def traffic_meter(model: nn.Module) -> TrafficMeter | None:

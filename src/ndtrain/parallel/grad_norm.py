@@ -31,7 +31,7 @@ def reduce_partial_grads(params) -> None:
 def shard_count(p, t=None) -> int:
     """How many distinct shards parameter `p` (or its gradient `t`, laid out like it) is split into."""
     t = p if t is None else t
-    shards = getattr(p, "_ndtrain_shard_factor", 1)
+    shards = 1
     if hasattr(t, "to_local"):
         from torch.distributed.tensor.placement_types import _StridedShard
 

@@ -262,7 +262,7 @@ class TiedEmbedding:
         self.group = None
         local = registry.get(dims.schedule).stage_ranks(dims.pp, dims.v)[-1] == 0  # V: last stage on rank 0
         if not local:
-            ranks = mesh.root.mesh  # [pp, dp_replicate, dp_shard, cp, tp] -> global rank
+            ranks = mesh.ranks  # [pp, dp_replicate, dp_shard, cp, tp] -> global rank
             me = dist.get_rank()
             flat = ranks.reshape(ranks.shape[0], -1)
             for c in range(flat.shape[1]):  # every rank creates every group, in the same order

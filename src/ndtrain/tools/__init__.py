@@ -1,2 +1,3 @@
-"""The top floor: tools that read or drive what the lower floors produce (`ndtrain report`).
-Nothing below imports from here."""
+"""The top floor: commands and tools that drive the trainer or the planner, or read what they
+produce: `ndtrain train`'s planner glue (auto), `config check`, `verify`, `pipeline-report`,
+`calibrate`, `report`. Nothing below imports from here (tests/test_layers.py checks it)."""

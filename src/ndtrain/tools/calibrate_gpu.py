@@ -12,7 +12,7 @@ GPU profile (planner/profile.py fits the constants from the raw measurements):
   * NCCL all-reduce, all-gather, reduce-scatter, all-to-all and p2p over the node's GPUs at message
     sizes from 4 KiB to 256 MiB (spawned processes, one per GPU), fitted alpha-beta per collective.
 Without a GPU (or with --device cpu) it runs the CPU calibration of "this-machine"
-(ndtrain.planner.calibrate), as before.
+(ndtrain.tools.calibrate), as before.
 
 The planner itself never imports torch: this module sits on the top floor and only writes JSON.
 """
@@ -224,7 +224,7 @@ def main(argv: list[str]) -> int:
         else:
             device = "gpu"
     if device == "cpu" or args.help:
-        from ndtrain.planner import calibrate as cpu
+        from ndtrain.tools import calibrate as cpu
 
         if args.help:
             p.print_help()
@@ -234,7 +234,7 @@ def main(argv: list[str]) -> int:
     if rest:
         raise NdtrainError(f"unknown option(s) for the GPU calibration: {' '.join(rest)}")
     from ndtrain.planner import profile
-    from ndtrain.planner.calibrate import fit_alpha_beta
+    from ndtrain.tools.calibrate import fit_alpha_beta
 
     start = time.perf_counter()
     hw, measured = calibrate_gpu(args.quick)

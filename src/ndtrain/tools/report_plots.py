@@ -285,7 +285,7 @@ def moe_load(runs: list[Run], path: Path) -> Path | None:
 
 def pipeline_gantt(runs: list[Run], path: Path) -> Path | None:
     """The traced step of every run that recorded one, drawn by the pipeline report's own Gantt."""
-    from ndtrain.parallel.pipeline_report import draw_gantt, measured_panel, summarize
+    from ndtrain.tools.pipeline_report import draw_gantt, measured_panel, summarize
 
     panels = []
     for run in runs:

@@ -79,9 +79,6 @@ class SavedActivationMeter:
             self.current_bytes -= entry[0]
             del self._live[key]
 
-    def reset_peak(self) -> None:
-        self.peak_bytes = self.current_bytes
-
     def __enter__(self) -> "SavedActivationMeter":
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()

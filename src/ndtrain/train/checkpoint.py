@@ -96,7 +96,7 @@ class Checkpointer:
         self.trainer = trainer
         self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
         self.async_ = cfg.checkpoint.async_
-        self.fault = lambda point, step: None  # set by recovery.Recovery for fault-injection tests
+        self.fault = lambda point, step: None  # set_fault_hook: recovery.Recovery injects faults in tests
         self.skip_windows: list[list[int]] = []  # data windows dropped after non-finite rollbacks
         self.history: list[dict] = []
         self.pending: _Pending | None = None
@@ -416,6 +416,15 @@ class Checkpointer:
         self.loaded_from = path
         self._info(f"resumed from {path} at step {t.step} (saved as {state.get('layout')} on "
                    f"{state.get('world_size')} ranks; now {t.dims.describe()} on {t.rt.world_size})")
+
+    # What recovery.Recovery asks of the checkpointer (it never writes its attributes).
+    def set_fault_hook(self, fault) -> None:
+        """`fault(point, step)` runs at each save's save/publish/rename points (fault injection)."""
+        self.fault = fault
+
+    def add_skip_window(self, window: list[int]) -> None:
+        """A data window [start, end) of samples to skip from now on; saved with every checkpoint."""
+        self.skip_windows.append(list(window))
 
 
 def _any_rank(flag: bool, device) -> bool:

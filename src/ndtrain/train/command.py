@@ -72,7 +72,8 @@ def _child_failure(exc) -> int:
     return 1
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], plan=None) -> int:
+    """`plan`: the `[parallel] auto` planner (ndtrain.tools.auto hands it in; see trainer.plan_layout)."""
     p = argparse.ArgumentParser(prog="ndtrain train", description="Train a model.",
                                 epilog="Any --section.key=value overrides the config file.")
     p.add_argument("--config", help="TOML config (default: built-in debug defaults)")
@@ -95,16 +96,16 @@ def main(argv: list[str]) -> int:
 
         die_with_parent(int(os.environ.get(LAUNCHER_ENV, "0") or 0) or None)
     elif args.nproc:
-        return _launch(cfg, args, argv)
-    return _run(cfg)
+        return _launch(cfg, args, argv, plan)
+    return _run(cfg, plan)
 
 
-def _run(cfg) -> int:
+def _run(cfg, plan=None) -> int:
     from ndtrain.train.recovery import EXIT_PREEMPTED
     from ndtrain.train.trainer import train
 
     try:
-        summary = train(cfg)
+        summary = train(cfg, plan=plan)
     except KeyboardInterrupt as exc:  # Ctrl-C outside the loop's own handling (start-up, a failing collective)
         if os.environ.get("RANK", "0") == "0":
             from ndtrain.train.ckpt_store import list_checkpoints
@@ -118,8 +119,6 @@ def _run(cfg) -> int:
         if _under_launcher():
             os._exit(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
-    if summary is None:
-        return 1
     rank0 = os.environ.get("RANK", "0") == "0"
     ckpt = summary.get("checkpoint")
     again = f"continue with --checkpoint.resume=auto --train.output_dir={summary['run_dir']}"
@@ -142,16 +141,15 @@ def _run(cfg) -> int:
     return 0
 
 
-def _launch(cfg, args, argv: list[str]) -> int:
+def _launch(cfg, args, argv: list[str], plan=None) -> int:
     """Everything that can fail is checked here, before any worker starts; then this process
     holds the run directory's lock for its workers and all their restarts."""
-    from ndtrain.parallel.auto import apply_auto_layout
     from ndtrain.parallel.dims import resolve
     from ndtrain.train import preflight, rundir
     from ndtrain.train.recovery import check_global_batch
-    from ndtrain.train.trainer import default_run_dir
+    from ndtrain.train.trainer import default_run_dir, plan_layout
 
-    apply_auto_layout(cfg, args.nproc)  # workers plan again for themselves; this surfaces errors now
+    plan_layout(cfg, args.nproc, plan)  # workers plan again for themselves; this surfaces errors now
     dims = resolve(cfg.parallel, args.nproc, cfg.model, cfg.data.seq_len, cfg.train,
                    cfg.data)  # errors before spawning
     check_global_batch(cfg, dims.dp)

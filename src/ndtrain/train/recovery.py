@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ndtrain.config import global_batch_at
 from ndtrain.errors import NdtrainError
 from ndtrain.train.metrics import peak_memory_mb
 
@@ -62,8 +63,6 @@ def check_global_batch(cfg, dp_size: int, tokens_seen: int = 0) -> None:
     """The global batch is a property of the run, not of the layout: a smaller world raises the
     gradient accumulation instead. Every batch still to come must split evenly over the
     data-parallel ranks; say so once, before any step."""
-    from ndtrain.train.trainer import global_batch_at
-
     ramp_started = any(t <= tokens_seen for t, _ in cfg.train.batch_ramp)
     stages = [("train.batch_ramp" if ramp_started else "train.global_batch", global_batch_at(cfg, tokens_seen))]
     stages += [(f"train.batch_ramp (stage at {t} tokens)", b) for t, b in cfg.train.batch_ramp if t > tokens_seen]
@@ -314,7 +313,7 @@ class Recovery:
         self.preemption = Preemption()
         log_path = Path(run_dir) / "faults.log" if run_dir is not None else None
         self.faults = FaultPlan.from_env(rank, log_path)
-        ckpt.fault = lambda point, step: self.faults.at_checkpoint(step, point)
+        ckpt.set_fault_hook(lambda point, step: self.faults.at_checkpoint(step, point))
         self.rollbacks = 0
         self.cuda = trainer.rt.device.type == "cuda"
         self._consumed_before = 0
@@ -329,7 +328,8 @@ class Recovery:
         consumed = t.loader.consumed_samples
         for start, end in self.ckpt.skip_windows:
             if start <= consumed < end:
-                t.loader.consumed_samples = consumed = end
+                t.loader.skip_to(end)
+                consumed = end
                 self._event({"event": "skip_window", "window": [start, end]},
                             f"step {t.step + 1}: skipping samples [{start}, {end}) that gave non-finite steps")
         self._consumed_before = consumed
@@ -367,7 +367,7 @@ class Recovery:
         if path is None:
             raise NdtrainError(f"{self.guard.limit} consecutive non-finite steps and no checkpoint to roll back to; "
                                f"set checkpoint.interval_steps")
-        ckpt.skip_windows.append(window)
+        ckpt.add_skip_window(window)
         self._event({"event": "rollback", "to": str(path), "skip_window": window},
                     f"rolled back to {path.name} (step {t.step}); samples [{window[0]}, {window[1]}) will be skipped")
 

@@ -1,5 +1,9 @@
 """The training loop. One code path for every layout: a single process is the layout whose
-degrees are all 1 (no mesh, no process group)."""
+degrees are all 1 (a mesh with no dimension, no process group). It branches on the layout only
+where a dimension adds work: pipeline (pp > 1: the schedule runs the micro-batches), context
+parallel (cp > 1: a share of each sequence), tensor parallel (tp > 1: the vocab-parallel loss),
+FSDP (gradient sync per micro-batch) and fp8; on the data for document masking; and, in
+`train`, on the launcher (ranks of a plain torchrun agree on one run directory)."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ndtrain.config import JobConfig, to_dict, to_toml
+from ndtrain.config import JobConfig, global_batch_at, to_dict, to_toml
 from ndtrain.data.loader import StatefulLoader, validation_batches
 from ndtrain.data.mixture import make_loader, open_dataset
 from ndtrain.data.packing import document_ids, document_positions
@@ -28,7 +32,6 @@ from ndtrain.model.init import canonical_name, materialize
 from ndtrain.model.moe import end_step as moe_end_step, moe_layers, set_aux_scale
 from ndtrain.model.llama import build_model
 from ndtrain.parallel import dims as pdims
-from ndtrain.parallel.auto import apply_auto_layout, describe as describe_auto
 from ndtrain.parallel.compose import parallelize
 from ndtrain.parallel.data_parallel import accumulation, reshard
 from ndtrain.parallel.grad_norm import (all_reduce_sum, clip_coefficient, local_grad_sq, reduce_partial_grads,
@@ -52,29 +55,32 @@ class StepResult:
     extra: dict = field(default_factory=dict)
 
 
-def global_batch_at(cfg: JobConfig, tokens_seen: int) -> int:
-    """The global batch (sequences) for the next step; `batch_ramp` raises it by tokens seen."""
-    gb = cfg.train.global_batch
-    for threshold, batch in sorted(cfg.train.batch_ramp):
-        if tokens_seen >= threshold:
-            gb = batch
-    return gb
-
-
 def split_micro(n: int, micro: int) -> list[tuple[int, int]]:
     """[start, end) slices of at most `micro` rows. Loss is normalised by tokens, so an uneven
     last micro-batch (after an elastic shrink) is still exact."""
     return [(s, min(s + micro, n)) for s in range(0, n, micro)]
 
 
+def plan_layout(cfg: JobConfig, world_size: int, plan=None) -> dict | None:
+    """`[parallel] auto`: `plan(cfg, world_size)` (the planner glue, ndtrain.tools.auto, handed
+    down by the command because the planner sits above the trainer) overwrites cfg's layout keys
+    for this world and returns its choice; None when auto is off."""
+    if not cfg.parallel.auto:
+        return None
+    if plan is None:
+        raise ConfigError("parallel.auto", "parallel.auto needs the planner: start the run with `ndtrain train` "
+                                           "(or pass plan=ndtrain.tools.auto.apply_auto_layout)")
+    return plan(cfg, world_size)
+
+
 class Trainer:
-    def __init__(self, cfg: JobConfig, run_dir: Path | None = None, log: bool = True):
+    def __init__(self, cfg: JobConfig, run_dir: Path | None = None, log: bool = True, plan=None):
         self.cfg = cfg
         self.rt = distributed.setup(cfg.train)
         # `[parallel] auto`: planned for the world found at every (re)start, before the mesh exists.
-        self.auto_choice = apply_auto_layout(cfg, self.rt.world_size)
+        self.auto_choice = plan_layout(cfg, self.rt.world_size, plan)
         self.dims = pdims.resolve(cfg.parallel, self.rt.world_size, cfg.model, cfg.data.seq_len, cfg.train, cfg.data)
-        self.mesh = pdims.build_mesh(self.dims, self.rt.device.type) if self.rt.world_size > 1 else None
+        self.mesh = pdims.build_mesh(self.dims, self.rt.device.type)  # one process: a mesh with no dimension
         self.run_dir = run_dir
         torch.manual_seed(cfg.train.seed)
 
@@ -94,7 +100,7 @@ class Trainer:
         # Context parallel: this rank holds a load-balanced share of each sequence, and the model
         # (every pipeline stage too) needs those tokens' global positions for RoPE (None = 0..s-1,
         # the whole sequence).
-        self.cp_rank = self.mesh["cp"].get_local_rank() if self.mesh is not None else 0
+        self.cp_rank = self.mesh.coordinate("cp")[0]
         self.cp_positions = None
         if self.dims.cp > 1:
             from ndtrain.parallel.context import cp_positions
@@ -119,7 +125,7 @@ class Trainer:
         self.params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
         # MoE routing statistics are summed over the ranks that saw different tokens (dp x cp).
         self.moe = moe_layers(self.model_parts)
-        self.moe_group = self.mesh["dp_cp"].get_group() if self.mesh is not None and self.moe else None
+        self.moe_group = self.mesh["dp_cp"].get_group() if self.moe else None  # None: one such rank
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
         # DiLoCo (parallel/diloco.py): replicas train apart and sync every H steps; per-step
         # scalars then reduce inside the replica only (None: over the world).
@@ -140,7 +146,7 @@ class Trainer:
             from ndtrain.parallel.float8 import float8_all_gather, precompute_scales
 
             self.fp8_scales = precompute_scales if float8_all_gather(self.dims) else None
-        self.tp_rank = self.mesh["tp"].get_local_rank() if self.mesh is not None else 0
+        self.tp_rank = self.mesh.coordinate("tp")[0]
 
         self.step = 0
         self.tokens_seen = 0
@@ -159,10 +165,7 @@ class Trainer:
 
     # ---- layout helpers -------------------------------------------------------------------
     def _dp_coords(self) -> tuple[int, int]:
-        if self.mesh is None:
-            return 0, 1
-        dp = self.mesh["dp"]
-        return dp.get_local_rank(), dp.size()
+        return self.mesh.coordinate("dp")
 
     def _loss_context(self):
         if self.dims.tp > 1:
@@ -369,8 +372,9 @@ def default_run_dir(cfg: JobConfig) -> Path:
     return Path("runs") / f"{cfg.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
-def train(cfg: JobConfig) -> dict:
-    """Run a whole job: train, validate, checkpoint, sample. Returns a summary (rank 0's view)."""
+def train(cfg: JobConfig, plan=None) -> dict:
+    """Run a whole job: train, validate, checkpoint, sample. Returns a summary (rank 0's view).
+    `plan`: see plan_layout."""
     from ndtrain.train import recovery
 
     # Under torchrun the run id is stable across restarts, so a restarted group finds its checkpoints.
@@ -385,20 +389,20 @@ def train(cfg: JobConfig) -> dict:
 
     lock = claim_for_group(cfg, run_dir)
     try:
-        return _train(cfg, run_dir)
+        return _train(cfg, run_dir, plan)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train(cfg: JobConfig, run_dir: Path) -> dict:
+def _train(cfg: JobConfig, run_dir: Path, plan=None) -> dict:
     from ndtrain.train import recovery
 
     peers = distributed.peer_table()  # who is who, should a peer die later
     progress = {"step": None}
     interrupt = recovery.InterruptRecord()
     try:
-        return _train_loop(cfg, run_dir, progress)
+        return _train_loop(cfg, run_dir, progress, plan)
     except KeyboardInterrupt:
         raise recovery.Interrupted(progress["step"]) from None
     except Exception as exc:
@@ -421,11 +425,11 @@ def _train(cfg: JobConfig, run_dir: Path) -> dict:
         interrupt.close()
 
 
-def _train_loop(cfg: JobConfig, run_dir: Path, progress: dict) -> dict:
+def _train_loop(cfg: JobConfig, run_dir: Path, progress: dict, plan=None) -> dict:
     from ndtrain.train import recovery
     from ndtrain.train.checkpoint import Checkpointer, list_checkpoints
 
-    trainer = Trainer(cfg, run_dir)
+    trainer = Trainer(cfg, run_dir, plan=plan)
     rt, log = trainer.rt, trainer.logger
     ckpt = Checkpointer(cfg, run_dir, trainer)
     if rt.is_main:
@@ -452,8 +456,8 @@ def _train_loop(cfg: JobConfig, run_dir: Path, progress: dict) -> dict:
         log.info(f"fp8 ({cfg.parallel.fp8_recipe} scaling): {len(fp8_linears(cfg.model, trainer.dims.tp))} "
                  f"Linear layers in float8 ({summary(cfg.model, trainer.dims.tp)}); all else bf16")
     if trainer.auto_choice:
-        log.info(f"auto layout (planner): {describe_auto(trainer.auto_choice)}")
-        log.log({"step": trainer.step, "event": "auto", "layout": describe_auto(trainer.auto_choice),
+        log.info(f"auto layout (planner): {trainer.auto_choice['description']}")
+        log.log({"step": trainer.step, "event": "auto", "layout": trainer.auto_choice["description"],
                  "predicted_step_time": trainer.auto_choice["predicted_step_time"],
                  "predicted_tokens_per_s": trainer.auto_choice["predicted_tokens_per_s"]})
     step_times: list[float] = []

@@ -29,7 +29,7 @@ def check_config(cfg: JobConfig, world: int, build: bool = True) -> tuple[Layout
     if world < 1:
         raise NdtrainError(f"--world must be >= 1, got {world}")
     if cfg.parallel.auto:
-        from ndtrain.parallel.auto import apply_auto_layout
+        from ndtrain.tools.auto import apply_auto_layout
 
         apply_auto_layout(cfg, world)
     lay = from_config(cfg.parallel, cfg.train, cfg.data)
@@ -151,3 +151,12 @@ def main(argv: list[str]) -> int:
     _, lines = check_config(cfg, args.world)
     sys.stdout.write("\n".join(lines) + "\nok: the runtime builds this layout\n")
     return 0
+
+
+def config_main(argv: list[str]) -> int:
+    """`ndtrain config`: `check` here, everything else (`show`, help) in ndtrain.config."""
+    if argv and argv[0] == "check":
+        return main(argv[1:])
+    from ndtrain.config import main as config_show
+
+    return config_show(argv)

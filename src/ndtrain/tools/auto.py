@@ -1,5 +1,6 @@
 """`[parallel] auto = true`: the planner lays out the run for the world size and the machine it
-finds.
+finds. Glue between the planner and the trainer, so it sits in tools/: the `ndtrain train` command
+hands `apply_auto_layout` down to the trainer as its `plan`.
 
 It runs at every (re)start, before the mesh exists, so an elastic restart on fewer ranks gets a
 layout planned for the new world; resume-anywhere checkpoints make the change of layout safe.
@@ -52,6 +53,7 @@ def apply_auto_layout(cfg: JobConfig, world_size: int, hardware_profile=None) ->
     for section, values in choice["overrides"].items():
         for key, value in values.items():
             setattr(getattr(cfg, section), key, value)
+    choice["description"] = describe(choice)
     return choice
 
 
@@ -59,3 +61,11 @@ def describe(choice: dict) -> str:
     return (f"{choice['layout'].short()} (as text: {choice['layout'].text()}): predicted "
             f"{choice['predicted_step_time']:.3f} s/step, {choice['predicted_tokens_per_s']:,.0f} tokens/s "
             f"on {choice['hardware']}")
+
+
+def train_main(argv: list[str]) -> int:
+    """`ndtrain train`: the command lives with the trainer, which gets the planner from here
+    (train/ sits below the planner glue and never imports it)."""
+    from ndtrain.train.command import main
+
+    return main(argv, plan=apply_auto_layout)

@@ -1,5 +1,5 @@
 """`ndtrain calibrate`: measure this machine and write the hardware profile the planner's
-"this-machine" entry loads. The only planner module that imports torch.
+"this-machine" entry loads. It runs torch, so it sits in tools/ above the torch-free planner.
 
 Measured: matmul FLOP/s (fp32, bf16; 1 and 2 threads), causal attention FLOP/s, copy bandwidth,
 the host time of a decoder layer (plain and DTensor tensor-parallel), and Gloo all-reduce,
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ndtrain.errors import NdtrainError
 from ndtrain.paths import check_output_file
-from ndtrain.planner.calibrate_host import (SHAPES, dp_host, fit_dp, fit_tp, optimizer_seconds_per_param, plain_host,
+from ndtrain.tools.calibrate_host import (SHAPES, dp_host, fit_dp, fit_tp, optimizer_seconds_per_param, plain_host,
                                             tp_host, typical)
 from ndtrain.planner.hardware import DEFAULT_PROFILE
 
@@ -232,7 +232,7 @@ def fit_mm_eff(prof: dict) -> float:
     timed at the calibration's larger shape, less what the time model gives its attention,
     elementwise and host work, leaves the GEMMs' time (the role mm_eff plays for GPUs, where it was
     fitted on published runs)."""
-    from ndtrain.planner.calibrate_host import BATCH, _config
+    from ndtrain.tools.calibrate_host import BATCH, _config
     from ndtrain.planner.hardware import from_profile
     from ndtrain.layout import Layout
     from ndtrain.planner.problem import make_problem
