@@ -9,7 +9,8 @@
     layout     torch-free: the one definition of a layout                    -> model (torch-free parts)
     model      pure torch.nn                                                 -> (itself)
 
-Every floor may also use `errors`. Imports inside functions count like module-level ones, for the
+Every floor may also use `errors`; train and data use `paths` (checks that an output path can
+be written, before work starts). Imports inside functions count like module-level ones, for the
 floors, for torch and for cycles between files: an import deferred into a function hides a cycle
 from Python, not from the reader. Each check is shown to fail on a small package with the
 violation in it.
@@ -28,14 +29,15 @@ ALLOWED = {
     "tools": None,  # anything
     "cli": None,  # dispatches by module name, imports nothing of the package at module level
     "__main__": None,
-    "train": {"train", "parallel", "model", "data", "layout", "config", "errors"},
+    "train": {"train", "parallel", "model", "data", "layout", "config", "errors", "paths"},
     "planner": {"planner", "layout", "model", "errors"},
     "parallel": {"parallel", "model", "layout", "config", "errors"},
     "config": {"config", "model", "layout", "errors"},
-    "data": {"data", "errors"},
+    "data": {"data", "errors", "paths"},
     "layout": {"layout", "model", "errors"},
     "model": {"model", "errors"},
     "errors": {"errors"},
+    "paths": {"paths", "errors"},  # up-front checks that a path can be written
     "__init__": {"errors"},
 }
 TORCH_FREE = ("planner", "layout")  # nothing they reach, even inside a function, imports torch

@@ -26,7 +26,7 @@ def _hardware(profile) -> Hardware:
 
         data = profiles.load(profile)
         if profiles.is_gpu(data):  # a GPU's calibration: its catalog entry with what was measured
-            return get_hardware(data.get("catalog", ""), str(profile))
+            return profiles.hardware_for(data.get("catalog", ""), str(profile))
         return this_machine(profile)
     return get_hardware(str(profile))
 

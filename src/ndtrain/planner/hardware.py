@@ -265,10 +265,8 @@ def get_hardware(name: str | Hardware, profile: str | None = None) -> Hardware:
         return this_machine(profile)
     if key not in CATALOG:
         raise NdtrainError(f"unknown hardware {name!r}; choose one of {', '.join([*CATALOG, 'this-machine'])}")
-    if profile:  # a GPU calibration profile: its measured constants over the catalog's
-        from ndtrain.planner import profile as gpu_profile
-
-        return gpu_profile.apply(CATALOG[key], gpu_profile.load(profile), str(profile))
+    if profile:  # a GPU calibration profile applies through planner/profile.py's hardware_for
+        raise NdtrainError(f"a GPU profile ({profile}) is applied by ndtrain.planner.profile.hardware_for")
     return CATALOG[key]
 
 

@@ -14,7 +14,8 @@ from ndtrain.layout.flops import layer_forward_flops
 from ndtrain.layout.partition import partition_problem, pipeline_split, rank_layer_counts
 from ndtrain.model.config import ModelConfig
 from ndtrain.planner import constants as consts
-from ndtrain.planner.hardware import GiB, Hardware, get_hardware
+from ndtrain.planner.hardware import GiB, Hardware
+from ndtrain.planner.profile import hardware_for
 from ndtrain.planner.shapes import Shape, shape_of
 from ndtrain.planner.stack import PRECISIONS, STACKS, Stack
 
@@ -78,7 +79,7 @@ def make_problem(cfg: ModelConfig, seq: int, global_batch: int, world: int, hard
     st = stack if isinstance(stack, Stack) else STACKS.get(stack)
     if st is None:
         raise NdtrainError(f"unknown stack {stack!r}; choose one of {', '.join(STACKS)}")
-    hw = get_hardware(hardware, profile).for_world(world)
+    hw = hardware_for(hardware, profile).for_world(world)
     if network:
         hw = dataclasses.replace(hw, **network)
     hw.peak(precision)  # raises for fp8 on hardware without it

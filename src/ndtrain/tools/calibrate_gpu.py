@@ -176,7 +176,7 @@ def measure_collectives(world: int, sizes=COLLECTIVE_SIZES, reps: int = 10) -> d
 
 
 def calibrate_gpu(quick: bool = False):
-    """(catalog entry, raw measurements of this GPU node: the dict planner.profile.build fits)."""
+    """(catalog entry, raw measurements of this GPU node: the dict planner.profile_fit.build fits)."""
     import torch
 
     from ndtrain.planner.hardware import CATALOG, catalog_name
@@ -233,7 +233,7 @@ def main(argv: list[str]) -> int:
         return cpu.main(forwarded + (["--help"] if args.help else []))
     if rest:
         raise NdtrainError(f"unknown option(s) for the GPU calibration: {' '.join(rest)}")
-    from ndtrain.planner import profile
+    from ndtrain.planner import profile_fit as profile
     from ndtrain.tools.calibrate import fit_alpha_beta
 
     start = time.perf_counter()
