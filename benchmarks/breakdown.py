@@ -7,7 +7,9 @@ on forked Gloo ranks (1 thread each). After warm-up steps, torch.profiler record
 steps on rank 0; every op's self CPU time on the training thread is put in one bucket:
 matmul (mm/addmm/bmm), attention (SDPA kernels), optimizer (inside Optimizer.step), communication
 (collectives, their waits and FSDP's copy-in/out around them), data (the loader), elementwise
-(every other op), and Python (the step's wall time not spent inside any op). CPU-MFU is the
+(every other op), and Python (the step's wall time not spent inside any op). Tokens per
+CPU-second (per rank) is the work a step costs, which the host's load stretches far less than
+the wall time. CPU-MFU is the
 model's FLOPs (ndtrain.layout.flops, 6N + attention) over the step time, against the matmul
 peak measured here on the same thread count (a 512^3 matmul, best of a few).
 """
@@ -78,11 +80,13 @@ def profile_rank(overrides: list[str], warmup: int, steps: int, peaks: dict, top
     for _ in range(warmup):
         trainer.train_step()
     tid = None
-    walls = []
+    walls, cpus = [], []
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             with record_function("ndtrain.step"):
-                walls.append(trainer.train_step().seconds)
+                r = trainer.train_step()
+                walls.append(r.seconds)
+                cpus.append(r.extra["step_cpu_s"])
     events = prof.events()
     steps_ev = [e for e in events if e.name == "ndtrain.step"]
     tid = steps_ev[0].thread
@@ -112,6 +116,7 @@ def profile_rank(overrides: list[str], warmup: int, steps: int, peaks: dict, top
     world = torch.distributed.get_world_size()
     step = wall / len(walls)
     result = {"layout": trainer.dims.describe(), "step_s": step, "tokens_per_s": tokens / wall,
+              "tokens_per_cpu_s": tokens / world / sum(cpus),
               "mfu": flops / wall / (peaks["peak"] * world), "per_step_s": {k: v / len(walls) for k, v in totals.items()},
               "top_ops": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:top])}
     trainer.close()
@@ -136,7 +141,7 @@ def main() -> None:
     data = synthetic_tokens(tmp / "data", PEER_MODEL["vocab_size"])
     from ndtrain.parallel.launch import run_ranks
 
-    print("\n| layout | tokens/s | CPU-MFU | " + " | ".join(BUCKETS) + " | load |\n" + "|---" * (4 + len(BUCKETS)) + "|")
+    print("\n| layout | tokens/s | tokens/CPU-s per rank | CPU-MFU | " + " | ".join(BUCKETS) + " | load |\n" + "|---" * (5 + len(BUCKETS)) + "|")
     for spec in a.layouts.split(";"):
         items = dict(kv.split("=") for kv in spec.split(","))
         overrides = [f"--model.{k}={v}" for k, v in PEER_MODEL.items()] + [
@@ -146,9 +151,9 @@ def main() -> None:
         load = os.getloadavg()[0]
         r = run_ranks(2, profile_rank, overrides, a.warmup, a.steps, peaks, a.top, timeout_s=600)[0]
         ps = r["per_step_s"]
-        print(f"| {spec} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
+        print(f"| {spec} | {r['tokens_per_s']:,.0f} | {r['tokens_per_cpu_s']:,.0f} | {r['mfu']:.1%} | "
               + " | ".join(f"{ps[k] * 1e3:.0f} ms ({ps[k] / r['step_s']:.0%})" for k in BUCKETS)
-              + f" |  load {load:.2f}", flush=True)
+              + f" | {load:.1f} |", flush=True)
         for op, sec in r["top_ops"].items():
             print(f"    {sec * 1e3:8.1f} ms  {op}")
 

@@ -23,18 +23,19 @@ if a.bf16:
     config["bf16"] = {"enabled": True}
 engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
 gen = torch.Generator().manual_seed(1 + dist.get_rank())
-times, first = [], None
+times, cpu, first = [], [], None
 for step in range(a.steps):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     data = torch.randint(0, a.vocab, (a.mb, a.seq + 1), generator=gen)
     logits = engine(data[:, :-1])
     loss = F.cross_entropy(logits.flatten(0, 1).float(), data[:, 1:].flatten())
     engine.backward(loss)
     engine.step()
     times.append(time.perf_counter() - t0)
+    cpu.append(time.process_time() - c0)
     first = first or time.time()
 if dist.get_rank() == 0:
     med = statistics.median(times[a.warmup:])
     print(json.dumps({"impl": f"deepspeed-zero{stage}", "world": world, "step_s": med,
-                      "tokens_per_s": a.mb * a.seq * world / med, "first_step_at": first, "peak_rss_mb": peak_rss_mb()}))
+                      "tokens_per_s": a.mb * a.seq * world / med, "first_step_at": first, "step_cpu_s": statistics.median(cpu[a.warmup:]), "peak_rss_mb": peak_rss_mb()}))
 dist.destroy_process_group()

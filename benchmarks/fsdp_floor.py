@@ -23,9 +23,9 @@ if world > 1:
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
 gen = torch.Generator().manual_seed(1 + (dist.get_rank() if world > 1 else 0))
 autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16 and world == 1)
-times, first = [], None
+times, cpu, first = [], [], None
 for step in range(a.steps):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     data = torch.randint(0, a.vocab, (a.mb, a.seq + 1), generator=gen)
     with autocast:
         logits = model(data[:, :-1])
@@ -34,10 +34,11 @@ for step in range(a.steps):
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step(); opt.zero_grad(set_to_none=True)
     times.append(time.perf_counter() - t0)
+    cpu.append(time.process_time() - c0)
     first = first or time.time()
 if world == 1 or dist.get_rank() == 0:
     med = statistics.median(times[a.warmup:])
     print(json.dumps({"impl": "floor", "world": world, "step_s": med, "tokens_per_s": a.mb * a.seq * world / med,
-                      "first_step_at": first, "peak_rss_mb": peak_rss_mb()}))
+                      "first_step_at": first, "step_cpu_s": statistics.median(cpu[a.warmup:]), "peak_rss_mb": peak_rss_mb()}))
 if world > 1:
     dist.destroy_process_group()

@@ -17,7 +17,9 @@ vocab 2048, 6.2M parameters) on uniform random tokens, seq 256, micro-batch 4 pe
 
 Each pass runs every configuration once, in a rotated order. Per run: tokens/s (median step
 after the warm-up steps), peak RSS of the largest process (the fullest rank), time to first step
-(launch to the end of step 1) and the 1-minute load average before and after. The summary has
+(launch to the end of step 1), tokens per CPU-second of one rank (the median step's tokens per
+rank over the CPU time its process used: the work a step costs, which the shared host's load
+stretches far less than the wall time) and the 1-minute load average before and after. The summary has
 medians over passes and their ratios to the floor and to the best peer.
 """
 
@@ -73,7 +75,8 @@ def run_one(name: str, a, data: Path, tmp: Path, i: int) -> dict:
         stage = [] if name == "floor" else [f"--stage={name[-1]}"]
         out, start, rss = launch(torchrun(a.world) + [script, *common_args, *stage], {"DS_ACCELERATOR": "cpu"})
         r = json.loads(out.strip().splitlines()[-1])
-        return {"tokens_per_s": r["tokens_per_s"], "first_step_s": r["first_step_at"] - start, "rss_mb": rss,
+        return {"tokens_per_s": r["tokens_per_s"], "tokens_per_cpu_s": a.mb * a.seq / r["step_cpu_s"],
+                "first_step_s": r["first_step_at"] - start, "rss_mb": rss,
                 "layout": name}
     run_dir = tmp / f"{name}-{i}"
     cmd = [PY, "-m", "ndtrain", "train", f"--nproc={a.world}", *model_overrides(PEER_MODEL), f"--data.path={data}",
@@ -86,8 +89,10 @@ def run_one(name: str, a, data: Path, tmp: Path, i: int) -> dict:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "step_time_s" in r]
     median = statistics.median(r["step_time_s"] for r in steps if r["step"] > a.warmup)
+    cpu = statistics.median(r["step_cpu_s"] for r in steps if r["step"] > a.warmup)
     layout = next((r["layout"] for r in rows if r.get("event") in ("start", "restart")), "?")
-    return {"tokens_per_s": a.mb * a.seq * a.world / median, "first_step_s": steps[0]["time"] - start,
+    return {"tokens_per_s": a.mb * a.seq * a.world / median, "tokens_per_cpu_s": a.mb * a.seq / cpu,
+            "first_step_s": steps[0]["time"] - start,
             "rss_mb": rss, "layout": layout}
 
 
@@ -122,10 +127,11 @@ def main() -> None:
                   f"peak RSS {r['rss_mb']:5.0f} MiB  load {r['load'][0]:.1f}->{r['load'][1]:.1f}  [{r['layout']}]",
                   flush=True)
     med = {n: statistics.median(r["tokens_per_s"] for r in rs) for n, rs in results.items()}
+    cpu = {n: statistics.median(r["tokens_per_cpu_s"] for r in rs) for n, rs in results.items()}
     peers = [n for n in PEERS if n in med]
     best_peer = max(peers, key=med.get) if peers else None
     print(f"\n| run | tokens/s per pass | median | / floor | / best peer ({best_peer}) | peak RSS (MiB) | "
-          "first step (s) | load (1 min) |\n|---|---|---|---|---|---|---|---|")
+          "first step (s) | tokens/CPU-s per rank | CPU / floor | load (1 min) |\n" + "|---" * 10 + "|")
     for n, rs in results.items():
         per = " / ".join(f"{r['tokens_per_s']:,.0f}" for r in rs)
         floor = f"{med[n] / med['floor']:.2f}" if "floor" in med else "-"
@@ -134,6 +140,7 @@ def main() -> None:
         first = statistics.median(r["first_step_s"] for r in rs)
         loads = [x for r in rs for x in r["load"]]
         print(f"| {n} | {per} | {med[n]:,.0f} | {floor} | {best} | {rss:,.0f} | {first:.1f} | "
+              f"{cpu[n]:,.0f} | {cpu[n] / cpu['floor'] if 'floor' in cpu else float('nan'):.2f} | "
               f"{min(loads):.1f}-{max(loads):.1f} |")
 
 
