@@ -17,7 +17,8 @@ vocab 2048, 6.2M parameters) on uniform random tokens, seq 256, micro-batch 4 pe
 
 Each pass runs every configuration once, in a rotated order. Per run: tokens/s (median step
 after the warm-up steps), peak RSS of the largest process (the fullest rank), time to first step
-(launch to the end of step 1), tokens per CPU-second of one rank (the median step's tokens per
+(launch to the end of step 1), CPU-MFU (6N + attention FLOPs, ndtrain.layout.flops, against
+world x the matmul peak of one thread measured at the start), tokens per CPU-second of one rank (the median step's tokens per
 rank over the CPU time its process used: the work a step costs, which the shared host's load
 stretches far less than the wall time) and the 1-minute load average before and after. The summary has
 medians over passes and their ratios to the floor and to the best peer.
@@ -111,6 +112,17 @@ def main() -> None:
     if any(n.startswith("ds-") for n in names) and not has_deepspeed():
         print("peers: DeepSpeed is not installed (pip install -e '.[bench]'); skipping ds-zero1 and ds-zero3")
         names = [n for n in names if not n.startswith("ds-")]
+    from breakdown import matmul_peak
+    from ndtrain.layout.flops import flops_per_token
+    from ndtrain.model.config import ModelConfig
+
+    import torch
+
+    torch.set_num_threads(1)
+    dtype = torch.bfloat16 if a.precision == "bf16" else torch.float32
+    peak = matmul_peak(dtype)  # one rank's thread; CPU-MFU is against world x this
+    fpt = flops_per_token(ModelConfig(**PEER_MODEL), a.seq)
+    print(f"matmul peak (1 thread, {a.precision}): {peak / 1e9:.1f} GFLOP/s; {fpt / 1e6:.2f} MFLOP/token", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="ndtrain-peers-"))
     data = synthetic_tokens(tmp / "data", PEER_MODEL["vocab_size"])
     results: dict[str, list[dict]] = {n: [] for n in names}
@@ -131,7 +143,7 @@ def main() -> None:
     peers = [n for n in PEERS if n in med]
     best_peer = max(peers, key=med.get) if peers else None
     print(f"\n| run | tokens/s per pass | median | / floor | / best peer ({best_peer}) | peak RSS (MiB) | "
-          "first step (s) | tokens/CPU-s per rank | CPU / floor | load (1 min) |\n" + "|---" * 10 + "|")
+          "first step (s) | CPU-MFU | tokens/CPU-s per rank | CPU / floor | load (1 min) |\n" + "|---" * 11 + "|")
     for n, rs in results.items():
         per = " / ".join(f"{r['tokens_per_s']:,.0f}" for r in rs)
         floor = f"{med[n] / med['floor']:.2f}" if "floor" in med else "-"
@@ -140,7 +152,7 @@ def main() -> None:
         first = statistics.median(r["first_step_s"] for r in rs)
         loads = [x for r in rs for x in r["load"]]
         print(f"| {n} | {per} | {med[n]:,.0f} | {floor} | {best} | {rss:,.0f} | {first:.1f} | "
-              f"{cpu[n]:,.0f} | {cpu[n] / cpu['floor'] if 'floor' in cpu else float('nan'):.2f} | "
+              f"{fpt * med[n] / (peak * a.world):.1%} | {cpu[n]:,.0f} | {cpu[n] / cpu['floor'] if 'floor' in cpu else float('nan'):.2f} | "
               f"{min(loads):.1f}-{max(loads):.1f} |")
 
 
