@@ -135,9 +135,14 @@ def main() -> None:
             r = run_one(name, a, data, tmp, i)
             r["load"] = (load0, os.getloadavg()[0])
             results[name].append(r)
-            print(f"pass {i + 1} {name:11s} {r['tokens_per_s']:7,.0f} tok/s  first step {r['first_step_s']:5.1f} s  "
+            print(f"pass {i + 1} {name:11s} {r['tokens_per_s']:7,.0f} tok/s  {r['tokens_per_cpu_s']:6,.0f} tok/CPU-s  first step {r['first_step_s']:5.1f} s  "
                   f"peak RSS {r['rss_mb']:5.0f} MiB  load {r['load'][0]:.1f}->{r['load'][1]:.1f}  [{r['layout']}]",
                   flush=True)
+        summary(results, a, peak, fpt)  # after every pass: an interrupted run still has its table
+
+
+def summary(results: dict, a, peak: float, fpt: float) -> None:
+    results = {n: rs for n, rs in results.items() if rs}
     med = {n: statistics.median(r["tokens_per_s"] for r in rs) for n, rs in results.items()}
     cpu = {n: statistics.median(r["tokens_per_cpu_s"] for r in rs) for n, rs in results.items()}
     peers = [n for n in PEERS if n in med]
