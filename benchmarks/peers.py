@@ -132,7 +132,11 @@ def main() -> None:
         order = names[i % len(names):] + names[:i % len(names)]  # rotate: no config always runs first
         for name in order:
             load0 = os.getloadavg()[0]
-            r = run_one(name, a, data, tmp, i)
+            try:
+                r = run_one(name, a, data, tmp, i)
+            except RuntimeError as e:  # one failed run is reported, and the passes go on
+                print(f"pass {i + 1} {name:11s} FAILED: {str(e).splitlines()[0][:160]}", flush=True)
+                continue
             r["load"] = (load0, os.getloadavg()[0])
             results[name].append(r)
             print(f"pass {i + 1} {name:11s} {r['tokens_per_s']:7,.0f} tok/s  {r['tokens_per_cpu_s']:6,.0f} tok/CPU-s  first step {r['first_step_s']:5.1f} s  "
