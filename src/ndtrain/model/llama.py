@@ -47,8 +47,9 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate [b, s, h, d] by half-split pairs (the Hugging Face Llama convention, so exported
     weights need no permutation)."""
-    d2 = x.shape[-1] // 2
-    x1, x2 = x[..., :d2].float(), x[..., d2:].float()
+    # chunk, not two slices: its backward is one cat, where each slice's backward zero-fills a
+    # whole tensor, copies its half in and adds the two.
+    x1, x2 = x.float().chunk(2, dim=-1)
     if cos.dim() == 2:  # one set of positions for every row
         c, s = cos[None, :, None, :], sin[None, :, None, :]
     else:
@@ -75,6 +76,11 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torc
     parallel) moves h/h_kv times fewer bytes. Expanded here rather than with `enable_gqa=True`:
     on CPU (torch 2.13) that path sums dK/dV in another order, so gradients would differ from the
     expanded reference in the last bits. With `doc_ids` [b, s], attention is block-causal."""
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+        # torch's CPU flash-attention kernel is slower in bf16 than in fp32 (its backward ~1.5x the
+        # CPU time at head_dim 16, benchmarks/breakdown.py), which ate bf16's matmul gain: attend in
+        # fp32 (more exact, too) and hand bf16 back.
+        return causal_sdpa(q.float(), k.float(), v.float(), doc_ids).to(q.dtype)
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     if doc_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -225,7 +225,7 @@ class Trainer:
             with self._loss_context(), self._autocast():
                 return self.pipeline.run(inputs.to(self.rt.device), targets.to(self.rt.device), micro)
         tokens_here = targets.numel()
-        total = 0.0
+        total = None  # summed on the device; read once per step (a read per micro-batch syncs the host)
         slices = split_micro(inputs.shape[0], micro)
         for i, (a, b) in enumerate(slices):
             if self.fsdp:
@@ -238,12 +238,13 @@ class Trainer:
                 # Normalise by this rank's tokens for the whole step: summed over micro-batches
                 # and averaged over data-parallel ranks by FSDP, this is the exact global mean.
                 (loss / tokens_here).backward()
-            total += self._value(loss)
-        return total
+            loss = loss.detach()
+            total = loss if total is None else total + loss
+        return self._value(total) if total is not None else 0.0
 
     def train_step(self) -> StepResult:
         cfg = self.cfg
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         gb = global_batch_at(cfg, self.tokens_seen)
         problem = global_batch_problem(gb, self.dp_size)  # the layout's rule, for this step's batch
         if problem:
@@ -283,7 +284,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         # After the step, from the step's global load: aux-loss-free bias update and MoE metrics.
         reduce = (lambda t: torch.distributed.all_reduce(t, group=self.moe_group)) if self.moe_group else None
-        extra = {**moe_end_step(self.moe, reduce, update_bias=not skipped), "data_wait_s": data_wait}
+        extra = {**moe_end_step(self.moe, reduce, update_bias=not skipped), "data_wait_s": data_wait,
+                 # CPU seconds this process spent on the step (all its threads): the work done,
+                 # which a shared host's load stretches far less than the wall time.
+                 "step_cpu_s": time.process_time() - cpu0}
         self.step += 1
         self.tokens_seen += global_tokens
         if self.diloco:
