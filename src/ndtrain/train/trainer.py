@@ -37,6 +37,7 @@ from ndtrain.parallel.data_parallel import accumulation, reshard
 from ndtrain.parallel.grad_norm import (all_reduce_sum, clip_coefficient, local_grad_sq, reduce_partial_grads,
                                         scale_grads)
 from ndtrain.train import distributed
+from ndtrain.train.ckpt_state import DiLoCoState, ModelState, OptimizerState, RNGState, TrainProgress
 from ndtrain.train.distributed import env_world_size
 from ndtrain.train.metrics import FP8, MetricsLogger, peak_flops, peak_memory_mb
 from ndtrain.train.trackers import check_installed as check_trackers
@@ -148,8 +149,7 @@ class Trainer:
             self.fp8_scales = precompute_scales if float8_all_gather(self.dims) else None
         self.tp_rank = self.mesh.coordinate("tp")[0]
 
-        self.step = 0
-        self.tokens_seen = 0
+        self.progress = TrainProgress()  # step, tokens seen, skip windows: saved by the checkpointer
         dtype = torch.bfloat16 if low or self.autocast else torch.float32
         self.peak_flops_per_rank, self.peak_source = peak_flops(self.rt.device, dtype)
         # fp8 runs report MFU against the bf16 peak (comparable with bf16 runs) and the fp8 peak.
@@ -162,6 +162,27 @@ class Trainer:
         self.logger = MetricsLogger(run_dir, log and self.rt.is_main and run_dir is not None, cfg.train.steps,
                                     cfg.logging.progress, cfg.logging, to_dict(cfg))
         self.val_data = None
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.progress.tokens_seen
+
+    def checkpointer(self, run_dir: Path | None, cfg: JobConfig | None = None):
+        """A Checkpointer of this trainer's state objects (`cfg`: other checkpoint settings)."""
+        from ndtrain.train.checkpoint import Checkpointer, data_fingerprint
+
+        model = ModelState(self.model_parts, fp8=self.fp8)
+        states = {"model": model, "optim": OptimizerState(model, self.optimizer), "progress": self.progress,
+                  "loader": self.loader, "rng": RNGState()}
+        if self.diloco:
+            states["diloco"] = DiLoCoState(self.diloco)
+        return Checkpointer(cfg or self.cfg, run_dir, states, runtime=self.rt, data=data_fingerprint(
+            self.train_set.manifest), layout=self.dims.describe(), dp_size=self.dp_size, info=self.logger.info,
+            record=self.logger.log)
 
     # ---- layout helpers -------------------------------------------------------------------
     def _dp_coords(self) -> tuple[int, int]:
@@ -284,8 +305,8 @@ class Trainer:
         # After the step, from the step's global load: aux-loss-free bias update and MoE metrics.
         reduce = (lambda t: torch.distributed.all_reduce(t, group=self.moe_group)) if self.moe_group else None
         extra = {**moe_end_step(self.moe, reduce, update_bias=not skipped), "data_wait_s": data_wait}
-        self.step += 1
-        self.tokens_seen += global_tokens
+        self.progress.step += 1
+        self.progress.tokens_seen += global_tokens
         if self.diloco:
             # Replicas skip their own non-finite steps; skip and rollback counts use "any replica".
             skipped = self.diloco.agree_finish(agreed)
@@ -427,11 +448,11 @@ def _train(cfg: JobConfig, run_dir: Path, plan=None) -> dict:
 
 def _train_loop(cfg: JobConfig, run_dir: Path, progress: dict, plan=None) -> dict:
     from ndtrain.train import recovery
-    from ndtrain.train.checkpoint import Checkpointer, list_checkpoints
+    from ndtrain.train.checkpoint import list_checkpoints
 
     trainer = Trainer(cfg, run_dir, plan=plan)
     rt, log = trainer.rt, trainer.logger
-    ckpt = Checkpointer(cfg, run_dir, trainer)
+    ckpt = trainer.checkpointer(run_dir)
     if rt.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(cfg))
