@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -44,7 +43,8 @@ from ndtrain.errors import NdtrainError, RunError
 from ndtrain.parallel.diloco import checkpoint_restore, checkpoint_view
 from ndtrain.train.ckpt_failure import state_bytes, write_failure
 from ndtrain.train import ckpt_policy
-from ndtrain.train.ckpt_digest import (collect_digests, has_digests, verify_shared, write_manifest_from,
+from ndtrain.train.ckpt_resume import any_rank, barrier, broadcast, choose, group_active
+from ndtrain.train.ckpt_digest import (collect_digests, has_digests, write_manifest_from,
                                        write_own_digests)
 from ndtrain.train.ckpt_store import (FORMAT, MARKER, MODEL_KEYS, TRAIN_STATE, dcp_load, fsync_dir, list_checkpoints,
                                       model_mismatch, read_train_state, step_name, step_of, verify, write_marker)
@@ -55,23 +55,6 @@ TENSOR_STATES = ("model", "optim")  # through DCP; every other state goes into t
 FLAT_STATE = "progress"  # its fields sit at train_state.json's top level (format version 2)
 # One process saving alone is intended (world 1), not a misconfiguration worth a warning per save.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-def _dist() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _barrier() -> None:
-    if _dist():
-        dist.barrier()
-
-
-def _broadcast(obj):
-    if not _dist():
-        return obj
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
 
 
 def data_fingerprint(manifest: dict) -> dict:
@@ -130,7 +113,7 @@ class Checkpointer:
         # Its timeout covers the slowest rank's whole write (a hung peer is caught by the training
         # group's timeout and the watchdog, since training goes on meanwhile).
         self.pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(1800.0, cfg.train.timeout_s))) \
-            if self.async_ and _dist() else None
+            if self.async_ and group_active() else None
         self._stager = None
         if self.async_:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -140,7 +123,7 @@ class Checkpointer:
         if self.is_main:
             ckpt_policy.clear_leftovers(self.root)  # never published; left by a killed save
             ckpt_policy.finish_abandoning(self.root, self._info)  # a timeline switch a crash interrupted
-        _barrier()
+        barrier()
 
     @property
     def is_main(self) -> bool:
@@ -189,14 +172,14 @@ class Checkpointer:
                     shutil.rmtree(tmp)
             except OSError as exc:
                 raise self._write_failure(exc, name) from None
-        _barrier()
+        barrier()
         meta = self.train_state()
         t0 = time.perf_counter()
         state = self._state()
         rank = self.rt.rank
         if self.async_ and not final:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg,
-                                    async_stager=self._stager, no_dist=not _dist())
+                                    async_stager=self._stager, no_dist=not group_active())
             pending = _Pending(step, name, future, t0, time.perf_counter() - t0)
             if self.is_main:
                 pending.publisher = threading.Thread(target=self._publish_when_written, args=(pending, tmp, meta),
@@ -210,23 +193,23 @@ class Checkpointer:
             return self.root / name
         error = None
         try:
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist())
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not group_active())
             write_own_digests(tmp, rank)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             if isinstance(exc, KeyboardInterrupt):
                 raise
             error = exc
-        if _any_rank(error is not None, self.rt.device):
-            _barrier()
+        if any_rank(error is not None, self.rt.device):
+            barrier()
             self._discard(tmp)
             raise self._write_failure(error, name)
-        _barrier()
+        barrier()
         if self.is_main:
             try:
                 self._publish(tmp, name, meta)
             except Exception as exc:  # every rank must learn it, or they wait in the next collective
                 error = exc
-        if _any_rank(error is not None, self.rt.device):
+        if any_rank(error is not None, self.rt.device):
             self._discard(tmp)
             raise self._write_failure(error, name)
         total = time.perf_counter() - t0
@@ -318,7 +301,7 @@ class Checkpointer:
         if p.publisher is not None:
             p.publisher.join()
             error = error or (p.error[0] if p.error else None)
-        failed = _any_rank(error is not None, self.rt.device)
+        failed = any_rank(error is not None, self.rt.device)
         if failed:
             if self.last_saved_step == p.step:
                 self.last_saved_step = None
@@ -333,48 +316,18 @@ class Checkpointer:
             self._stager = None
 
     # ---- resuming ----------------------------------------------------------------------------
-    def _choose(self, spec: str) -> tuple[Path | None, str | None]:
-        """Every rank: the newest candidate that verifies (the hashing shared out over the ranks,
-        a few candidates at a time); the same answer everywhere."""
-        plan = ckpt_policy.resume_candidates(spec, self.root) if self.is_main else None
-        candidates, error, explicit = _broadcast(plan)
-        if error:
-            return None, error
-        batch = max(1, self.cfg.checkpoint.keep_last)  # also pre-verifies what retention will count
-        for i in range(0, len(candidates), batch):
-            verdicts = verify_shared([Path(c) for c in candidates[i:i + batch]])
-            self.verdicts.update(verdicts)
-            for c in candidates[i:i + batch]:
-                if verdicts[c] is None:
-                    return Path(c), None
-                if explicit:
-                    return None, f"cannot resume from {c}: {verdicts[c]}"
-                self._set_aside(Path(c), verdicts[c])
-        if spec != "auto" and candidates:  # the user named a directory: none of it is usable
-            return None, f"no intact checkpoint under {spec} (each failed verification; see the log)"
-        return None, None
-
-    def _set_aside(self, ckpt: Path, problem: str) -> None:
-        if not self.is_main:
-            return
-        if ckpt.parent.resolve() == self.root.resolve():  # never rearrange another run's directory
-            target = ckpt_policy.move_aside(ckpt, self.root)
-            self._info(f"checkpoint {ckpt} skipped: {problem}; moved to {target} (nothing deleted); "
-                       f"trying the previous one")
-        else:
-            self._info(f"checkpoint {ckpt} skipped: {problem}; trying the previous one (nothing deleted)")
-
     def resume(self, spec: str) -> Path | None:
-        path, error = self._choose(spec)
+        batch = max(1, self.cfg.checkpoint.keep_last)  # also pre-verifies what retention will count
+        path, error = choose(spec, self.root, batch, self.is_main, self.verdicts, self._info)
         if error:
             raise NdtrainError(error, all_ranks=True)
         if path is None:
             self._info(f"no checkpoint under {self.root}: starting from scratch")
             return None
         state = read_train_state(path) if self.is_main else None
-        state = _broadcast(state)
+        state = broadcast(state)
         self.timeline = ckpt_policy.continue_timeline(path, self.root, state, self.is_main, self._info)
-        _barrier()
+        barrier()
         self.load(path, state)
         return path
 
@@ -423,12 +376,4 @@ class Checkpointer:
         """`fault(point, step)` runs at each save's save/publish/rename points (fault injection)."""
         self.fault = fault
 
-
-
-def _any_rank(flag: bool, device) -> bool:
-    if not _dist():
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
 

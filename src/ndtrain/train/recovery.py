@@ -1,8 +1,9 @@
 """Keeping a run alive: restart semantics, hang watchdog, non-finite rollback, straggler report,
 graceful preemption, and fault injection for the chaos tests.
 
-Everything here is per-run state owned by a `Recovery` object that train() creates; nothing is
-global. Decisions that every rank must take together (roll back, stop) derive from values that
+Everything here is per-run state owned by a `Recovery` object that job.run creates; nothing is
+global. It asks, never writes: the checkpointer (`wait`, `resume`, `set_fault_hook`), the loader
+(`consumed_samples`, `skip_to`) and the trainer's TrainProgress (`window_at`, `add_skip_window`). Decisions that every rank must take together (roll back, stop) derive from values that
 are already all-reduced (loss, grad norm) or are agreed with one small all-reduce.
 """
 
