@@ -43,15 +43,14 @@ def _save_rounds(base: dict, root: str, saves: int, steps_between: int) -> list[
     import torch.distributed as dist
 
     from ndtrain.config import load_config
-    from ndtrain.train.checkpoint import Checkpointer
     from ndtrain.train.trainer import Trainer
 
     sync_cfg = load_config(None, {**base, "checkpoint": {"async": False, "keep_last": 1}})
     async_cfg = load_config(None, {**base, "checkpoint": {"async": True, "keep_last": 1}})
     trainer = Trainer(sync_cfg, run_dir=None, log=False)
     trainer.train_step()  # optimizer state exists from here on
-    sync_ck = Checkpointer(sync_cfg, Path(root) / "sync", trainer)
-    async_ck = Checkpointer(async_cfg, Path(root) / "async", trainer)
+    sync_ck = trainer.checkpointer(Path(root) / "sync", sync_cfg)
+    async_ck = trainer.checkpointer(Path(root) / "async", async_cfg)
     rows = []
     for _ in range(saves):
         dist.barrier()

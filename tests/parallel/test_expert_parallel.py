@@ -61,12 +61,11 @@ def _train_save_continue(base: dict, root: str) -> list[float]:
     from pathlib import Path
 
     from ndtrain.config import load_config
-    from ndtrain.train.checkpoint import Checkpointer
     from ndtrain.train.trainer import Trainer
 
     cfg = load_config(None, {**base, "parallel": {"dp_shard": 2, "ep": 2}})
     trainer = Trainer(cfg, run_dir=None, log=False)
-    ckpt = Checkpointer(cfg, Path(root), trainer)
+    ckpt = trainer.checkpointer(Path(root), cfg)
     for _ in range(2):
         trainer.train_step()
     ckpt.save()
@@ -81,7 +80,6 @@ def test_expert_parallel_checkpoint_resumes_in_one_process(parity_base, tmp_path
     """Experts sharded over ep (and their aux-free biases) reshard into a single process."""
     from ndtrain.config import load_config
     from ndtrain.parallel.launch import run_ranks
-    from ndtrain.train.checkpoint import Checkpointer
     from ndtrain.train.trainer import Trainer
 
     base = _moe_base(parity_base, load_balance="aux_free", aux_free_update_rate=0.01)
@@ -89,7 +87,7 @@ def test_expert_parallel_checkpoint_resumes_in_one_process(parity_base, tmp_path
     reference = run_ranks(2, _train_save_continue, base, str(tmp_path))[0]
     cfg = load_config(None, base)
     trainer = Trainer(cfg, run_dir=None, log=False)
-    ckpt = Checkpointer(cfg, tmp_path, trainer)
+    ckpt = trainer.checkpointer(tmp_path, cfg)
     ckpt.resume("auto")
     assert trainer.step == 2
     assert any(m.expert_bias.abs().max() > 0 for _, m in trainer.moe)

@@ -22,17 +22,16 @@ def _job(parity_base: dict, **parallel) -> dict:
 
 def _resume_train_save(base: dict, load_from: str | None, save_to: str, steps: int) -> dict:
     """In this process group: resume (if asked), record the weights, train, save."""
-    from ndtrain.train.checkpoint import Checkpointer
     from ndtrain.train.trainer import Trainer
 
     cfg = load_config(None, base)
     trainer = Trainer(cfg, run_dir=None, log=False)
     loaded = None
     if load_from:
-        Checkpointer(cfg, Path(load_from), trainer).resume("auto")
+        trainer.checkpointer(Path(load_from), cfg).resume("auto")
         loaded = trainer.full_weights()
     losses = [trainer.train_step().loss for _ in range(steps)]
-    ckpt = Checkpointer(cfg, Path(save_to), trainer)
+    ckpt = trainer.checkpointer(Path(save_to), cfg)
     path = ckpt.save()
     ckpt.finish()
     out = {"loaded": loaded, "saved": trainer.full_weights(), "step": trainer.step, "losses": losses,

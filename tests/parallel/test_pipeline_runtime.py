@@ -12,7 +12,6 @@ from ndtrain.config import load_config
 
 
 def _pp_rank(cfg, steps: int, other) -> dict:
-    from ndtrain.train.checkpoint import Checkpointer
     from ndtrain.train.trainer import Trainer
 
     # A looped schedule validates through torch's forward-only run (V schedules cannot).
@@ -23,7 +22,7 @@ def _pp_rank(cfg, steps: int, other) -> dict:
     trainer = Trainer(cfg, run_dir=None, log=False)
     trainer.pipeline.trace = True
     losses = [trainer.train_step().loss for _ in range(steps)]
-    ckpt = Checkpointer(cfg, None, trainer)
+    ckpt = trainer.checkpointer(None, cfg)
     path = ckpt.save(final=True)
     ckpt.finish()
     out = {"losses": losses, "val": trainer.validate(), "weights": trainer.full_weights(), "path": str(path),
@@ -37,7 +36,6 @@ def _pp_rank(cfg, steps: int, other) -> dict:
 def test_checkpoint_reshards_pp_to_world1_and_timeline(parity_base, tmp_path):
     from ndtrain.parallel.launch import run_ranks
     from ndtrain.tools.pipeline_report import draw_gantt, measured_panel, summarize
-    from ndtrain.train.checkpoint import Checkpointer
     from ndtrain.train.trainer import Trainer
 
     base = {k: dict(v) for k, v in parity_base.items()}
@@ -68,7 +66,7 @@ def test_checkpoint_reshards_pp_to_world1_and_timeline(parity_base, tmp_path):
 
     # Resume at world 1: weights and AdamW state continue exactly.
     one = Trainer(ref_cfg, run_dir=None, log=False)
-    Checkpointer(ref_cfg, None, one).load(ranks[0]["path"])
+    one.checkpointer(None, ref_cfg).load(ranks[0]["path"])
     assert one.step == 2
     loaded = one.full_weights()
     assert max(float((loaded[k] - merged[k]).abs().max()) for k in merged) == 0.0

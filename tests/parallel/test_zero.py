@@ -78,11 +78,10 @@ def _cfg(parity_base, spec: str, **model):
 
 
 def _train(cfg, root, save: bool, steps: int = 2) -> list[float]:
-    from ndtrain.train.checkpoint import Checkpointer
     from ndtrain.train.trainer import Trainer
 
     trainer = Trainer(cfg, run_dir=None, log=False)
-    ck = Checkpointer(cfg, root, trainer)
+    ck = trainer.checkpointer(root, cfg)
     if save:
         for _ in range(2):
             trainer.train_step()

@@ -44,11 +44,10 @@ def _steps(trainer, n: int) -> dict:
 
 
 def _resume(cfg, root: Path) -> dict:
-    from ndtrain.train.checkpoint import Checkpointer
     from ndtrain.train.trainer import Trainer
 
     trainer = Trainer(cfg, run_dir=None, log=False)
-    ck = Checkpointer(cfg, root, trainer)
+    ck = trainer.checkpointer(root, cfg)
     ck.resume("auto")
     out = {"step": trainer.step, **_steps(trainer, STEPS_AFTER)}
     ck.finish()
@@ -57,12 +56,11 @@ def _resume(cfg, root: Path) -> dict:
 
 
 def _world4(base: dict, root: Path) -> dict:
-    from ndtrain.train.checkpoint import Checkpointer
     from ndtrain.train.trainer import Trainer
 
     cfg = _layout(base, dp_shard=4)
     trainer = Trainer(cfg, run_dir=None, log=False)
-    ck = Checkpointer(cfg, root, trainer)
+    ck = trainer.checkpointer(root, cfg)
     before = _steps(trainer, 2)
     ck.save()  # async: training continues below while it is written
     after = _steps(trainer, STEPS_AFTER)
@@ -77,14 +75,13 @@ def _straggler(base: dict, root: Path) -> list:
     once ZeRO-3 reduce-scattered after every micro-batch (~95 ms a step on a busy machine)."""
     import torch.distributed as dist
 
-    from ndtrain.train.checkpoint import Checkpointer
     from ndtrain.train.recovery import Recovery
     from ndtrain.train.trainer import Trainer
 
     cfg = cfg_of({**base, "parallel": {"dp_shard": 2},
                   "train": {**base["train"], "straggler_window": 2, "straggler_threshold": 0.25}})
     trainer = Trainer(cfg, run_dir=None, log=False)
-    guard = Recovery(cfg, trainer, Checkpointer(cfg, root / "unused", trainer), None)
+    guard = Recovery(cfg, trainer, trainer.checkpointer(root / "unused", cfg), None)
     events = []
     guard._event = lambda row, text: events.append(row)
     for _ in range(6):
@@ -101,12 +98,11 @@ def _straggler(base: dict, root: Path) -> list:
 
 def _moe_save(base: dict, root: Path) -> list[float]:
     """debug-moe with experts sharded over ep=2: saved (async), then two reference steps."""
-    from ndtrain.train.checkpoint import Checkpointer
     from ndtrain.train.trainer import Trainer
 
     cfg = _layout(_moe(base), dp_shard=2, ep=2)
     trainer = Trainer(cfg, run_dir=None, log=False)
-    ck = Checkpointer(cfg, root, trainer)
+    ck = trainer.checkpointer(root, cfg)
     _steps(trainer, 2)
     ck.save()
     after = _steps(trainer, STEPS_AFTER)["losses"]

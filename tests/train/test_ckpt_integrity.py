@@ -14,7 +14,6 @@ from ckpt_helpers import cfg_of, job, tree
 
 from ndtrain.errors import NdtrainError
 from ndtrain.train import recovery
-from ndtrain.train.checkpoint import Checkpointer
 from ndtrain.train.ckpt_store import MANIFEST, MARKER, list_checkpoints, step_name, write_manifest
 from ndtrain.train.trainer import Trainer, train
 
@@ -37,7 +36,7 @@ def _copy(saved_run: Path, tmp_path: Path) -> Path:
 def _resumer(parity_base, run: Path, **sections):
     cfg = cfg_of(job(parity_base, run, **sections))
     trainer = Trainer(cfg, run_dir=None, log=False)
-    ck = Checkpointer(cfg, run, trainer)
+    ck = trainer.checkpointer(run, cfg)
     messages: list[str] = []
     ck._info = messages.append
     return trainer, ck, messages
@@ -162,7 +161,7 @@ def test_retention_and_republish_keep_everything_they_must(parity_base, tmp_path
     [abandoned] = (run / "checkpoints").glob("abandoned-*")
     assert tree(abandoned / step_name(7)) == old7
     assert any("abandoned timeline" in m for m in messages), messages
-    trainer.step = 7
+    trainer.progress.step = 7
     ck.save()
     assert [c.name for c in list_checkpoints(run / "checkpoints")] == [step_name(6), step_name(7)]
 

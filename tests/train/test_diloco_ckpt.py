@@ -58,14 +58,13 @@ def test_preempted_mid_round_resumes_bit_identical(parity_base, tmp_path):
 def _save(jobs: list) -> list[dict]:
     """Rank fn: per (config, root, steps): train, save, return this rank's live weights."""
     from ndtrain.config import load_config
-    from ndtrain.train.checkpoint import Checkpointer
     from ndtrain.train.trainer import Trainer
 
     out = []
     for base, root, steps in jobs:
         cfg = load_config(None, base)
         t = Trainer(cfg, None, log=False)
-        ck = Checkpointer(cfg, root, t)
+        ck = t.checkpointer(root, cfg)
         for _ in range(steps):
             t.train_step()
         ck.save()
@@ -78,14 +77,13 @@ def _load(jobs: list) -> list[dict]:
     weights and DiLoCo state, or the error."""
     from ndtrain.config import load_config
     from ndtrain.errors import NdtrainError
-    from ndtrain.train.checkpoint import Checkpointer
     from ndtrain.train.trainer import Trainer
 
     results = []
     for base, root in jobs:
         cfg = load_config(None, base)
         t = Trainer(cfg, None, log=False)
-        ck = Checkpointer(cfg, root, t)
+        ck = t.checkpointer(root, cfg)
         try:
             ck.resume("auto")  # the newest checkpoint that verifies, as a resumed run picks it
         except NdtrainError as exc:

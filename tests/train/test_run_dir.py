@@ -272,13 +272,12 @@ def test_each_rank_hashes_what_it_wrote(parity_base, tmp_path):
 
 
 def _save_fsdp(base: dict, root: str, _tag: str) -> None:
-    from ndtrain.train.checkpoint import Checkpointer
     from ndtrain.train.trainer import Trainer
 
     cfg = cfg_of({**base, "parallel": {"dp_shard": 2}})
     trainer = Trainer(cfg, run_dir=None, log=False)
     trainer.train_step()
-    ck = Checkpointer(cfg, Path(root), trainer)
+    ck = trainer.checkpointer(Path(root), cfg)
     ck.save()
     ck.finish()
 

@@ -13,62 +13,48 @@ thread writes it through its own Gloo group (sharing the training group with a c
 collective breaks Gloo) and rank 0 publishes once the write completes. One save is in flight
 at a time.
 
-Model and optimizer state go through get_state_dict/set_state_dict with flattened optimizer
-keys, so any layout (FSDP, TP, pipeline stages, one process) loads any other's checkpoint.
+What is saved is a mapping of named state objects, each with state_dict()/load_state_dict()
+(ckpt_state.py): "model" and "optim" go through DCP (flattened optimizer keys, so any layout
+loads any other's checkpoint; under DiLoCo laid out by parallel.diloco's checkpoint view),
+"progress" fills train_state.json's top-level step/tokens_seen/skip_windows, every other state
+(loader, rng, diloco) sits there under its own name. Besides the states, the checkpointer is told
+a few plain facts: the runtime (rank, world, device), where to log, the data fingerprint, the
+layout's description and data-parallel size. It knows nothing of the trainer.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import shutil
 import threading
 import time
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
 
 from ndtrain.config import to_dict
 from ndtrain.errors import NdtrainError, RunError
 from ndtrain.parallel.diloco import checkpoint_restore, checkpoint_view
 from ndtrain.train.ckpt_failure import state_bytes, write_failure
 from ndtrain.train import ckpt_policy
-from ndtrain.train.ckpt_digest import (collect_digests, has_digests, verify_shared, write_manifest_from,
+from ndtrain.train.ckpt_resume import any_rank, barrier, broadcast, choose, group_active
+from ndtrain.train.ckpt_digest import (collect_digests, has_digests, write_manifest_from,
                                        write_own_digests)
 from ndtrain.train.ckpt_store import (FORMAT, MARKER, MODEL_KEYS, TRAIN_STATE, dcp_load, fsync_dir, list_checkpoints,
                                       model_mismatch, read_train_state, step_name, step_of, verify, write_marker)
 
 __all__ = ["Checkpointer", "list_checkpoints", "read_train_state", "verify", "MARKER", "MODEL_KEYS"]
 
-OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+TENSOR_STATES = ("model", "optim")  # through DCP; every other state goes into train_state.json
+FLAT_STATE = "progress"  # its fields sit at train_state.json's top level (format version 2)
 # One process saving alone is intended (world 1), not a misconfiguration worth a warning per save.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-def _dist() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _barrier() -> None:
-    if _dist():
-        dist.barrier()
-
-
-def _broadcast(obj):
-    if not _dist():
-        return obj
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
 
 
 def data_fingerprint(manifest: dict) -> dict:
@@ -90,14 +76,27 @@ class _Pending:
     done_at: list = field(default_factory=list)  # when this rank's part was written (and published, on rank 0)
 
 
+def _quiet(_row: dict) -> None:
+    pass
+
+
 class Checkpointer:
-    def __init__(self, cfg, run_dir: Path, trainer):
+    """`states`: named objects with state_dict()/load_state_dict(), at least "model" and
+    "progress" (see the module docstring). `runtime`: rank, world_size, device, is_main. `info`:
+    one line of text for the log; `record`: a metrics row. `data`: the training data's
+    fingerprint, compared on resume. `layout`, `dp_size`: recorded for the resume message and
+    for tools reading train_state.json."""
+
+    def __init__(self, cfg, run_dir: Path | None, states: Mapping[str, object], *, runtime, data: dict,
+                 layout: str, dp_size: int, info: Callable[[str], None] = print,
+                 record: Callable[[dict], None] = _quiet):
         self.cfg = cfg
-        self.trainer = trainer
+        self.states = dict(states)
+        self.rt, self.data, self.layout, self.dp_size = runtime, data, layout, dp_size
+        self._info, self._record_row = info, record
         self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
         self.async_ = cfg.checkpoint.async_
         self.fault = lambda point, step: None  # set_fault_hook: recovery.Recovery injects faults in tests
-        self.skip_windows: list[list[int]] = []  # data windows dropped after non-finite rollbacks
         self.history: list[dict] = []
         self.pending: _Pending | None = None
         self.last_saved_step: int | None = None
@@ -114,7 +113,7 @@ class Checkpointer:
         # Its timeout covers the slowest rank's whole write (a hung peer is caught by the training
         # group's timeout and the watchdog, since training goes on meanwhile).
         self.pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(1800.0, cfg.train.timeout_s))) \
-            if self.async_ and _dist() else None
+            if self.async_ and group_active() else None
         self._stager = None
         if self.async_:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -124,56 +123,44 @@ class Checkpointer:
         if self.is_main:
             ckpt_policy.clear_leftovers(self.root)  # never published; left by a killed save
             ckpt_policy.finish_abandoning(self.root, self._info)  # a timeline switch a crash interrupted
-        _barrier()
+        barrier()
 
     @property
     def is_main(self) -> bool:
-        return self.trainer.rt.is_main
+        return self.rt.is_main
 
-    def _info(self, text: str) -> None:
-        self.trainer.logger.info(text)
+    @property
+    def step(self) -> int:
+        return self.states[FLAT_STATE].state_dict()["step"]
 
     def due(self, step: int) -> bool:
         every = self.cfg.checkpoint.interval_steps
         return every > 0 and step % every == 0 and step < self.cfg.train.steps
 
-    # ---- state -------------------------------------------------------------------------------
-    def _module(self) -> nn.Module:
-        parts = self.trainer.model_parts
-        if len(parts) == 1:
-            return parts[0]
-        from ndtrain.parallel.pipeline import merged_view  # virtual stages: one view, canonical names
-
-        return merged_view(parts)
-
-    def _optimizers(self) -> list:
-        opt = self.trainer.optimizer
-        return list(opt) if isinstance(opt, (list, tuple)) else [opt]
+    # ---- state ----------------------------------------------------------------------------
+    def _diloco(self):
+        state = self.states.get("diloco")
+        return state.diloco if state is not None else None
 
     def _state(self, saved: dict | None = None) -> dict:
-        model_sd, optim_sd = get_state_dict(self._module(), self._optimizers(), options=OPTIONS)
-        if self.cfg.parallel.mixed_precision == "fp8":  # the fp32 masters, not torchao's wrapper
-            from ndtrain.parallel.float8 import plain_state
-
-            model_sd, optim_sd = plain_state(model_sd), plain_state(optim_sd)
-        # diloco hook: global model, outer state, per-replica inner state (saved: the train_state loaded)
-        return checkpoint_view(getattr(self.trainer, "diloco", None), {"model": model_sd, "optim": optim_sd}, saved)
+        """The tensors DCP saves or loads into (saved: the train_state being loaded)."""
+        tensors = {k: self.states[k].state_dict() for k in TENSOR_STATES if k in self.states}
+        # diloco hook: global model, outer state, per-replica inner state
+        return checkpoint_view(self._diloco(), tensors, saved)
 
     def train_state(self) -> dict:
-        t = self.trainer
-        return {"format": FORMAT, "version": 2, "kind": "full", "step": t.step, "tokens_seen": t.tokens_seen,
-                "loader": t.loader.state_dict(), "skip_windows": [list(w) for w in self.skip_windows],
-                "rng": {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()},
-                "data": data_fingerprint(t.train_set.manifest), "config": to_dict(self.cfg),
-                "layout": t.dims.describe(), "world_size": t.rt.world_size, "dp_size": t.dp_size,
-                "timeline": dict(self.timeline), "saved_at": time.time(),
-                **({"diloco": t.diloco.info()} if getattr(t, "diloco", None) else {})}
+        json_states = {k: v.state_dict() for k, v in self.states.items() if k not in (*TENSOR_STATES, FLAT_STATE)}
+        diloco = json_states.pop("diloco", None)
+        return {"format": FORMAT, "version": 2, "kind": "full", **self.states[FLAT_STATE].state_dict(),
+                **json_states, "data": self.data, "config": to_dict(self.cfg), "layout": self.layout,
+                "world_size": self.rt.world_size, "dp_size": self.dp_size, "timeline": dict(self.timeline),
+                "saved_at": time.time(), **({"diloco": diloco} if diloco else {})}
 
     # ---- saving ------------------------------------------------------------------------------
     def save(self, final: bool = False) -> Path:
-        t = self.trainer
-        name = step_name(t.step)
-        if self.last_saved_step == t.step:
+        step = self.step
+        name = step_name(step)
+        if self.last_saved_step == step:
             self.wait()
             return self.root / name
         self.wait()  # one save in flight: its RAM copy and the directory names are reused
@@ -185,15 +172,15 @@ class Checkpointer:
                     shutil.rmtree(tmp)
             except OSError as exc:
                 raise self._write_failure(exc, name) from None
-        _barrier()
+        barrier()
         meta = self.train_state()
         t0 = time.perf_counter()
         state = self._state()
-        rank = t.rt.rank
+        rank = self.rt.rank
         if self.async_ and not final:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg,
-                                    async_stager=self._stager, no_dist=not _dist())
-            pending = _Pending(t.step, name, future, t0, time.perf_counter() - t0)
+                                    async_stager=self._stager, no_dist=not group_active())
+            pending = _Pending(step, name, future, t0, time.perf_counter() - t0)
             if self.is_main:
                 pending.publisher = threading.Thread(target=self._publish_when_written, args=(pending, tmp, meta),
                                                      name="ndtrain-ckpt-publish", daemon=True)
@@ -201,33 +188,33 @@ class Checkpointer:
             else:
                 future.add_done_callback(lambda f: self._report_written(f, pending, tmp, rank))
             self.pending = pending
-            self.last_saved_step = t.step
-            self.fault("save", t.step)
+            self.last_saved_step = step
+            self.fault("save", step)
             return self.root / name
         error = None
         try:
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist())
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not group_active())
             write_own_digests(tmp, rank)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             if isinstance(exc, KeyboardInterrupt):
                 raise
             error = exc
-        if _any_rank(error is not None, t.rt.device):
-            _barrier()
+        if any_rank(error is not None, self.rt.device):
+            barrier()
             self._discard(tmp)
             raise self._write_failure(error, name)
-        _barrier()
+        barrier()
         if self.is_main:
             try:
                 self._publish(tmp, name, meta)
             except Exception as exc:  # every rank must learn it, or they wait in the next collective
                 error = exc
-        if _any_rank(error is not None, t.rt.device):
+        if any_rank(error is not None, self.rt.device):
             self._discard(tmp)
             raise self._write_failure(error, name)
         total = time.perf_counter() - t0
-        self._record(t.step, "sync", total, total)
-        self.last_saved_step = t.step
+        self._record(step, "sync", total, total)
+        self.last_saved_step = step
         return self.root / name
 
     def _report_written(self, future, pending: _Pending, tmp: Path, rank: int) -> None:
@@ -256,7 +243,7 @@ class Checkpointer:
             # their digests, then hash what is missing here (a rank that died after writing).
             grace += 3 * (time.perf_counter() - t0)
         (tmp / TRAIN_STATE).write_text(json.dumps(meta, indent=1))
-        world = self.trainer.rt.world_size
+        world = self.rt.world_size
         self._last_bytes = write_manifest_from(tmp, collect_digests(tmp, world, grace))
         self.fault("publish", meta["step"])
         write_marker(tmp, name)
@@ -291,12 +278,12 @@ class Checkpointer:
 
     def _write_failure(self, error: BaseException | None, name: str) -> RunError:
         return write_failure(error, name, self.root,
-                             lambda: self._last_bytes or state_bytes(self._state(), self.trainer.rt.world_size))
+                             lambda: self._last_bytes or state_bytes(self._state(), self.rt.world_size))
 
     def _record(self, step: int, mode: str, stall_s: float, total_s: float) -> None:
         row = {"step": step, "checkpoint_mode": mode, "checkpoint_stall_s": stall_s, "checkpoint_total_s": total_s}
         self.history.append(row)
-        self.trainer.logger.log(row)
+        self._record_row(row)
         self._info(f"checkpoint {step_name(step)}: {mode}, training paused {stall_s:.3f} s, "
                    f"written and published in {total_s:.2f} s")
 
@@ -314,7 +301,7 @@ class Checkpointer:
         if p.publisher is not None:
             p.publisher.join()
             error = error or (p.error[0] if p.error else None)
-        failed = _any_rank(error is not None, self.trainer.rt.device)
+        failed = any_rank(error is not None, self.rt.device)
         if failed:
             if self.last_saved_step == p.step:
                 self.last_saved_step = None
@@ -329,48 +316,18 @@ class Checkpointer:
             self._stager = None
 
     # ---- resuming ----------------------------------------------------------------------------
-    def _choose(self, spec: str) -> tuple[Path | None, str | None]:
-        """Every rank: the newest candidate that verifies (the hashing shared out over the ranks,
-        a few candidates at a time); the same answer everywhere."""
-        plan = ckpt_policy.resume_candidates(spec, self.root) if self.is_main else None
-        candidates, error, explicit = _broadcast(plan)
-        if error:
-            return None, error
-        batch = max(1, self.cfg.checkpoint.keep_last)  # also pre-verifies what retention will count
-        for i in range(0, len(candidates), batch):
-            verdicts = verify_shared([Path(c) for c in candidates[i:i + batch]])
-            self.verdicts.update(verdicts)
-            for c in candidates[i:i + batch]:
-                if verdicts[c] is None:
-                    return Path(c), None
-                if explicit:
-                    return None, f"cannot resume from {c}: {verdicts[c]}"
-                self._set_aside(Path(c), verdicts[c])
-        if spec != "auto" and candidates:  # the user named a directory: none of it is usable
-            return None, f"no intact checkpoint under {spec} (each failed verification; see the log)"
-        return None, None
-
-    def _set_aside(self, ckpt: Path, problem: str) -> None:
-        if not self.is_main:
-            return
-        if ckpt.parent.resolve() == self.root.resolve():  # never rearrange another run's directory
-            target = ckpt_policy.move_aside(ckpt, self.root)
-            self._info(f"checkpoint {ckpt} skipped: {problem}; moved to {target} (nothing deleted); "
-                       f"trying the previous one")
-        else:
-            self._info(f"checkpoint {ckpt} skipped: {problem}; trying the previous one (nothing deleted)")
-
     def resume(self, spec: str) -> Path | None:
-        path, error = self._choose(spec)
+        batch = max(1, self.cfg.checkpoint.keep_last)  # also pre-verifies what retention will count
+        path, error = choose(spec, self.root, batch, self.is_main, self.verdicts, self._info)
         if error:
             raise NdtrainError(error, all_ranks=True)
         if path is None:
             self._info(f"no checkpoint under {self.root}: starting from scratch")
             return None
         state = read_train_state(path) if self.is_main else None
-        state = _broadcast(state)
+        state = broadcast(state)
         self.timeline = ckpt_policy.continue_timeline(path, self.root, state, self.is_main, self._info)
-        _barrier()
+        barrier()
         self.load(path, state)
         return path
 
@@ -380,7 +337,7 @@ class Checkpointer:
             raise NdtrainError(f"checkpoint {path} {problem}", all_ranks=True)
         if state.get("kind", "full") != "full":
             return
-        saved, here = state.get("data"), data_fingerprint(self.trainer.train_set.manifest)
+        saved, here = state.get("data"), self.data
         if saved and saved != here:
             diff = [k for k in here if saved.get(k) != here[k]]
             raise NdtrainError(f"checkpoint {path} was trained on different data ({', '.join(diff)} differ from "
@@ -388,49 +345,35 @@ class Checkpointer:
                                all_ranks=True)
 
     def load(self, path: Path, state: dict | None = None) -> None:
-        t = self.trainer
         self.wait()
         state = state or read_train_state(path)
         self.check_compatible(path, state)
-        module = self._module()
+        model = self.states["model"]
         if state.get("kind", "full") != "full":  # imported weights: model only, fresh optimizer and data
-            sd = {"model": get_model_state_dict(module, options=OPTIONS)}
+            sd = {"model": model.state_dict()}
             dcp_load(sd, path)
-            set_model_state_dict(module, sd["model"])
+            model.load_state_dict(sd["model"])
             self.loaded_from = path
             self._info(f"initialised weights from {path} ({state.get('kind')}); step 0")
             return
         sd = self._state(saved=state)
         dcp_load(sd, path)
-        sd = checkpoint_restore(getattr(t, "diloco", None), sd, state)  # diloco hook
-        set_state_dict(module, self._optimizers(), model_state_dict=sd["model"], optim_state_dict=sd["optim"],
-                       options=OPTIONS)
-        t.step = state["step"]
-        t.tokens_seen = state["tokens_seen"]
-        t.loader.load_state_dict(state["loader"])
-        self.skip_windows = [list(w) for w in state.get("skip_windows", [])]
-        rng = state.get("rng", {}).get("torch")
-        if rng:
-            torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng)), dtype=torch.uint8))
-        self.last_saved_step = t.step
+        sd = checkpoint_restore(self._diloco(), sd, state)  # diloco hook
+        for key in TENSOR_STATES:  # the model before its optimizer
+            if key in self.states:
+                self.states[key].load_state_dict(sd[key])
+        self.states[FLAT_STATE].load_state_dict(state)
+        for key, obj in self.states.items():
+            if key not in (*TENSOR_STATES, FLAT_STATE) and key in state:
+                obj.load_state_dict(state[key])
+        self.last_saved_step = self.step
         self.loaded_from = path
-        self._info(f"resumed from {path} at step {t.step} (saved as {state.get('layout')} on "
-                   f"{state.get('world_size')} ranks; now {t.dims.describe()} on {t.rt.world_size})")
+        self._info(f"resumed from {path} at step {self.step} (saved as {state.get('layout')} on "
+                   f"{state.get('world_size')} ranks; now {self.layout} on {self.rt.world_size})")
 
     # What recovery.Recovery asks of the checkpointer (it never writes its attributes).
     def set_fault_hook(self, fault) -> None:
         """`fault(point, step)` runs at each save's save/publish/rename points (fault injection)."""
         self.fault = fault
 
-    def add_skip_window(self, window: list[int]) -> None:
-        """A data window [start, end) of samples to skip from now on; saved with every checkpoint."""
-        self.skip_windows.append(list(window))
-
-
-def _any_rank(flag: bool, device) -> bool:
-    if not _dist():
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
 

@@ -1,8 +1,9 @@
 """Keeping a run alive: restart semantics, hang watchdog, non-finite rollback, straggler report,
 graceful preemption, and fault injection for the chaos tests.
 
-Everything here is per-run state owned by a `Recovery` object that train() creates; nothing is
-global. Decisions that every rank must take together (roll back, stop) derive from values that
+Everything here is per-run state owned by a `Recovery` object that job.run creates; nothing is
+global. It asks, never writes: the checkpointer (`wait`, `resume`, `set_fault_hook`), the loader
+(`consumed_samples`, `skip_to`) and the trainer's TrainProgress (`window_at`, `add_skip_window`). Decisions that every rank must take together (roll back, stop) derive from values that
 are already all-reduced (loss, grad norm) or are agreed with one small all-reduce.
 """
 
@@ -326,12 +327,12 @@ class Recovery:
     def before_step(self) -> None:
         t = self.trainer
         consumed = t.loader.consumed_samples
-        for start, end in self.ckpt.skip_windows:
-            if start <= consumed < end:
-                t.loader.skip_to(end)
-                consumed = end
-                self._event({"event": "skip_window", "window": [start, end]},
-                            f"step {t.step + 1}: skipping samples [{start}, {end}) that gave non-finite steps")
+        while (window := t.progress.window_at(consumed)) is not None:
+            start, end = window
+            t.loader.skip_to(end)
+            consumed = end
+            self._event({"event": "skip_window", "window": [start, end]},
+                        f"step {t.step + 1}: skipping samples [{start}, {end}) that gave non-finite steps")
         self._consumed_before = consumed
         if self.watchdog:
             self.watchdog.arm(t.step + 1)
@@ -367,7 +368,7 @@ class Recovery:
         if path is None:
             raise NdtrainError(f"{self.guard.limit} consecutive non-finite steps and no checkpoint to roll back to; "
                                f"set checkpoint.interval_steps")
-        ckpt.add_skip_window(window)
+        t.progress.add_skip_window(window)  # after the resume, which restored the checkpoint's windows
         self._event({"event": "rollback", "to": str(path), "skip_window": window},
                     f"rolled back to {path.name} (step {t.step}); samples [{window[0]}, {window[1]}) will be skipped")
 

@@ -1,15 +1,17 @@
-"""The training loop. One code path for every layout: a single process is the layout whose
-degrees are all 1 (a mesh with no dimension, no process group). It branches on the layout only
-where a dimension adds work: pipeline (pp > 1: the schedule runs the micro-batches), context
-parallel (cp > 1: a share of each sequence), tensor parallel (tp > 1: the vocab-parallel loss),
-FSDP (gradient sync per micro-batch) and fp8; on the data for document masking; and, in
-`train`, on the launcher (ranks of a plain torchrun agree on one run directory)."""
+"""The Trainer: one optimizer step, validation, and the state objects a checkpoint is made of
+(Trainer.checkpointer); the job loop around it is job.py. One code path for every layout: a
+single process is the layout whose degrees are all 1 (a mesh with no dimension, no process
+group). It branches on the layout only where a dimension adds work: pipeline (pp > 1: the
+schedule runs the micro-batches), context parallel (cp > 1: a share of each sequence), tensor
+parallel (tp > 1: the vocab-parallel loss), FSDP (gradient sync per micro-batch) and fp8; on the
+data for document masking; and, in `train`, on the launcher (ranks of a plain torchrun agree on
+one run directory). Step and tokens seen live in `self.progress` (a TrainProgress that the
+checkpointer saves and restores); `step` and `tokens_seen` read it."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import statistics
 import logging
 import math
 import time
@@ -20,14 +22,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ndtrain.config import JobConfig, global_batch_at, to_dict, to_toml
+from ndtrain.config import JobConfig, global_batch_at, to_dict
 from ndtrain.data.loader import StatefulLoader, validation_batches
 from ndtrain.data.mixture import make_loader, open_dataset
 from ndtrain.data.packing import document_ids, document_positions
 from ndtrain.errors import ConfigError, NdtrainError
-from ndtrain.layout.flops import MFU_CONVENTION, flops_per_token
+from ndtrain.layout.flops import flops_per_token
 from ndtrain.layout.rules import global_batch_problem
-from ndtrain.model.config import num_params
 from ndtrain.model.init import canonical_name, materialize
 from ndtrain.model.moe import end_step as moe_end_step, moe_layers, set_aux_scale
 from ndtrain.model.llama import build_model
@@ -36,7 +37,8 @@ from ndtrain.parallel.compose import parallelize
 from ndtrain.parallel.data_parallel import accumulation, reshard
 from ndtrain.parallel.grad_norm import (all_reduce_sum, clip_coefficient, local_grad_sq, reduce_partial_grads,
                                         scale_grads)
-from ndtrain.train import distributed
+from ndtrain.train import distributed, job
+from ndtrain.train.ckpt_state import DiLoCoState, ModelState, OptimizerState, RNGState, TrainProgress
 from ndtrain.train.distributed import env_world_size
 from ndtrain.train.metrics import FP8, MetricsLogger, peak_flops, peak_memory_mb
 from ndtrain.train.trackers import check_installed as check_trackers
@@ -148,8 +150,7 @@ class Trainer:
             self.fp8_scales = precompute_scales if float8_all_gather(self.dims) else None
         self.tp_rank = self.mesh.coordinate("tp")[0]
 
-        self.step = 0
-        self.tokens_seen = 0
+        self.progress = TrainProgress()  # step, tokens seen, skip windows: saved by the checkpointer
         dtype = torch.bfloat16 if low or self.autocast else torch.float32
         self.peak_flops_per_rank, self.peak_source = peak_flops(self.rt.device, dtype)
         # fp8 runs report MFU against the bf16 peak (comparable with bf16 runs) and the fp8 peak.
@@ -162,6 +163,27 @@ class Trainer:
         self.logger = MetricsLogger(run_dir, log and self.rt.is_main and run_dir is not None, cfg.train.steps,
                                     cfg.logging.progress, cfg.logging, to_dict(cfg))
         self.val_data = None
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.progress.tokens_seen
+
+    def checkpointer(self, run_dir: Path | None, cfg: JobConfig | None = None):
+        """A Checkpointer of this trainer's state objects (`cfg`: other checkpoint settings)."""
+        from ndtrain.train.checkpoint import Checkpointer, data_fingerprint
+
+        model = ModelState(self.model_parts, fp8=self.fp8)
+        states = {"model": model, "optim": OptimizerState(model, self.optimizer), "progress": self.progress,
+                  "loader": self.loader, "rng": RNGState()}
+        if self.diloco:
+            states["diloco"] = DiLoCoState(self.diloco)
+        return Checkpointer(cfg or self.cfg, run_dir, states, runtime=self.rt, data=data_fingerprint(
+            self.train_set.manifest), layout=self.dims.describe(), dp_size=self.dp_size, info=self.logger.info,
+            record=self.logger.log)
 
     # ---- layout helpers -------------------------------------------------------------------
     def _dp_coords(self) -> tuple[int, int]:
@@ -288,8 +310,8 @@ class Trainer:
                  # CPU seconds this process spent on the step (all its threads): the work done,
                  # which a shared host's load stretches far less than the wall time.
                  "step_cpu_s": time.process_time() - cpu0}
-        self.step += 1
-        self.tokens_seen += global_tokens
+        self.progress.step += 1
+        self.progress.tokens_seen += global_tokens
         if self.diloco:
             # Replicas skip their own non-finite steps; skip and rollback counts use "any replica".
             skipped = self.diloco.agree_finish(agreed)
@@ -393,131 +415,7 @@ def train(cfg: JobConfig, plan=None) -> dict:
 
     lock = claim_for_group(cfg, run_dir)
     try:
-        return _train(cfg, run_dir, plan)
+        return job.run(cfg, run_dir, lambda: Trainer(cfg, run_dir, plan=plan))
     finally:
         if lock is not None:
             lock.release()
-
-
-def _train(cfg: JobConfig, run_dir: Path, plan=None) -> dict:
-    from ndtrain.train import recovery
-
-    peers = distributed.peer_table()  # who is who, should a peer die later
-    progress = {"step": None}
-    interrupt = recovery.InterruptRecord()
-    try:
-        return _train_loop(cfg, run_dir, progress, plan)
-    except KeyboardInterrupt:
-        raise recovery.Interrupted(progress["step"]) from None
-    except Exception as exc:
-        if peers and distributed.is_peer_failure(exc):
-            from ndtrain.errors import RunError
-
-            # A peer that stopped on Ctrl-C looks dead from here; this rank's own signal is on
-            # its way (a launcher signals its workers one by one): wait for it. A SIGTERM now is
-            # the launcher stopping the group after the death: say what happened, then go.
-            recovery.hold_sigterm()
-            try:
-                time.sleep(1.0)
-            except KeyboardInterrupt:
-                pass
-            if interrupt.seen:
-                raise recovery.Interrupted(progress["step"]) from None
-            raise RunError(distributed.peer_failure_message(exc, peers, torch.distributed.get_rank())) from None
-        raise
-    finally:
-        interrupt.close()
-
-
-def _train_loop(cfg: JobConfig, run_dir: Path, progress: dict, plan=None) -> dict:
-    from ndtrain.train import recovery
-    from ndtrain.train.checkpoint import Checkpointer, list_checkpoints
-
-    trainer = Trainer(cfg, run_dir, plan=plan)
-    rt, log = trainer.rt, trainer.logger
-    ckpt = Checkpointer(cfg, run_dir, trainer)
-    if rt.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(to_toml(cfg))
-    for spec in recovery.resume_specs(cfg):  # a torchrun restart tries "auto" first
-        if ckpt.resume(spec) is not None:
-            break
-    recovery.check_global_batch(cfg, trainer.dp_size, trainer.tokens_seen)
-    log.start(trainer.step)
-    # Each attempt's first row: the report marks restarts and changes of world or layout by it.
-    log.log({"step": trainer.step, "event": "restart" if ckpt.loaded_from or recovery.restart_count() else "start",
-             "attempt": recovery.restart_count(), "world": rt.world_size, "layout": trainer.dims.describe(),
-             "tokens_seen": trainer.tokens_seen, "resumed_from": str(ckpt.loaded_from or "") or None})
-    log.info(f"ndtrain: {cfg.model.preset} model, {num_params(cfg.model) / 1e6:.2f}M parameters, "
-             f"layout {trainer.dims.describe()} on {rt.world_size} x {rt.device.type}, "
-             f"peak {trainer.peak_flops_total / 1e9:.1f} GFLOP/s ({trainer.peak_source}"
-             + (f" bf16; fp8 {trainer.peak_fp8_total / 1e9:.1f} GFLOP/s {trainer.peak_fp8_source}" if trainer.fp8 else "")
-             + f"); run dir {run_dir}")
-    log.info(f"{MFU_CONVENTION}: {trainer.flops_per_token / 1e6:.2f} MFLOP/token")
-    if trainer.fp8:
-        from ndtrain.layout.fp8 import fp8_linears, summary
-
-        log.info(f"fp8 ({cfg.parallel.fp8_recipe} scaling): {len(fp8_linears(cfg.model, trainer.dims.tp))} "
-                 f"Linear layers in float8 ({summary(cfg.model, trainer.dims.tp)}); all else bf16")
-    if trainer.auto_choice:
-        log.info(f"auto layout (planner): {trainer.auto_choice['description']}")
-        log.log({"step": trainer.step, "event": "auto", "layout": trainer.auto_choice["description"],
-                 "predicted_step_time": trainer.auto_choice["predicted_step_time"],
-                 "predicted_tokens_per_s": trainer.auto_choice["predicted_tokens_per_s"]})
-    step_times: list[float] = []
-    last_val, preempted, interrupted, path = None, False, False, None
-    guard = recovery.Recovery(cfg, trainer, ckpt, run_dir)  # watchdog, non-finite rollback, stragglers
-    try:
-        while trainer.step < cfg.train.steps:
-            guard.before_step()
-            trace = trainer.pipeline is not None and trainer.step + 1 == cfg.logging.pipeline_trace_step
-            if trace:
-                trainer.pipeline.trace = True
-            result = trainer.train_step()
-            for row in trainer.diloco.take_rows() if trainer.diloco else ():  # outer steps
-                log.log(row)
-            progress["step"] = trainer.step
-            if trace:
-                trainer.save_pipeline_trace(run_dir)
-            action = guard.after_step(result)
-            if action == "rollback":
-                continue
-            step_times.append(result.seconds)
-            if result.step % cfg.train.log_interval == 0 or result.step == cfg.train.steps:
-                row = trainer.metrics_row(result)
-                row["last"] = result.step == cfg.train.steps
-                row["time"] = time.time()
-                log.log(row)
-            if cfg.train.val_interval and (result.step % cfg.train.val_interval == 0 or result.step == cfg.train.steps):
-                last_val = trainer.validate()
-                log.log({"step": result.step, "val_loss": last_val})
-            if action == "stop":
-                preempted = True
-                log.info(f"stop requested (SIGTERM/SIGUSR1) at step {trainer.step}: saving, then exiting; "
-                         f"continue with --checkpoint.resume=auto")
-                break
-            if ckpt.due(result.step):
-                ckpt.save()
-        path = ckpt.save(final=True)
-        ckpt.finish()
-    except KeyboardInterrupt:  # Ctrl-C: stop now, save nothing more (a save in flight finishes on its own)
-        interrupted = True
-        published = list_checkpoints(ckpt.root)
-        path = published[-1] if published else None
-    finally:
-        guard.close()
-    if trainer.auto_choice and len(step_times) > 3:
-        measured = statistics.median(step_times[3:])  # the first steps pay for warm-up
-        log.info(f"auto layout: measured {measured:.3f} s/step vs predicted "
-                 f"{trainer.auto_choice['predicted_step_time']:.3f} s/step")
-    summary = {"run_dir": str(run_dir), "steps": trainer.step, "val_loss": last_val, "checkpoint": str(path),
-               "preempted": preempted, "interrupted": interrupted,
-               "stop_signal": guard.preemption.signal_name if preempted else ""}
-    if rt.is_main and cfg.train.sample_tokens > 0 and path is not None and not (preempted or interrupted):
-        from ndtrain.train.generate import generate_from_checkpoint
-
-        text = generate_from_checkpoint(path, cfg.train.sample_prompt, cfg.train.sample_tokens, seed=cfg.train.seed)
-        log.info("---- sample ----\n" + text + "\n----------------")
-        summary["sample"] = text
-    trainer.close()
-    return summary

@@ -1,0 +1,74 @@
+"""Which checkpoint a resume loads, and the few collectives a checkpoint needs: every rank takes
+part and gets the same answer; one process (no group) is the same code with no communication."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ndtrain.train import ckpt_policy
+from ndtrain.train.ckpt_digest import verify_shared
+
+
+def group_active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def barrier() -> None:
+    if group_active():
+        dist.barrier()
+
+
+def broadcast(obj):
+    """Rank 0's `obj` on every rank."""
+    if not group_active():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def any_rank(flag: bool, device) -> bool:
+    """Whether `flag` holds on any rank (a rank that saw an error would otherwise leave its peers
+    waiting in the next collective)."""
+    if not group_active():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def choose(spec: str, root: Path, batch: int, is_main: bool, verdicts: dict,
+           info: Callable[[str], None]) -> tuple[Path | None, str | None]:
+    """Every rank: the newest candidate for `spec` ("auto" or a path) that verifies, the hashing
+    shared out over the ranks `batch` candidates at a time; (None, None) when there is none, or
+    (None, why) when the user's choice cannot be used. `verdicts` collects what was checked.
+    Candidates that fail are skipped (moved to corrupt/ when they are in `root`)."""
+    plan = ckpt_policy.resume_candidates(spec, root) if is_main else None
+    candidates, error, explicit = broadcast(plan)
+    if error:
+        return None, error
+    for i in range(0, len(candidates), batch):
+        checked = verify_shared([Path(c) for c in candidates[i:i + batch]])
+        verdicts.update(checked)
+        for c in candidates[i:i + batch]:
+            if checked[c] is None:
+                return Path(c), None
+            if explicit:
+                return None, f"cannot resume from {c}: {checked[c]}"
+            if is_main:
+                _set_aside(Path(c), root, checked[c], info)
+    if spec != "auto" and candidates:  # the user named a directory: none of it is usable
+        return None, f"no intact checkpoint under {spec} (each failed verification; see the log)"
+    return None, None
+
+
+def _set_aside(ckpt: Path, root: Path, problem: str, info: Callable[[str], None]) -> None:
+    if ckpt.parent.resolve() == root.resolve():  # never rearrange another run's directory
+        target = ckpt_policy.move_aside(ckpt, root)
+        info(f"checkpoint {ckpt} skipped: {problem}; moved to {target} (nothing deleted); trying the previous one")
+    else:
+        info(f"checkpoint {ckpt} skipped: {problem}; trying the previous one (nothing deleted)")

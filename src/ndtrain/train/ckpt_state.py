@@ -1,0 +1,119 @@
+"""The state objects a checkpoint is made of. Each has `state_dict()` / `load_state_dict()`; the
+checkpointer (checkpoint.py) takes a mapping of them by name and knows nothing of who owns them.
+
+- "model" (ModelState) and "optim" (OptimizerState): tensors, written through DCP under those
+  keys, with flattened optimizer keys so any layout loads any other's checkpoint.
+- "progress" (TrainProgress): step, tokens seen, data windows to skip; its fields sit at the top
+  level of train_state.json (format version 2).
+- "loader", "rng" (RNGState), "diloco" (DiLoCoState), and any other: JSON in train_state.json
+  under their own name.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+@dataclass
+class TrainProgress:
+    """How far training has got. The trainer advances it; the checkpointer saves and restores it."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    skip_windows: list[list[int]] = field(default_factory=list)  # [start, end) samples dropped after rollbacks
+
+    def add_skip_window(self, window: list[int]) -> None:
+        self.skip_windows.append(list(window))
+
+    def window_at(self, consumed: int) -> list[int] | None:
+        """The skip window that starts at or before sample `consumed` and ends after it, if any."""
+        return next((list(w) for w in self.skip_windows if w[0] <= consumed < w[1]), None)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen,
+                "skip_windows": [list(w) for w in self.skip_windows]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.skip_windows = [list(w) for w in state.get("skip_windows", [])]
+
+
+class RNGState:
+    """This process's torch CPU generator, base64 so it fits in JSON."""
+
+    def state_dict(self) -> dict:
+        return {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+
+    def load_state_dict(self, state: dict) -> None:
+        rng = state.get("torch")
+        if rng:  # older checkpoints may carry none
+            torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng)), dtype=torch.uint8))
+
+
+class ModelState:
+    """This rank's model parts as one module (virtual pipeline stages: one view, canonical names).
+    Under fp8 the state holds the fp32 masters rather than torchao's wrapper, sharing memory, so
+    loading into it writes the live weights."""
+
+    def __init__(self, parts: list[nn.Module], fp8: bool = False):
+        self.parts, self.fp8 = list(parts), fp8
+
+    def module(self) -> nn.Module:
+        if len(self.parts) == 1:
+            return self.parts[0]
+        from ndtrain.parallel.pipeline import merged_view
+
+        return merged_view(self.parts)
+
+    def plain(self, sd: dict) -> dict:
+        if not self.fp8:
+            return sd
+        from ndtrain.parallel.float8 import plain_state
+
+        return plain_state(sd)
+
+    def state_dict(self) -> dict:
+        return self.plain(get_model_state_dict(self.module(), options=OPTIONS))
+
+    def load_state_dict(self, sd: dict) -> None:
+        set_model_state_dict(self.module(), sd, options=OPTIONS)
+
+
+class OptimizerState:
+    """The optimizer(s) over `model`'s parameters, with flattened (layout-independent) keys."""
+
+    def __init__(self, model: ModelState, optimizers):
+        self.model = model
+        self.optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+
+    def state_dict(self) -> dict:
+        return self.model.plain(get_optimizer_state_dict(self.model.module(), self.optimizers, options=OPTIONS))
+
+    def load_state_dict(self, sd: dict) -> None:
+        set_optimizer_state_dict(self.model.module(), self.optimizers, sd, options=OPTIONS)
+
+
+class DiLoCoState:
+    """DiLoCo's settings and round in train_state.json (what a resume must know before reading any
+    tensor). Its tensors ride with the model's: the checkpointer lays them out through
+    `parallel.diloco.checkpoint_view` / `checkpoint_restore` with `self.diloco`, which restores
+    the outer state from the tensors together with this info."""
+
+    def __init__(self, diloco):
+        self.diloco = diloco
+
+    def state_dict(self) -> dict:
+        return self.diloco.info()
+
+    def load_state_dict(self, state: dict) -> None:
+        pass  # applied with the tensors by checkpoint_restore (it needs both)

@@ -1,0 +1,140 @@
+"""One training job around a Trainer: resume, the loop with its recovery guard (watchdog,
+non-finite rollback, stragglers, preemption), logging, checkpoints, validation and the closing
+sample; a dead peer or Ctrl-C becomes one clear error. trainer.train() claims the run directory
+and calls `run` with a way to build the Trainer (so this module does not import trainer.py)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ndtrain.config import JobConfig, to_toml
+from ndtrain.layout.flops import MFU_CONVENTION
+from ndtrain.model.config import num_params
+from ndtrain.train import distributed, recovery
+from ndtrain.train.checkpoint import list_checkpoints
+
+
+def run(cfg: JobConfig, run_dir: Path, make_trainer: Callable[[], object]) -> dict:
+    """Train in `run_dir` (already claimed) with the Trainer `make_trainer()` builds; a dead peer
+    or Ctrl-C becomes one clear error."""
+    peers = distributed.peer_table()  # who is who, should a peer die later
+    progress = {"step": None}
+    interrupt = recovery.InterruptRecord()
+    try:
+        return _loop(cfg, run_dir, progress, make_trainer)
+    except KeyboardInterrupt:
+        raise recovery.Interrupted(progress["step"]) from None
+    except Exception as exc:
+        if peers and distributed.is_peer_failure(exc):
+            from ndtrain.errors import RunError
+
+            # A peer that stopped on Ctrl-C looks dead from here; this rank's own signal is on
+            # its way (a launcher signals its workers one by one): wait for it. A SIGTERM now is
+            # the launcher stopping the group after the death: say what happened, then go.
+            recovery.hold_sigterm()
+            try:
+                time.sleep(1.0)
+            except KeyboardInterrupt:
+                pass
+            if interrupt.seen:
+                raise recovery.Interrupted(progress["step"]) from None
+            raise RunError(distributed.peer_failure_message(exc, peers, torch.distributed.get_rank())) from None
+        raise
+    finally:
+        interrupt.close()
+
+
+def _loop(cfg: JobConfig, run_dir: Path, progress: dict, make_trainer) -> dict:
+    trainer = make_trainer()
+    rt, log = trainer.rt, trainer.logger
+    ckpt = trainer.checkpointer(run_dir)
+    if rt.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+    for spec in recovery.resume_specs(cfg):  # a torchrun restart tries "auto" first
+        if ckpt.resume(spec) is not None:
+            break
+    recovery.check_global_batch(cfg, trainer.dp_size, trainer.tokens_seen)
+    log.start(trainer.step)
+    # Each attempt's first row: the report marks restarts and changes of world or layout by it.
+    log.log({"step": trainer.step, "event": "restart" if ckpt.loaded_from or recovery.restart_count() else "start",
+             "attempt": recovery.restart_count(), "world": rt.world_size, "layout": trainer.dims.describe(),
+             "tokens_seen": trainer.tokens_seen, "resumed_from": str(ckpt.loaded_from or "") or None})
+    log.info(f"ndtrain: {cfg.model.preset} model, {num_params(cfg.model) / 1e6:.2f}M parameters, "
+             f"layout {trainer.dims.describe()} on {rt.world_size} x {rt.device.type}, "
+             f"peak {trainer.peak_flops_total / 1e9:.1f} GFLOP/s ({trainer.peak_source}"
+             + (f" bf16; fp8 {trainer.peak_fp8_total / 1e9:.1f} GFLOP/s {trainer.peak_fp8_source}" if trainer.fp8 else "")
+             + f"); run dir {run_dir}")
+    log.info(f"{MFU_CONVENTION}: {trainer.flops_per_token / 1e6:.2f} MFLOP/token")
+    if trainer.fp8:
+        from ndtrain.layout.fp8 import fp8_linears, summary
+
+        log.info(f"fp8 ({cfg.parallel.fp8_recipe} scaling): {len(fp8_linears(cfg.model, trainer.dims.tp))} "
+                 f"Linear layers in float8 ({summary(cfg.model, trainer.dims.tp)}); all else bf16")
+    if trainer.auto_choice:
+        log.info(f"auto layout (planner): {trainer.auto_choice['description']}")
+        log.log({"step": trainer.step, "event": "auto", "layout": trainer.auto_choice["description"],
+                 "predicted_step_time": trainer.auto_choice["predicted_step_time"],
+                 "predicted_tokens_per_s": trainer.auto_choice["predicted_tokens_per_s"]})
+    step_times: list[float] = []
+    last_val, preempted, interrupted, path = None, False, False, None
+    guard = recovery.Recovery(cfg, trainer, ckpt, run_dir)  # watchdog, non-finite rollback, stragglers
+    try:
+        while trainer.step < cfg.train.steps:
+            guard.before_step()
+            trace = trainer.pipeline is not None and trainer.step + 1 == cfg.logging.pipeline_trace_step
+            if trace:
+                trainer.pipeline.trace = True
+            result = trainer.train_step()
+            for row in trainer.diloco.take_rows() if trainer.diloco else ():  # outer steps
+                log.log(row)
+            progress["step"] = trainer.step
+            if trace:
+                trainer.save_pipeline_trace(run_dir)
+            action = guard.after_step(result)
+            if action == "rollback":
+                continue
+            step_times.append(result.seconds)
+            if result.step % cfg.train.log_interval == 0 or result.step == cfg.train.steps:
+                row = trainer.metrics_row(result)
+                row["last"] = result.step == cfg.train.steps
+                row["time"] = time.time()
+                log.log(row)
+            if cfg.train.val_interval and (result.step % cfg.train.val_interval == 0 or result.step == cfg.train.steps):
+                last_val = trainer.validate()
+                log.log({"step": result.step, "val_loss": last_val})
+            if action == "stop":
+                preempted = True
+                log.info(f"stop requested (SIGTERM/SIGUSR1) at step {trainer.step}: saving, then exiting; "
+                         f"continue with --checkpoint.resume=auto")
+                break
+            if ckpt.due(result.step):
+                ckpt.save()
+        path = ckpt.save(final=True)
+        ckpt.finish()
+    except KeyboardInterrupt:  # Ctrl-C: stop now, save nothing more (a save in flight finishes on its own)
+        interrupted = True
+        published = list_checkpoints(ckpt.root)
+        path = published[-1] if published else None
+    finally:
+        guard.close()
+    if trainer.auto_choice and len(step_times) > 3:
+        measured = statistics.median(step_times[3:])  # the first steps pay for warm-up
+        log.info(f"auto layout: measured {measured:.3f} s/step vs predicted "
+                 f"{trainer.auto_choice['predicted_step_time']:.3f} s/step")
+    summary = {"run_dir": str(run_dir), "steps": trainer.step, "val_loss": last_val, "checkpoint": str(path),
+               "preempted": preempted, "interrupted": interrupted,
+               "stop_signal": guard.preemption.signal_name if preempted else ""}
+    if rt.is_main and cfg.train.sample_tokens > 0 and path is not None and not (preempted or interrupted):
+        from ndtrain.train.generate import generate_from_checkpoint
+
+        text = generate_from_checkpoint(path, cfg.train.sample_prompt, cfg.train.sample_tokens, seed=cfg.train.seed)
+        log.info("---- sample ----\n" + text + "\n----------------")
+        summary["sample"] = text
+    trainer.close()
+    return summary
