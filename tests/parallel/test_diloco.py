@@ -22,11 +22,8 @@ def _cfg(base: dict, **over):
     return load_config(None, merged)
 
 
-def reference(base: dict, steps: int, replicas: int, inner: int, lr: float, momentum: float,
-              dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """R one-process trainers whose loaders read replica r's share (dp_rank r of R); every H steps
-    (and at the last step) θ_sync takes a torch.optim.SGD(nesterov) step on the outer gradient
-    θ_sync - mean_r θ_r, sent in `dtype`, and every replica restarts from θ_sync."""
+def _replica_trainers(base: dict, replicas: int) -> list:
+    """R one-process trainers from the same weights, trainer r reading replica r's share of the data."""
     from ndtrain.data.loader import StatefulLoader
     from ndtrain.train.trainer import Trainer
 
@@ -36,6 +33,15 @@ def reference(base: dict, steps: int, replicas: int, inner: int, lr: float, mome
         t = Trainer(cfg, None, log=False)
         t.loader = StatefulLoader(t.train_set, cfg.data.seq_len, cfg.train.seed, r, replicas)
         trainers.append(t)
+    return trainers
+
+
+def reference(base: dict, steps: int, replicas: int, inner: int, lr: float, momentum: float,
+              dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """R one-process trainers whose loaders read replica r's share (dp_rank r of R); every H steps
+    (and at the last step) θ_sync takes a torch.optim.SGD(nesterov) step on the outer gradient
+    θ_sync - mean_r θ_r, sent in `dtype`, and every replica restarts from θ_sync."""
+    trainers = _replica_trainers(base, replicas)
     sync = [p.detach().clone() for p in trainers[0].params]
     outer = torch.optim.SGD(sync, lr=lr, momentum=momentum, nesterov=momentum > 0)
     for step in range(1, steps + 1):
@@ -55,15 +61,7 @@ def reference(base: dict, steps: int, replicas: int, inner: int, lr: float, mome
 
 def averaged_every_step(base: dict, steps: int, replicas: int) -> dict[str, torch.Tensor]:
     """The plainest reference: R replicas whose parameters are averaged after every step."""
-    from ndtrain.data.loader import StatefulLoader
-    from ndtrain.train.trainer import Trainer
-
-    cfg = _cfg(base)
-    trainers = []
-    for r in range(replicas):
-        t = Trainer(cfg, None, log=False)
-        t.loader = StatefulLoader(t.train_set, cfg.data.seq_len, cfg.train.seed, r, replicas)
-        trainers.append(t)
+    trainers = _replica_trainers(base, replicas)
     for _ in range(steps):
         for t in trainers:
             t.train_step()

@@ -148,5 +148,22 @@ def main() -> int:
     return 0 if passed == a.trials else 1
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, grandchildren, ...), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 if __name__ == "__main__":
     sys.exit(main())

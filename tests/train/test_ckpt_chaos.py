@@ -12,6 +12,7 @@ from pathlib import Path
 
 import chaos
 import pytest
+from chaos import descendants
 
 DEADLINE_S = 6.0  # watchdog: normal steps take ~0.1 s; generous for a loaded 2-core machine
 
@@ -53,22 +54,6 @@ def test_chaos_20_trials(corpus_dir, tmp_path, reference):
     print(f"chaos: {len(results) - len(failed)}/{len(results)} trials passed, "
           f"{sum(t.kills for _, t in results)} faults injected")
     assert not failed, failed
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 @pytest.mark.slow
@@ -119,7 +104,7 @@ def test_elastic_shrink_continues_on_fewer_workers(corpus_dir, tmp_path):
                 break
             time.sleep(0.1)
         killed_at = max((r["step"] for r in rows() if "loss" in r), default=0)
-        for pid in [other.pid, *_descendants(other.pid)]:  # the whole second node (workers run in their own session)
+        for pid in [other.pid, *descendants(other.pid)]:  # the whole second node (workers run in their own session)
             os.kill(pid, signal.SIGKILL)
         host.wait(timeout=400)
     finally:

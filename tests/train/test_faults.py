@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from chaos import descendants
 
 from ndtrain.train.ckpt_store import list_checkpoints, step_name, verify
 
@@ -45,22 +46,6 @@ def _wait_for(out: Path, checkpoints: int, proc: subprocess.Popen, timeout: floa
     raise AssertionError("no checkpoint in time")
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def _running(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
@@ -78,7 +63,7 @@ def test_sigkill_of_the_launcher_leaves_no_worker(corpus_dir, tmp_path):
     proc = _start(_args(corpus_dir, out))
     try:
         _wait_for(out, 1, proc)
-        workers = _descendants(proc.pid)
+        workers = descendants(proc.pid)
         assert len(workers) >= 2, workers
         os.kill(proc.pid, signal.SIGKILL)
         killed = time.time()

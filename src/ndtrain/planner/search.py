@@ -271,7 +271,7 @@ def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: l
 def _estimate(ev: Evaluator, t: int, c: int, p: int, dp: int) -> float:
     """Rough step time of a mesh (smallest micro-batch, no recompute, 1F1B) to order the search."""
     m = ev.pb.global_batch // dp
-    sched = "1F1B" if p > 1 and m >= p else "GPipe"
+    sched = "1F1B" if p > 1 and m >= SCHEDULES["1F1B"].min_microbatches(p) else "GPipe"
     try:
         return ev.lower_bound(Layout(dp_shard=dp, tp=t, cp=c, pp=p, mb=1, ac="none", sp=t > 1, schedule=sched))
     except NdtrainError:
@@ -291,7 +291,7 @@ def _schedules(p: int, m: int, layers: int, allowed: tuple[str, ...] | None, fix
     def ok(name):
         return want is None or name in want
 
-    if ok("1F1B") and m >= p and fixed.get("v", 1) == 1:
+    if ok("1F1B") and m >= SCHEDULES["1F1B"].min_microbatches(p) and fixed.get("v", 1) == 1:
         yield "1F1B", 1
     elif ok("GPipe") and fixed.get("v", 1) == 1:
         yield "GPipe", 1  # same bubble as 1F1B, more memory: only where 1F1B cannot run
