@@ -81,6 +81,12 @@ class ParallelConfig:
     # | llama3 (even, one layer fewer on the first and last stage).
     pp_split: str = "balanced"
     auto: bool = False  # let the planner choose the whole layout for this world size
+    # With no data-parallel key given (DP_CHOICE_KEYS), `ndtrain train` lets the planner choose
+    # the data-parallel flavour - DDP, HSDP or ZeRO-1/2/3 - over the ranks tp x cp leave, for this
+    # model, micro-batch and machine; every other knob stays as set. load_config turns it off
+    # when one of those keys is given (unless dp_auto is too); false keeps the static default
+    # (ZeRO-3 over every rank).
+    dp_auto: bool = True
     # What auto plans for: "" = this machine (the GPU model from torch.cuda, mapped to the
     # planner's catalog; the calibrated profile on CPU), a catalog name (h100, a100-80, ...) or a
     # hardware profile JSON written by `ndtrain calibrate`.
@@ -284,6 +290,10 @@ def _zero_meaning(raw: dict, translate: bool) -> None:
     par.update(zero=3, reshard_after_forward=False)
 
 
+# Keys that choose the data-parallel flavour: any one given turns [parallel] dp_auto off.
+DP_CHOICE_KEYS = ("dp_replicate", "dp_shard", "zero", "reshard_after_forward", "replicate_sync", "auto")
+
+
 def load_config(path: str | None = None, overrides: list[str] | dict | None = None,
                 stored: bool = False) -> JobConfig:
     """The job config from a TOML file and overrides, validated. stored=True reads a config
@@ -318,6 +328,9 @@ def load_config(path: str | None = None, overrides: list[str] | dict | None = No
                 raise ConfigError("model.preset", f"unknown preset {preset_name!r} (presets: {', '.join(PRESETS)})")
             cfg.model = ModelConfig(preset=preset_name, **PRESETS[preset_name])
         _apply(getattr(cfg, section), section, values)
+    given = raw.get("parallel") if isinstance(raw.get("parallel"), dict) else {}
+    if "dp_auto" not in given and any(_field_key(key) in DP_CHOICE_KEYS for key in given):
+        cfg.parallel.dp_auto = False  # the user chose the data-parallel flavour (a stored config says)
     if cfg.parallel.zero in (1, 2) and (zero_stage_only or "parallel" not in raw):
         cfg.parallel.reshard_after_forward = False  # ZeRO-1/2 never reshard: parameters stay gathered
     validate(cfg)

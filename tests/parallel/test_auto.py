@@ -10,8 +10,68 @@ from ndtrain.parallel.dims import resolve
 
 
 def test_auto_off_changes_nothing():
-    cfg = load_config(None, {"parallel": {"tp": 2}})
-    assert apply_auto_layout(cfg, 4) is None and cfg.parallel.tp == 2
+    cfg = load_config(None, {"parallel": {"tp": 2, "dp_auto": False}})
+    assert apply_auto_layout(cfg, 4) is None and cfg.parallel.tp == 2 and cfg.parallel.dp_shard == -1
+
+
+PEERS = {"model": {"dim": 256, "n_layers": 6, "n_heads": 16, "n_kv_heads": 16, "ffn_dim": 768, "vocab_size": 2048},
+         "data": {"seq_len": 256}, "train": {"global_batch": 8, "micro_batch": 4}}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_defaults_choose_ddp_where_it_was_fastest(precision, tmp_path, monkeypatch):
+    """No data-parallel key: the planner picks the flavour. For the peers' model at world 2 on CPU
+    ranks it picks DDP, the fastest measured there (docs/benchmarks.md), with the uncalibrated
+    profile; every other knob stays as configured."""
+    import ndtrain.planner.hardware as hardware
+
+    monkeypatch.setattr(hardware, "DEFAULT_PROFILE", tmp_path / "none.json")  # no calibration here
+    cfg = load_config(None, {**PEERS, "parallel": {"mixed_precision": precision}})
+    assert cfg.parallel.dp_auto
+    choice = apply_auto_layout(cfg, 2)
+    assert (cfg.parallel.dp_replicate, cfg.parallel.dp_shard) == (2, 1), choice["description"]
+    assert cfg.train.micro_batch == 4 and cfg.parallel.tp == 1 and cfg.parallel.pp == 1
+    assert choice["description"].startswith("data parallel (defaults)")
+
+
+def test_defaults_choose_by_memory_on_a_large_model():
+    """Llama 3 8B on 8 H100s, seq 4096: without recompute only ZeRO-3 fits; with full recompute
+    ZeRO-1 fits and, gathering once per step instead of twice, is faster."""
+    def choose(ac):
+        cfg = load_config(None, {"model": {"preset": "llama3-8b"}, "data": {"seq_len": 4096},
+                                 "parallel": {"auto_hardware": "h100", "activation_checkpoint": ac},
+                                 "train": {"global_batch": 8, "micro_batch": 1}})
+        apply_auto_layout(cfg, 8)
+        return cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.zero
+
+    assert choose("none") == (1, 8, 3)
+    assert choose("full") == (1, 8, 1)
+
+
+@pytest.mark.parametrize("given", [{"dp_shard": 2}, {"zero": 1}, {"dp_replicate": 2, "dp_shard": 1},
+                                   {"reshard_after_forward": False}, {"dp_auto": False}])
+def test_a_data_parallel_key_keeps_the_users_choice(given):
+    cfg = load_config(None, {**PEERS, "parallel": dict(given)})
+    assert not cfg.parallel.dp_auto
+    before = (cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.zero)
+    assert apply_auto_layout(cfg, 2) is None
+    assert (cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.zero) == before
+
+
+def test_dp_choice_survives_a_stored_config():
+    from ndtrain.config import from_dict, to_dict
+
+    cfg = load_config(None, PEERS)
+    apply_auto_layout(cfg, 2)
+    again = from_dict(to_dict(cfg))
+    assert again.parallel.dp_auto and (again.parallel.dp_replicate, again.parallel.dp_shard) == (2, 1)
+
+
+def test_no_choice_where_the_planner_cannot_price_it():
+    for parallel in ({"pp": 2}, {"activation_checkpoint": "every_n"}):
+        cfg = load_config(None, {**PEERS, "parallel": parallel})
+        assert apply_auto_layout(cfg, 4) is None and cfg.parallel.dp_shard == -1, parallel
+    assert apply_auto_layout(load_config(None, PEERS), 1) is None
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])

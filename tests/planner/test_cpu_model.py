@@ -114,3 +114,42 @@ def test_measured_tp_cost_replaces_the_collective_model(tmp_path):
     act = 2 * 256 * 256 * 4
     per_mb = 8 * (1e-2 + 1e-8 * act) + 5e-2
     assert p.time["comm"]["tp"] == pytest.approx(4 * per_mb)  # 4 micro-batches
+
+
+def test_unmeasured_cpu_terms_take_this_hosts_figures(tmp_path):
+    """Where calibration measured nothing: Gloo's reduce-scatter costs its all-reduce (torch runs
+    it as one), TP pays the DTensor host cost measured here, and pipelines pay per stage action."""
+    from ndtrain.planner.comm import collective_time
+    from ndtrain.planner.hardware import UNMEASURED_PP_ACTION_S, UNMEASURED_TP_HOST
+
+    hw = _bare(tmp_path)
+    for k, n in ((2, 1e6), (4, 3e7)):
+        assert collective_time(hw, "reduce_scatter", k, 1, n) == pytest.approx(collective_time(hw, "all_reduce", k, 1, n))
+    assert hw.tp_host == UNMEASURED_TP_HOST and hw.pp_action_s == UNMEASURED_PP_ACTION_S > 0
+    measured = _profile(tmp_path)  # its own reduce-scatter fit stands
+    assert collective_time(measured, "reduce_scatter", 2, 1, 1e6) < collective_time(measured, "all_reduce", 2, 1, 1e6)
+
+
+def _bare(tmp_path):
+    path = tmp_path / "bare.json"
+    path.write_text(json.dumps({"cores": 2, "devices_per_node": 8}))
+    return this_machine(path)
+
+
+def test_pipeline_actions_cost_cpu_ranks_not_gpus(tmp_path):
+    """Each extra virtual stage and a split backward add stage actions: on CPU ranks they cost
+    host time (without it the planner chose an interleaved pipeline over a faster DDP here)."""
+    cfg = preset("tiny", vocab_size=256)
+
+    def pp_comm(hw, schedule, v):
+        lay = {"dp_shard": 1, "pp": 2, "schedule": schedule, "v": v, "mb": 2}
+        return predict(cfg, lay, 256, 8, hw, world=2, precision="fp32" if hw.generation == "cpu" else "bf16").time["comm"]["pp"]
+
+    cpu = _bare(tmp_path)
+    base = dataclasses.replace(cpu, pp_action_s=0.0)
+    m = 4  # micro-batches per step
+    assert pp_comm(cpu, "1F1B", 1) - pp_comm(base, "1F1B", 1) == pytest.approx(m * 2 * cpu.pp_action_s)
+    assert pp_comm(cpu, "InterleavedZeroBubble", 3) - pp_comm(base, "InterleavedZeroBubble", 3) == \
+        pytest.approx(m * 3 * 3 * cpu.pp_action_s)
+    gpu = CATALOG["h100"]
+    assert pp_comm(gpu, "1F1B", 1) == pp_comm(dataclasses.replace(gpu, pp_action_s=1.0), "1F1B", 1)

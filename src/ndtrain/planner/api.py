@@ -41,7 +41,7 @@ def _precision(hw: Hardware, precision: str | None) -> str:
 def auto_layout(model_cfg: ModelConfig, world_size: int, seq_len: int, global_batch: int,
                 micro_batch_options=(1, 2, 4, 8), hardware_profile=None, *, precision: str | None = None,
                 zero_options=(1, 2, 3), ac_options=("none", "selective", "full"), schedules=None,
-                base: Layout | None = None) -> dict:
+                base: Layout | None = None, fixed: dict | None = None) -> dict:
     """Pick the fastest layout the ndtrain runtime can build for `world_size` ranks.
 
     Arguments:
@@ -60,6 +60,9 @@ def auto_layout(model_cfg: ModelConfig, world_size: int, seq_len: int, global_ba
       schedules           pipeline schedules allowed (default: all six).
       base                the layout knobs the search keeps (mixed precision, compile, offload,
                           stage split...): their rules (ndtrain.layout.problems) apply.
+      fixed               {Layout field: value} the search may not change (tp, pp, cp, ep, mb,
+                          dp_shard, dp_replicate, zero): the defaults' data-parallel choice pins
+                          every degree but the data-parallel ones.
 
     Only layouts ndtrain.layout.problems() accepts (strict: what the runtime builds) are searched;
     the search limits tp to one node.
@@ -78,7 +81,7 @@ def auto_layout(model_cfg: ModelConfig, world_size: int, seq_len: int, global_ba
                       strict=True)
     res = search(pb, top_k=1, mb_options=sorted(set(int(m) for m in micro_batch_options)),
                  ac_options=tuple(ac_options), zero_options=tuple(zero_options),
-                 schedules=tuple(schedules) if schedules else None, base=base)
+                 schedules=tuple(schedules) if schedules else None, base=base, fixed=fixed)
     if not res.top:
         why = ""
         if res.fastest_over_cap:

@@ -81,6 +81,10 @@ class Hardware:
     tp_host: dict = field(default_factory=dict, compare=False, hash=False)
     # seconds per local parameter per step (gradient norm + AdamW), measured; 0 = HBM traffic model
     optimizer_s_per_param: float = 0.0
+    # host seconds of one pipeline action (a stage's forward, backward, or split input/weight
+    # backward of one micro-batch) beyond its compute: torch.distributed.pipelining's bookkeeping
+    # and the Gloo send/receive around it. GPUs queue them behind kernels; CPU ranks pay each.
+    pp_action_s: float = 0.0
     # {world: {collective: fit}}: Gloo fits measured with that many ranks on the machine; the
     # cost of a collective depends on how many ranks share the cores, not only on its group
     collectives_by_world: dict = field(default_factory=dict, compare=False, hash=False)
@@ -210,6 +214,23 @@ def this_machine(profile: str | os.PathLike | None = None) -> Hardware:
     return from_profile(data, str(path) if data else "defaults")
 
 
+# What a tensor-parallel micro-batch costs CPU ranks beyond their share of compute (DTensor
+# dispatch of every op, Gloo collectives of activations), where `ndtrain calibrate` measured
+# nothing: the figures it measured on the 2-core host of docs/benchmarks.md (world 2, tp 2,
+# 2026-11-30). Without them the planner priced TP as bare all-reduces and chose tp=2 for the
+# peers' model in bf16, which trained at ~0.7x DDP's speed there.
+UNMEASURED_TP_HOST = {"2": {"2": {"layer": {"alpha": 18.7e-3, "per_byte": 17.7e-9},
+                                  "head": {"alpha": 16.4e-3, "per_byte": 12.2e-9}}}}
+
+
+# `ndtrain calibrate` does not measure pipelines yet: the figure fitted on the 2-core host of
+# docs/benchmarks.md (peers' model, world 2, pp 2, 4 micro-batches: 1F1B, Interleaved1F1B v=3 and
+# InterleavedZeroBubble v=3 took 0.742, 0.724 and 0.746 s/step where the model without this term
+# said 0.753, 0.655 and 0.630: the extra actions of the interleaved and split-backward
+# schedules cost ~4 ms each, and without it the planner chose pp=2 over a faster DDP).
+UNMEASURED_PP_ACTION_S = 4e-3
+
+
 def from_profile(data: dict, source: str = "") -> Hardware:
     """The "this-machine" entry from a calibration profile (a dict as `ndtrain calibrate` writes)."""
     matmul = data.get("matmul", {})
@@ -218,10 +239,19 @@ def from_profile(data: dict, source: str = "") -> Hardware:
     # Defaults: a few GFLOP/s per core and a slow loopback; chosen to under-promise.
     fp32 = matmul.get("fp32_1thread", 20e9)
     bf16 = matmul.get("bf16_1thread", fp32 / 4)
-    default_fit = {"alpha": 100e-6, "beta": 1e9}
+    # A Gloo collective inside training (cores busy with compute, FSDP's copies in and out) reached
+    # 0.24-0.33 GB/s on the 2-core host of docs/benchmarks.md, against 0.6-1.35 GB/s in an idle
+    # loop: the default is the in-situ figure, as pessimistic as the compute default.
+    default_fit = {"alpha": 100e-6, "beta": 0.3e9}
     names = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
     fits = {name: {k: colls[name][k] for k in ("alpha", "beta")} if name in colls else default_fit
             for name in names}
+    if "reduce_scatter" not in colls:
+        # Gloo has no reduce-scatter of its own: torch's ProcessGroupGloo clones the input, runs a
+        # full all-reduce and copies this rank's chunk out. Unmeasured, it costs the all-reduce:
+        # the ring all-reduce's 2(k-1) alpha + 2(k-1)/k n/beta in comm.py's reduce-scatter terms.
+        ar = fits["all_reduce"]
+        fits["reduce_scatter"] = {"alpha": 2 * ar["alpha"], "beta": ar["beta"] / 2}
     by_world: dict = {}
     for name in names:
         for world, fit in colls.get(name, {}).get("by_world", {}).items():
@@ -251,8 +281,9 @@ def from_profile(data: dict, source: str = "") -> Hardware:
         layer_overhead_s=float(data.get("host_s", {}).get("layer", 0.0)),
         head_overhead_s=float(data.get("host_s", {}).get("head", 0.0)),
         tp_host={str(w): {str(t): {k: {f: float(v[k][f]) for f in ("alpha", "per_byte")} for k in ("layer", "head")}
-                          for t, v in by_tp.items()} for w, by_tp in data.get("tp_host", {}).items()},
+                          for t, v in by_tp.items()} for w, by_tp in data.get("tp_host", UNMEASURED_TP_HOST).items()},
         optimizer_s_per_param=float(data.get("optimizer_s_per_param", 0.0)),
+        pp_action_s=float(data.get("pp_action_s", UNMEASURED_PP_ACTION_S)),
         collectives_by_world=by_world,
     )
 

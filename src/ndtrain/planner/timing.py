@@ -146,6 +146,9 @@ def step_breakdown(pb: Problem, lay: Layout, lc: dict | None = None, split: Spli
         else:
             steady = 2 * v * hop * m  # blocking sends and receives: every one on the critical path
         pp = hops * hop + steady
+        if not pb.gpu:  # every stage action's host bookkeeping (Hardware.pp_action_s)
+            actions = m * v * (3 if registry.get(lay.schedule).split_backward else 2)
+            pp += actions * pb.hw.pp_action_s
 
     key = ("dp", lay.tp, lay.cp, lay.ep, lay.effective_zero, lay.shard_degree, lay.dp_replicate, p, n_dev,
            lay.grads_sharded_per_microbatch, lay.reshards_after_forward)

@@ -38,9 +38,11 @@ def auto_hardware(cfg: JobConfig):
 
 def apply_auto_layout(cfg: JobConfig, world_size: int, hardware_profile=None) -> dict | None:
     """Overwrite cfg's layout keys with the planner's best layout for `world_size` ranks on this
-    machine; returns the planner's choice with its prediction, or None when auto is off."""
+    machine; returns the planner's choice with its prediction, or None when auto is off. With
+    only `dp_auto` on (no data-parallel key given), the planner chooses the data-parallel flavour
+    alone (apply_dp_choice)."""
     if not cfg.parallel.auto:
-        return None
+        return apply_dp_choice(cfg, world_size, hardware_profile) if cfg.parallel.dp_auto else None
     from ndtrain.layout import from_config
     from ndtrain.planner.api import auto_layout
 
@@ -54,6 +56,42 @@ def apply_auto_layout(cfg: JobConfig, world_size: int, hardware_profile=None) ->
         for key, value in values.items():
             setattr(getattr(cfg, section), key, value)
     choice["description"] = describe(choice)
+    return choice
+
+
+# Data-parallel flavours the defaults choose among: the planner's fields they set
+DP_FIELDS = {"dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "zero": "zero",
+             "reshard_after_forward": "reshard_after_forward"}
+
+
+def apply_dp_choice(cfg: JobConfig, world_size: int, hardware_profile=None) -> dict | None:
+    """The defaults' data-parallel flavour: the planner's fastest of DDP, HSDP and ZeRO-1/2/3 over
+    the ranks tp x cp leave, every other knob (degrees, micro-batch, recompute, precision) as
+    configured. For a model that fits, on few ranks, fewer collectives win (DDP here, measured in
+    docs/benchmarks.md); on a large model only ZeRO-3 fits and is chosen. None (the static
+    default, ZeRO-3 over every rank) where there is nothing to choose or the planner cannot price
+    the layout: one rank, a pipeline (its schedule owns the reduction), a degree left at -1, a
+    recompute policy the planner does not model, or no layout that fits its memory model."""
+    p = cfg.parallel
+    degrees = (p.tp, p.cp, p.pp, p.ep)
+    if world_size <= 1 or p.pp != 1 or min(degrees) < 1 or world_size % (p.tp * p.cp) \
+            or p.activation_checkpoint not in ("none", "selective", "full"):
+        return None
+    from ndtrain.layout import from_config
+    from ndtrain.planner.api import auto_layout
+
+    hw = hardware_profile if hardware_profile is not None else auto_hardware(cfg)
+    try:
+        choice = auto_layout(cfg.model, world_size, cfg.data.seq_len, cfg.train.global_batch,
+                             micro_batch_options=[cfg.train.micro_batch], hardware_profile=hw,
+                             precision=cfg.parallel.mixed_precision, ac_options=(p.activation_checkpoint,),
+                             base=from_config(p, cfg.train, cfg.data),
+                             fixed={"tp": p.tp, "cp": p.cp, "pp": 1, "ep": p.ep, "mb": cfg.train.micro_batch})
+    except NdtrainError:
+        return None  # nothing fits the planner's memory model: the static default, as before
+    for key, field in DP_FIELDS.items():
+        setattr(p, key, choice[field])
+    choice["description"] = "data parallel (defaults): " + describe(choice)
     return choice
 
 

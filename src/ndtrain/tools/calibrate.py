@@ -267,12 +267,13 @@ def calibrate(worlds=(2, 4, 8), sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), reps
         share = world / cores if world > cores else 1.0
         tp_fits.setdefault(str(world), {})[str(tp)] = {**fit_tp(plain, measured, tp, share), "measured": measured}
     dp_fits: dict = {}
+    ddp_at = {world: measured for _, world, mode, measured in samples if _ == "dp_host" and mode == "ddp"}
     for _, world, mode, measured in (x for x in samples if x[0] == "dp_host"):
         share = world / cores if world > cores else 1.0
         if mode == "zero3_tp":  # beyond the TP micro-batch the same ranks ran
             fits = fit_dp(tp_fits[str(world)]["2"]["measured"], measured, mode, world, 1.0)
-        else:
-            fits = fit_dp(plain, measured, mode, world, share)
+        else:  # ZeRO-3's reduce-scatter is priced as the DDP all-reduce measured on the same ranks
+            fits = fit_dp(plain, measured, mode, world, share, ddp_at.get(world))
         dp_fits.setdefault(str(world), {}).update(fits)
         dp_fits[str(world)].setdefault("measured", {})[mode] = measured
     samples = [x for x in samples if x[0] not in ("tp_host", "dp_host")]

@@ -150,28 +150,43 @@ def layer_param_bytes(dim: int) -> int:
     return 4 * layer_params(_config(1, dim), 0)
 
 
-def fit_dp(base: dict, measured: dict, mode: str, world: int, share: float) -> dict:
+def fit_dp(base: dict, measured: dict, mode: str, world: int, share: float, ddp: dict | None = None) -> dict:
     """In-situ collective fits {kind: {"alpha", "beta"}} in comm.py's ring terms: what the runtime's
     gradient reduction (and ZeRO-3 gathers) add to a layer beyond `base` (the plain micro-batch,
     `share` times slower when ranks outnumber cores; for "zero3_tp" the TP micro-batch measured in
     the same ranks, share 1), split over the collectives it issues (ZeRO-3: two all-gathers and a
     reduce-scatter of the layer per step; DDP: one all-reduce). "zero3_tp" fits the "_tp" kinds,
-    used where FSDP shards tensor-parallel parameters."""
+    used where FSDP shards tensor-parallel parameters.
+
+    Gloo has no reduce-scatter of its own: torch's ProcessGroupGloo runs `reduce_scatter_tensor`
+    as a clone of the input, a full all-reduce and a copy of this rank's chunk. So where DDP was
+    measured on the same ranks (`ddp`), ZeRO-3's reduce-scatter costs DDP's all-reduce and only
+    the rest of ZeRO-3's extra is split over its two all-gathers; an even three-way split made
+    gathers look dear and the reduce-scatter cheap, which ranked ZeRO-1 above DDP here."""
     tp = 2 if mode == "zero3_tp" else 1
-    pts = []
+    pts, ar_pts = [], []
     for d, s in SHAPES:
         key = f"{d},{s}"
         extra = max(0.0, measured[key][0] - share * base[key][0])
-        pts.append((layer_param_bytes(d) / tp, extra / (1 if mode == "ddp" else 3)))
-    (n0, e0), (n1, e1) = pts
-    per_byte = max(1e-12, (e1 - e0) / (n1 - n0))
-    alpha = max(1e-7, e0 - per_byte * n0)
+        ar = max(0.0, ddp[key][0] - share * base[key][0]) if ddp is not None and mode == "zero3" else None
+        pts.append((layer_param_bytes(d) / tp, extra / (1 if mode == "ddp" else 3) if ar is None else (extra - ar) / 2))
+        ar_pts.append((layer_param_bytes(d), ar))
     k = world // tp
+
+    def line(points):
+        (n0, e0), (n1, e1) = points
+        per_byte = max(1e-12, (e1 - e0) / (n1 - n0))
+        return max(1e-7, e0 - per_byte * n0), per_byte
+
+    alpha, per_byte = line(pts)
     if mode == "ddp":
         return {"all_reduce": {"alpha": alpha / (2 * (k - 1)), "beta": 2 * (k - 1) / k / per_byte}}
     fit = {"alpha": alpha / (k - 1), "beta": (k - 1) / k / per_byte}  # (k-1) alpha + (k-1)/k n / beta
     suffix = "_tp" if tp > 1 else ""
-    return {"all_gather" + suffix: fit, "reduce_scatter" + suffix: fit}
+    if ar_pts[0][1] is None:
+        return {"all_gather" + suffix: fit, "reduce_scatter" + suffix: fit}
+    ar_alpha, ar_per_byte = line(ar_pts)  # the reduce-scatter at the all-reduce's cost, in RS terms
+    return {"all_gather": fit, "reduce_scatter": {"alpha": ar_alpha / (k - 1), "beta": (k - 1) / k / ar_per_byte}}
 
 
 def fit_tp(plain: dict, measured: dict, tp: int, share: float) -> dict:
@@ -192,7 +207,8 @@ def fit_tp(plain: dict, measured: dict, tp: int, share: float) -> dict:
 
 def optimizer_seconds_per_param(params: int = 1 << 22, tensors: int = 16, reps: int = 5) -> float:
     """One thread's seconds per parameter of what the trainer does to every parameter each step:
-    the gradient norm and a foreach AdamW step (fp32)."""
+    the gradient norm and a fused AdamW step (fp32), the trainer's default
+    (`optimizer.implementation = "fused"`; foreach costs ~2x on this CPU)."""
     import torch
 
     old = torch.get_num_threads()
@@ -201,7 +217,7 @@ def optimizer_seconds_per_param(params: int = 1 << 22, tensors: int = 16, reps: 
         ps = [torch.zeros(params // tensors, requires_grad=True) for _ in range(tensors)]
         for p in ps:
             p.grad = torch.randn_like(p)
-        opt = torch.optim.AdamW(ps, lr=1e-3, foreach=True)
+        opt = torch.optim.AdamW(ps, lr=1e-3, fused=True)
 
         def step():
             torch._foreach_norm([p.grad for p in ps])

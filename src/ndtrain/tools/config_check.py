@@ -4,7 +4,7 @@ process group, before anyone rents N GPUs.
 It runs ndtrain.layout.problems() for the world (the same call `train` makes before its first
 collective), plans the layout first if `[parallel] auto` is on, then builds every pipeline
 rank's stages on the meta device (no memory), as the runtime would, and prints the layout it
-would build. Exit 0, or 2 with one line naming the config key to change.
+would build (with the defaults' data-parallel choice, `dp_auto`, made as `train` makes it). Exit 0, or 2 with one line naming the config key to change.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def check_config(cfg: JobConfig, world: int, build: bool = True) -> tuple[Layout
     the first problem (and counting the others)."""
     if world < 1:
         raise NdtrainError(f"--world must be >= 1, got {world}")
-    if cfg.parallel.auto:
+    if cfg.parallel.auto or cfg.parallel.dp_auto:  # as `ndtrain train` would plan it
         from ndtrain.tools.auto import apply_auto_layout
 
         apply_auto_layout(cfg, world)
