@@ -138,7 +138,21 @@ def _run(cfg, plan=None) -> int:
             sys.stdout.flush()
             os._exit(EXIT_PREEMPTED)
         return EXIT_PREEMPTED  # saved and stopped on a signal: nonzero so schedulers run it again
+    _destroy_groups()
     return 0
+
+
+def _destroy_groups() -> None:
+    """After a run that ended well on every rank: tear the process groups down while the
+    interpreter is whole. Left to its finalisation, Gloo's worker threads still hold tensors and
+    now and then abort the process ("terminate called without an active exception", SIGABRT;
+    pytorch/pytorch#190489). Only on success: a teardown while a failed peer is mid-collective
+    could hang (torchtitan does the same)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # every rank is done with every group
+        dist.destroy_process_group()
 
 
 def _launch(cfg, args, argv: list[str], plan=None) -> int:
