@@ -10,7 +10,8 @@ CPU seconds, one thread, interleaved passes (every variant once per pass), media
   fused        the same weights as one qkv and one gate/up matrix, each split after its matmul
                (what fused projections would do; built here on the same modules, weights copied)
   compiled     ndtrain's model with every block torch.compile'd (as [parallel] compile = true);
-               its compile time (the first step) is reported on its own
+               its compile time (the first step, with a fresh inductor cache unless
+               --warm-cache) is reported on its own
   floor-model  the plain-PyTorch floor's module (floor_model.py, fused qkv)
 
 It also prints the tokens per CPU-second that the eager model alone reaches: the ceiling of any
@@ -27,6 +28,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+if "--warm-cache" not in sys.argv:  # a cold compile, as a fresh machine (or a changed model) pays it
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="ndtrain-inductor-")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
@@ -71,6 +76,7 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled variant (its compile takes ~15-60 s)")
+    ap.add_argument("--warm-cache", action="store_true", help="keep inductor's on-disk cache (default: a fresh one)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
