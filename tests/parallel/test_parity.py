@@ -64,8 +64,10 @@ def test_bf16_mixed_precision(parity_base):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_compiled_blocks_match_eager(parity_base):
-    """torch.compile per block (cold compiles take tens of seconds on 2 cores: slow suite)."""
-    _, results = verify(parity_base, ["compile=true", "dp_shard=2,compile=true,ac=full"], steps=3,
+    """torch.compile per block (cold compiles take tens of seconds on 2 cores: slow suite), also
+    under DDP, what the defaults choose for small models on few ranks."""
+    _, results = verify(parity_base, ["compile=true", "dp_shard=2,compile=true,ac=full",
+                                      "dp_replicate=2,dp_shard=1,compile=true"], steps=3,
                         tol_loss=FP32_TOL, tol_weight=FP32_TOL)
     _check(results, FP32_TOL)
 

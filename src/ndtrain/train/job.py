@@ -77,7 +77,7 @@ def _loop(cfg: JobConfig, run_dir: Path, progress: dict, make_trainer) -> dict:
         log.info(f"fp8 ({cfg.parallel.fp8_recipe} scaling): {len(fp8_linears(cfg.model, trainer.dims.tp))} "
                  f"Linear layers in float8 ({summary(cfg.model, trainer.dims.tp)}); all else bf16")
     if trainer.auto_choice:
-        log.info(f"auto layout (planner): {trainer.auto_choice['description']}")
+        log.info(f"layout chosen by the planner: {trainer.auto_choice['description']}")
         log.log({"step": trainer.step, "event": "auto", "layout": trainer.auto_choice["description"],
                  "predicted_step_time": trainer.auto_choice["predicted_step_time"],
                  "predicted_tokens_per_s": trainer.auto_choice["predicted_tokens_per_s"]})
@@ -125,7 +125,7 @@ def _loop(cfg: JobConfig, run_dir: Path, progress: dict, make_trainer) -> dict:
         guard.close()
     if trainer.auto_choice and len(step_times) > 3:
         measured = statistics.median(step_times[3:])  # the first steps pay for warm-up
-        log.info(f"auto layout: measured {measured:.3f} s/step vs predicted "
+        log.info(f"planned layout: measured {measured:.3f} s/step vs predicted "
                  f"{trainer.auto_choice['predicted_step_time']:.3f} s/step")
     summary = {"run_dir": str(run_dir), "steps": trainer.step, "val_loss": last_val, "checkpoint": str(path),
                "preempted": preempted, "interrupted": interrupted,
