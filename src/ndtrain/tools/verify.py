@@ -153,7 +153,10 @@ def verify(base: dict, layouts: list[str], steps: int, tol_loss: float, tol_weig
     results = []
     for world, specs in by_world.items():
         cfgs = [layout_config(base, s) for s in specs]
-        if world == 1:
+        # A compiled world-1 layout runs in a forked rank too: compiling here would start
+        # inductor's compile-worker pool in this process, and ranks forked from it afterwards wait
+        # on that pool forever (a cold cache hung the compile parity test).
+        if world == 1 and not any(c.parallel.compile for c in cfgs):
             outs = [run_steps(c, steps) for c in cfgs]
         else:
             per_rank = run_ranks(world, _run_many, cfgs, steps, timeout_s=timeout_s)
