@@ -30,12 +30,13 @@ def run(cfg: JobConfig, run_dir: Path, make_trainer: Callable[[], object]) -> di
     except KeyboardInterrupt:
         raise recovery.Interrupted(progress["step"]) from None
     except Exception as exc:
-        if peers and distributed.is_peer_failure(exc):
+        if peers:
             from ndtrain.errors import RunError
 
-            # A peer that stopped on Ctrl-C looks dead from here; this rank's own signal is on
-            # its way (a launcher signals its workers one by one): wait for it. A SIGTERM now is
-            # the launcher stopping the group after the death: say what happened, then go.
+            # A peer that stopped on Ctrl-C looks dead from here, and so does a checkpoint write
+            # it left half done (reported as a failed write); this rank's own signal is on its way
+            # (a launcher signals its workers one by one): wait for it. A SIGTERM now is the
+            # launcher stopping the group after the death: say what happened, then go.
             recovery.hold_sigterm()
             try:
                 time.sleep(1.0)
@@ -43,7 +44,8 @@ def run(cfg: JobConfig, run_dir: Path, make_trainer: Callable[[], object]) -> di
                 pass
             if interrupt.seen:
                 raise recovery.Interrupted(progress["step"]) from None
-            raise RunError(distributed.peer_failure_message(exc, peers, torch.distributed.get_rank())) from None
+            if distributed.is_peer_failure(exc):
+                raise RunError(distributed.peer_failure_message(exc, peers, torch.distributed.get_rank())) from None
         raise
     finally:
         interrupt.close()
