@@ -139,3 +139,20 @@ def test_the_trainer_without_the_planner_refuses_auto_with_the_key(capsys):
     assert plan_layout(load_config(None, {}), 2) is None
     choice = plan_layout(cfg, 2, apply_auto_layout)
     assert choice["description"] == describe(choice)
+
+
+def test_an_unknown_gpu_keeps_the_static_default(monkeypatch):
+    """`auto = true` on a GPU the planner's catalog lacks is an error the user asked for; the
+    defaults' choice there falls back to the static default instead of stopping the run."""
+    import torch
+
+    from ndtrain.errors import NdtrainError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Imaginary GPU 9000")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: type("P", (), {"total_memory": 2**34})())
+    cfg = load_config(None, {**PEERS, "train": {**PEERS["train"], "device": "cuda"}})
+    assert apply_auto_layout(cfg, 2) is None and cfg.parallel.dp_shard == -1
+    cfg = load_config(None, {**PEERS, "train": {**PEERS["train"], "device": "cuda"}, "parallel": {"auto": True}})
+    with pytest.raises(NdtrainError, match="not in the planner's catalog"):
+        apply_auto_layout(cfg, 2)

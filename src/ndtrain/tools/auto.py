@@ -59,9 +59,8 @@ def apply_auto_layout(cfg: JobConfig, world_size: int, hardware_profile=None) ->
     return choice
 
 
-# Data-parallel flavours the defaults choose among: the planner's fields they set
-DP_FIELDS = {"dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "zero": "zero",
-             "reshard_after_forward": "reshard_after_forward"}
+# The [parallel] keys (and the planner's fields of the same names) the defaults' choice sets
+DP_FIELDS = ("dp_replicate", "dp_shard", "zero", "reshard_after_forward")
 
 
 def apply_dp_choice(cfg: JobConfig, world_size: int, hardware_profile=None) -> dict | None:
@@ -80,8 +79,8 @@ def apply_dp_choice(cfg: JobConfig, world_size: int, hardware_profile=None) -> d
     from ndtrain.layout import from_config
     from ndtrain.planner.api import auto_layout
 
-    hw = hardware_profile if hardware_profile is not None else auto_hardware(cfg)
-    try:
+    try:  # a GPU the catalog lacks, or an unreadable profile: the static default, not an error
+        hw = hardware_profile if hardware_profile is not None else auto_hardware(cfg)
         choice = auto_layout(cfg.model, world_size, cfg.data.seq_len, cfg.train.global_batch,
                              micro_batch_options=[cfg.train.micro_batch], hardware_profile=hw,
                              precision=cfg.parallel.mixed_precision, ac_options=(p.activation_checkpoint,),
@@ -89,8 +88,8 @@ def apply_dp_choice(cfg: JobConfig, world_size: int, hardware_profile=None) -> d
                              fixed={"tp": p.tp, "cp": p.cp, "pp": 1, "ep": p.ep, "mb": cfg.train.micro_batch})
     except NdtrainError:
         return None  # nothing fits the planner's memory model: the static default, as before
-    for key, field in DP_FIELDS.items():
-        setattr(p, key, choice[field])
+    for key in DP_FIELDS:
+        setattr(p, key, choice[key])
     choice["description"] = "data parallel (defaults): " + describe(choice)
     return choice
 
