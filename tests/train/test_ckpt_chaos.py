@@ -74,7 +74,8 @@ def test_elastic_shrink_continues_on_fewer_workers(corpus_dir, tmp_path):
     out = tmp_path / "run"
     out.mkdir()  # resume=auto needs the run directory to exist (a first attempt that later ones continue)
     args = [a for a in chaos.train_args(corpus_dir, out, 0.0) if not a.startswith("--train.steps")]
-    args += ["--train.steps=200", "--checkpoint.resume=auto"]
+    # FSDP named explicitly: with no data-parallel key the planner would choose DDP for this model
+    args += ["--train.steps=200", "--checkpoint.resume=auto", "--parallel.dp_shard=-1"]
 
     def agent(name: str, is_host: bool):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
