@@ -164,29 +164,28 @@ def fit_dp(base: dict, measured: dict, mode: str, world: int, share: float, ddp:
     the rest of ZeRO-3's extra is split over its two all-gathers; an even three-way split made
     gathers look dear and the reduce-scatter cheap, which ranked ZeRO-1 above DDP here."""
     tp = 2 if mode == "zero3_tp" else 1
-    pts, ar_pts = [], []
-    for d, s in SHAPES:
-        key = f"{d},{s}"
-        extra = max(0.0, measured[key][0] - share * base[key][0])
-        ar = max(0.0, ddp[key][0] - share * base[key][0]) if ddp is not None and mode == "zero3" else None
-        pts.append((layer_param_bytes(d) / tp, extra / (1 if mode == "ddp" else 3) if ar is None else (extra - ar) / 2))
-        ar_pts.append((layer_param_bytes(d), ar))
     k = world // tp
+    nbytes = [layer_param_bytes(d) / tp for d, _ in SHAPES]
 
-    def line(points):
-        (n0, e0), (n1, e1) = points
+    def extra(timed: dict) -> list[float]:  # what the reduction adds to a layer, per shape
+        return [max(0.0, timed[f"{d},{s}"][0] - share * base[f"{d},{s}"][0]) for d, s in SHAPES]
+
+    def ring(extras: list[float], hops: int) -> dict:
+        """alpha + per_byte x bytes through the two shapes, in comm.py's ring terms:
+        hops (k-1) alpha + hops (k-1)/k n / beta."""
+        (n0, n1), (e0, e1) = nbytes, extras
         per_byte = max(1e-12, (e1 - e0) / (n1 - n0))
-        return max(1e-7, e0 - per_byte * n0), per_byte
+        alpha = max(1e-7, e0 - per_byte * n0)
+        return {"alpha": alpha / (hops * (k - 1)), "beta": hops * (k - 1) / k / per_byte}
 
-    alpha, per_byte = line(pts)
     if mode == "ddp":
-        return {"all_reduce": {"alpha": alpha / (2 * (k - 1)), "beta": 2 * (k - 1) / k / per_byte}}
-    fit = {"alpha": alpha / (k - 1), "beta": (k - 1) / k / per_byte}  # (k-1) alpha + (k-1)/k n / beta
-    suffix = "_tp" if tp > 1 else ""
-    if ar_pts[0][1] is None:
+        return {"all_reduce": ring(extra(measured), 2)}
+    if ddp is None or tp > 1:
+        fit = ring([e / 3 for e in extra(measured)], 1)
+        suffix = "_tp" if tp > 1 else ""
         return {"all_gather" + suffix: fit, "reduce_scatter" + suffix: fit}
-    ar_alpha, ar_per_byte = line(ar_pts)  # the reduce-scatter at the all-reduce's cost, in RS terms
-    return {"all_gather": fit, "reduce_scatter": {"alpha": ar_alpha / (k - 1), "beta": (k - 1) / k / ar_per_byte}}
+    ar = extra(ddp)  # the reduce-scatter at the all-reduce's cost; the gathers share the rest
+    return {"all_gather": ring([(z - a) / 2 for z, a in zip(extra(measured), ar)], 1), "reduce_scatter": ring(ar, 1)}
 
 
 def fit_tp(plain: dict, measured: dict, tp: int, share: float) -> dict:
