@@ -22,7 +22,7 @@ ZERO4 = ["dp_replicate=2,dp_shard=2,zero=1,ga=2", "dp_shard=2,tp=2,zero=1", "dp_
          "cp=2,zero=1"]
 EXTRA2 = ["dp_shard=2,offload=true", "tp=2,ac=selective", "dp_shard=2,ac=every_n,ga=2"]
 EXTRA4 = ["dp_shard=2,tp=2,zero=2,ac=selective", "dp_replicate=2,tp=2,sp=0,ga=2"]
-BF16 = ["mp=bf16", "dp_shard=2,mp=bf16", "dp_shard=2,tp=2,mp=bf16", "dp_shard=2,zero=1,mp=bf16,ga=2",
+BF16 = ["mp=bf16", "dp_shard=2,mp=bf16", "dp_replicate=2,mp=bf16,ga=2", "dp_shard=2,tp=2,mp=bf16", "dp_shard=2,zero=1,mp=bf16,ga=2",
         "dp_shard=2,zero=2,mp=bf16"]
 
 

@@ -134,6 +134,15 @@ class Layout:
         return self.effective_zero >= 2 and self.pp == 1
 
     @property
+    def plain_replication(self) -> bool:
+        """DDP in the strict sense: data parallelism alone, over ranks that each hold the whole
+        model (a shard group of one rank, no tp/cp/pp/ep) and all-reduce whole gradients every
+        step. The runtime then uses torch's DDP reducer, which overlaps bucketed all-reduces with
+        the backward (parallel/data_parallel.py)."""
+        return (self.dp_replicate > 1 and self.shard_degree == 1 and self.tp == 1 and self.pp == 1
+                and self.ep == 1 and self.sync == "step")
+
+    @property
     def expert_shard_degree(self) -> int:
         """Ranks over which ZeRO shards routed-expert states (the shard group divided by ep)."""
         return max(1, self.shard_degree // max(self.ep, 1))

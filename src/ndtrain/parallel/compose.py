@@ -13,7 +13,8 @@ Order matters, and is fixed:
 6. torch.compile per block - compiles the wrapped block, AC included, and keeps FSDP's hooks
    outside the graph so parameter all-gathers stay eager and overlappable.
 7. FSDP/HSDP/DDP - last, over the outer data-parallel mesh: it shards whatever the steps above
-   produced (DTensors become 2-D sharded) and owns gradient reduction.
+   produced (DTensors become 2-D sharded) and owns gradient reduction. Plain replication gets
+   torch's DDP reducer instead (parallel/data_parallel.py: uses_ddp).
 """
 
 from __future__ import annotations
@@ -51,7 +52,11 @@ def parallelize(model: nn.Module, dims: Layout, mesh=None) -> nn.Module:
         for block in model.layers.values():
             block.compile()
     if dims.world_size // (dims.tp * dims.pp) > 1:
-        from ndtrain.parallel.data_parallel import apply_fsdp
+        from ndtrain.parallel.data_parallel import apply_ddp, apply_fsdp, uses_ddp
+
+        if uses_ddp(dims, model):
+            apply_ddp(model, mesh["dp_replicate"].get_group())
+            return model
 
         # DiLoCo: FSDP shards and reduces inside each replica only, at any ZeRO stage
         # (parallel/diloco.py syncs the replicas).

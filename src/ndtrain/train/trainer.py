@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 from ndtrain.config import JobConfig, global_batch_at, to_dict
 from ndtrain.data.loader import StatefulLoader, validation_batches
@@ -124,7 +125,7 @@ class Trainer:
             self.model = parallelize(self.model, self.dims, self.mesh)
             materialize(self.model, cfg.train.seed, self.rt.device)
             self.model_parts = [self.model]
-        self.fsdp = hasattr(self.model, "set_requires_gradient_sync")
+        self.fsdp = isinstance(self.model, FSDPModule)  # plain replication has torch's DDP instead
         self.params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
         # MoE routing statistics are summed over the ranks that saw different tokens (dp x cp).
         self.moe = moe_layers(self.model_parts)
@@ -139,8 +140,8 @@ class Trainer:
             self.diloco = DiLoCo(cfg.parallel, self.mesh, self.dims, self.model_parts, cfg.train.steps,
                                  cfg.model.n_layers)
         self.scalar_group = self.diloco.replica_group if self.diloco else None
-        # bf16 (and fp8, which is bf16 outside its fp8 matmuls) without FSDP (one process, or TP
-        # alone) runs under autocast instead of FSDP's policy.
+        # bf16 (and fp8, which is bf16 outside its fp8 matmuls) without FSDP (one process, TP
+        # alone, DDP) runs under autocast instead of FSDP's policy.
         self.fp8 = cfg.parallel.mixed_precision == "fp8"
         low = cfg.parallel.mixed_precision in ("bf16", "fp8")
         self.autocast = (low and not self.fsdp) or cfg.train.autocast_bf16
@@ -251,10 +252,9 @@ class Trainer:
         total = None  # summed on the device; read once per step (a read per micro-batch syncs the host)
         slices = split_micro(inputs.shape[0], micro)
         for i, (a, b) in enumerate(slices):
-            if self.fsdp:
-                # The ZeRO stage decides: reduce after every micro-batch (2, 3) or accumulate
-                # whole gradients locally and reduce on the last (1, and plain replication).
-                accumulation(self.model_parts, self.dims, i == len(slices) - 1)
+            # The ZeRO stage decides: reduce after every micro-batch (2, 3) or accumulate whole
+            # gradients locally and reduce on the last (1, and plain replication).
+            accumulation(self.model_parts, self.dims, i == len(slices) - 1)
             with self._loss_context():
                 mb_docs = None if docs is None else {k: self._to_device(v[a:b]) for k, v in docs.items()}
                 loss = self._loss_sum(self._to_device(inputs[a:b]), self._to_device(targets[a:b]), mb_docs)

@@ -1,0 +1,82 @@
+"""Plain replication runs on torch's DDP reducer (parallel/data_parallel.py: uses_ddp), invisibly:
+the same parameter names, gradients all-reduced once per step, and every other layout on FSDP2.
+Its numerics are in the parity matrix (test_parity.py: dp_replicate=2 with ga=2, ac=full, bf16)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ndtrain.layout import Layout
+from ndtrain.model.config import preset
+from ndtrain.parallel.launch import run_ranks
+
+
+def _model(name: str = "debug"):
+    from ndtrain.model.llama import build_model
+
+    return build_model(preset(name), "meta")
+
+
+@pytest.mark.parametrize("degrees,ddp", [
+    ({"dp_replicate": 2}, True),
+    ({"dp_replicate": 2, "mp": "bf16"}, True),  # autocast, as one process runs bf16
+    ({"dp_replicate": 2, "mp": "fp8"}, False),  # FSDP's float8 path
+    ({"dp_replicate": 2, "offload": True}, False),  # FSDP's CPU offload policy
+    ({"dp_replicate": 2, "dp_shard": 2}, False),  # HSDP
+    ({"dp_shard": 2}, False),
+    ({"dp_replicate": 2, "tp": 2}, False),
+    ({"dp_replicate": 2, "sync": "diloco"}, False),  # FSDP inside each replica
+])
+def test_which_layouts_run_on_ddp(degrees, ddp):
+    from ndtrain.parallel.data_parallel import uses_ddp
+
+    assert uses_ddp(Layout(**degrees), _model()) is ddp
+
+
+def test_moe_models_keep_fsdp():
+    """A step may route no token to an expert; DDP's reducer would wait for its gradient."""
+    from ndtrain.parallel.data_parallel import uses_ddp
+
+    assert not uses_ddp(Layout(dp_replicate=2), _model("debug-moe"))
+
+
+def _build_and_step():
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed._composable.contract import _get_registry
+    from torch.distributed._composable.replicate import replicate
+    from torch.distributed.fsdp import FSDPModule
+
+    from ndtrain.model.init import materialize
+    from ndtrain.parallel.compose import parallelize
+    from ndtrain.parallel.data_parallel import accumulation
+    from ndtrain.parallel.dims import build_mesh
+
+    dims = Layout(dp_replicate=2)
+    model = parallelize(_model(), dims, build_mesh(dims, "cpu"))
+    materialize(model, 0, "cpu")
+    names = list(model.state_dict())
+    rank = torch.distributed.get_rank()
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(rank))
+    syncs = []
+    for last in (False, True):  # two micro-batches: reduce on the last only
+        accumulation([model], dims, last)
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        syncs.append(replicate.state(model)._ddp.require_backward_grad_sync)
+        loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    return {"names": names, "registry": sorted(_get_registry(model) or {}), "fsdp": isinstance(model, FSDPModule),
+            "syncs": syncs, "grads": grads}
+
+
+@pytest.mark.timeout(120)
+def test_ddp_keeps_names_and_reduces_on_the_last_micro_batch():
+    ranks = run_ranks(2, _build_and_step)
+    plain = list(_model().state_dict())
+    for r in ranks:
+        assert r["names"] == plain  # checkpoints and HF export see the model's own names
+        assert r["registry"] == ["replicate"] and not r["fsdp"]
+        assert r["syncs"] == [False, True]
+    # Each rank saw other tokens; after the all-reduce both hold the same (averaged) gradients.
+    assert ranks[0]["grads"].abs().sum() > 0
+    assert (ranks[0]["grads"] - ranks[1]["grads"]).abs().max() == 0
