@@ -12,20 +12,26 @@ def _timed(per_byte: float, alpha: float) -> dict:
     return {f"{d},{s}": [1e-3 + alpha + per_byte * layer_param_bytes(d), 0.0] for d, s in SHAPES}
 
 
-def test_zero3_reduce_scatter_is_priced_as_the_ddp_all_reduce():
-    """Gloo runs a reduce-scatter as a full all-reduce: with DDP timed on the same ranks, ZeRO-3's
-    extra minus DDP's is its two all-gathers, and its reduce-scatter costs DDP's all-reduce."""
+def test_zero3_reduce_scatter_is_priced_as_fsdps_all_reduce():
+    """Gloo runs a reduce-scatter as a full all-reduce: with FSDP2's replication (one blocking
+    all-reduce per block) timed on the same ranks, ZeRO-3's extra minus that is its two
+    all-gathers, and its reduce-scatter costs that all-reduce. The all-reduce fit itself is the
+    DDP reducer's (what plain replication runs on), which overlaps the backward: cheaper."""
     plain = _timed(0.0, 0.0)
-    ar, ag = 4e-9, 1e-9  # seconds per byte of a layer's parameters
-    ddp = _timed(ar, 2e-4)
+    ar, ag, ddp_ar = 4e-9, 1e-9, 2e-9  # seconds per byte of a layer's parameters
+    replicated = _timed(ar, 2e-4)
+    ddp = _timed(ddp_ar, 1e-4)
     zero3 = _timed(ar + 2 * ag, 2e-4 + 2 * 1e-4)
-    fits = {**fit_dp(plain, ddp, "ddp", 2, 1.0), **fit_dp(plain, zero3, "zero3", 2, 1.0, ddp)}
+    assert fit_dp(plain, replicated, "replicate", 2, 1.0) == {}
+    fits = {**fit_dp(plain, ddp, "ddp", 2, 1.0), **fit_dp(plain, zero3, "zero3", 2, 1.0, replicated)}
     hw = from_profile({"cores": 2, "dp_in_situ": {"2": fits}})
     n = layer_param_bytes(SHAPES[1][0])
     world2 = hw.for_world(2)
-    assert collective_time(world2, "reduce_scatter", 2, 1, n) == pytest.approx(collective_time(world2, "all_reduce", 2, 1, n))
+    # DDP's all-reduce adds what the DDP run added to a layer: two ring hops of the fit
+    assert collective_time(world2, "all_reduce", 2, 1, n) == pytest.approx(1e-4 + ddp_ar * n, rel=1e-6)
+    assert collective_time(world2, "reduce_scatter", 2, 1, n) == pytest.approx(2e-4 + ar * n, rel=1e-6)
     assert collective_time(world2, "all_gather", 2, 1, n) == pytest.approx(1e-4 + ag * n, rel=1e-6)
-    # without DDP's timing the old even split stands: three equal collectives
+    # without FSDP's replication timed the old even split stands: three equal collectives
     even = fit_dp(plain, zero3, "zero3", 2, 1.0)
     assert even["all_gather"] == even["reduce_scatter"]
 

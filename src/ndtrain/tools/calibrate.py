@@ -101,7 +101,7 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], reps:
             if rank == 0:
                 results.append(("tp_host", world, tp, measured))
     if tp_degrees:  # the same ranks measure the runtime's data parallelism in situ
-        for mode in ("zero3", "ddp") + (("zero3_tp",) if 2 in tp_degrees and world >= 4 else ()):
+        for mode in ("zero3", "ddp", "replicate") + (("zero3_tp",) if 2 in tp_degrees and world >= 4 else ()):
             measured = dp_host(world, mode, max(3, 3 * reps // 2))
             if rank == 0:
                 results.append(("dp_host", world, mode, measured))
@@ -267,13 +267,13 @@ def calibrate(worlds=(2, 4, 8), sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), reps
         share = world / cores if world > cores else 1.0
         tp_fits.setdefault(str(world), {})[str(tp)] = {**fit_tp(plain, measured, tp, share), "measured": measured}
     dp_fits: dict = {}
-    ddp_at = {world: measured for _, world, mode, measured in samples if _ == "dp_host" and mode == "ddp"}
+    replicated_at = {world: measured for _, world, mode, measured in samples if _ == "dp_host" and mode == "replicate"}
     for _, world, mode, measured in (x for x in samples if x[0] == "dp_host"):
         share = world / cores if world > cores else 1.0
         if mode == "zero3_tp":  # beyond the TP micro-batch the same ranks ran
             fits = fit_dp(tp_fits[str(world)]["2"]["measured"], measured, mode, world, 1.0)
-        else:  # ZeRO-3's reduce-scatter is priced as the DDP all-reduce measured on the same ranks
-            fits = fit_dp(plain, measured, mode, world, share, ddp_at.get(world))
+        else:  # ZeRO-3's reduce-scatter is priced as FSDP's all-reduce measured on the same ranks
+            fits = fit_dp(plain, measured, mode, world, share, replicated_at.get(world))
         dp_fits.setdefault(str(world), {}).update(fits)
         dp_fits[str(world)].setdefault("measured", {})[mode] = measured
     samples = [x for x in samples if x[0] not in ("tp_host", "dp_host")]

@@ -118,25 +118,31 @@ def tp_host(world: int, tp: int, reps: int) -> dict:
 
 def dp_host(world: int, mode: str, reps: int) -> dict:
     """{"dim,seq": [layer, head]} of a training micro-batch (gradients reduced) under the runtime's
-    data parallelism: mode "zero3" (dp_shard = world), "ddp" (dp_replicate = world) or "zero3_tp"
+    data parallelism: mode "zero3" (dp_shard = world), "ddp" (dp_replicate = world: torch's DDP
+    reducer, as the runtime runs plain replication), "replicate" (the same ranks replicated by
+    FSDP2: the blocking all-reduce HSDP issues after each block's backward) or "zero3_tp"
     (dp_shard = world / 2 over tensor-parallel pairs: FSDP of DTensor parameters, as 2-D layouts
     run it)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from ndtrain.model.init import materialize
-    from ndtrain.parallel.data_parallel import apply_fsdp
+    from ndtrain.parallel.data_parallel import apply_ddp, apply_fsdp
     from ndtrain.parallel.tensor import apply_tensor_parallel
 
     tp = 2 if mode == "zero3_tp" else 1
-    shape = {"zero3": (1, world, 1), "ddp": (world, 1, 1), "zero3_tp": (1, world // 2, 2)}[mode]
+    shape = {"zero3": (1, world, 1), "ddp": (world, 1, 1), "replicate": (world, 1, 1),
+             "zero3_tp": (1, world // 2, 2)}[mode]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
 
     def build(layers, dim):
         model = _llama(layers, dim)
         if tp > 1:
             apply_tensor_parallel(model, mesh["tp"], True)
-        apply_fsdp(model, mesh["dp_replicate", "dp_shard"], True, "fp32", False)
+        if mode == "ddp":
+            apply_ddp(model, mesh["dp_replicate"].get_group())
+        else:
+            apply_fsdp(model, mesh["dp_replicate", "dp_shard"], True, "fp32", False)
         materialize(model, 0, "cpu")
         return model
 
@@ -150,7 +156,7 @@ def layer_param_bytes(dim: int) -> int:
     return 4 * layer_params(_config(1, dim), 0)
 
 
-def fit_dp(base: dict, measured: dict, mode: str, world: int, share: float, ddp: dict | None = None) -> dict:
+def fit_dp(base: dict, measured: dict, mode: str, world: int, share: float, replicated: dict | None = None) -> dict:
     """In-situ collective fits {kind: {"alpha", "beta"}} in comm.py's ring terms: what the runtime's
     gradient reduction (and ZeRO-3 gathers) add to a layer beyond `base` (the plain micro-batch,
     `share` times slower when ranks outnumber cores; for "zero3_tp" the TP micro-batch measured in
@@ -159,10 +165,15 @@ def fit_dp(base: dict, measured: dict, mode: str, world: int, share: float, ddp:
     used where FSDP shards tensor-parallel parameters.
 
     Gloo has no reduce-scatter of its own: torch's ProcessGroupGloo runs `reduce_scatter_tensor`
-    as a clone of the input, a full all-reduce and a copy of this rank's chunk. So where DDP was
-    measured on the same ranks (`ddp`), ZeRO-3's reduce-scatter costs DDP's all-reduce and only
-    the rest of ZeRO-3's extra is split over its two all-gathers; an even three-way split made
-    gathers look dear and the reduce-scatter cheap, which ranked ZeRO-1 above DDP here."""
+    as a clone of the input, a full all-reduce and a copy of this rank's chunk. So where FSDP2's
+    replication was measured on the same ranks (`replicated`: mode "replicate", one blocking
+    all-reduce per block, as FSDP issues its reduce-scatter), ZeRO-3's reduce-scatter costs that
+    all-reduce and only the rest of ZeRO-3's extra is split over its two all-gathers; an even
+    three-way split made gathers look dear and the reduce-scatter cheap, which ranked ZeRO-1 above
+    DDP here. The "all_reduce" fit comes from mode "ddp", the DDP reducer the runtime runs plain
+    replication on: its bucketed all-reduces overlap the backward, so it adds less to a layer
+    than FSDP's (HSDP's cross-replica all-reduce is priced with it too: slightly optimistic).
+    Mode "replicate" fits nothing of its own."""
     tp = 2 if mode == "zero3_tp" else 1
     k = world // tp
     nbytes = [layer_param_bytes(d) / tp for d, _ in SHAPES]
@@ -180,11 +191,13 @@ def fit_dp(base: dict, measured: dict, mode: str, world: int, share: float, ddp:
 
     if mode == "ddp":
         return {"all_reduce": ring(extra(measured), 2)}
-    if ddp is None or tp > 1:
+    if mode == "replicate":
+        return {}
+    if replicated is None or tp > 1:
         fit = ring([e / 3 for e in extra(measured)], 1)
         suffix = "_tp" if tp > 1 else ""
         return {"all_gather" + suffix: fit, "reduce_scatter" + suffix: fit}
-    ar = extra(ddp)  # the reduce-scatter at the all-reduce's cost; the gathers share the rest
+    ar = extra(replicated)  # the reduce-scatter at the all-reduce's cost; the gathers share the rest
     return {"all_gather": ring([(z - a) / 2 for z, a in zip(extra(measured), ar)], 1), "reduce_scatter": ring(ar, 1)}
 
 
