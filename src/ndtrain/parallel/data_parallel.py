@@ -17,10 +17,10 @@ paper's sense (Rajbhandari et al. 2020) over the shard group dp_shard x cp:
   one blocking all-reduce per block after its backward (on CPU its streams are no-ops), so this
   layout uses torch's DDP reducer instead, through the composable `replicate` (no wrapper module:
   parameter names, checkpoints and HF export are unchanged): gradients land in 25 MB buckets
-  whose all-reduces run while the backward goes on. World 2 on this host: 1.10x the FSDP2 path's
-  tokens/s (docs/benchmarks.md). bf16 then runs under autocast (fp32 master weights, bf16
-  matmuls, as one process does), fp8, CPU offload and MoE models (experts a step may leave
-  without gradient) keep FSDP2.
+  whose all-reduces run while the backward goes on (docs/benchmarks.md, run F). fp32 only: DDP
+  would run bf16 under autocast (bf16 matmuls, fp32 everywhere else), which cost more here than
+  the reducer saves (4,060 vs 4,400 tokens/s), where FSDP2's policy runs whole blocks in bf16. fp8,
+  CPU offload and MoE models (experts a step may leave without gradient) keep FSDP2 too.
 
 FSDP2 is the torch component that does all of this: ZeRO-1/2 are its `reshard_after_forward=False`
 with resharding after backward and gradient sync switched per micro-batch (the trainer's
@@ -62,7 +62,7 @@ def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool, mixed_pre
 
 def uses_ddp(dims, model: nn.Module) -> bool:
     """Whether `parallelize` gives this model and layout torch's DDP reducer rather than FSDP2."""
-    return dims.plain_replication and dims.mp != "fp8" and not dims.offload and not model.cfg.is_moe
+    return dims.plain_replication and dims.mp == "fp32" and not dims.offload and not model.cfg.is_moe
 
 
 def apply_ddp(model: nn.Module, group) -> None:
