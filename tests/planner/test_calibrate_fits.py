@@ -15,25 +15,47 @@ def _timed(per_byte: float, alpha: float) -> dict:
 def test_zero3_reduce_scatter_is_priced_as_fsdps_all_reduce():
     """Gloo runs a reduce-scatter as a full all-reduce: with FSDP2's replication (one blocking
     all-reduce per block) timed on the same ranks, ZeRO-3's extra minus that is its two
-    all-gathers, and its reduce-scatter costs that all-reduce. The all-reduce fit itself is the
-    DDP reducer's (what plain replication runs on), which overlaps the backward: cheaper."""
+    all-gathers, and its reduce-scatter costs that all-reduce. The DDP reducer (fp32 plain
+    replication) overlaps the backward and gets a fit of its own, "all_reduce_ddp"."""
     plain = _timed(0.0, 0.0)
     ar, ag, ddp_ar = 4e-9, 1e-9, 2e-9  # seconds per byte of a layer's parameters
     replicated = _timed(ar, 2e-4)
     ddp = _timed(ddp_ar, 1e-4)
     zero3 = _timed(ar + 2 * ag, 2e-4 + 2 * 1e-4)
-    assert fit_dp(plain, replicated, "replicate", 2, 1.0) == {}
-    fits = {**fit_dp(plain, ddp, "ddp", 2, 1.0), **fit_dp(plain, zero3, "zero3", 2, 1.0, replicated)}
+    fits = {**fit_dp(plain, replicated, "replicate", 2, 1.0), **fit_dp(plain, ddp, "ddp", 2, 1.0),
+            **fit_dp(plain, zero3, "zero3", 2, 1.0, replicated)}
     hw = from_profile({"cores": 2, "dp_in_situ": {"2": fits}})
     n = layer_param_bytes(SHAPES[1][0])
     world2 = hw.for_world(2)
-    # DDP's all-reduce adds what the DDP run added to a layer: two ring hops of the fit
-    assert collective_time(world2, "all_reduce", 2, 1, n) == pytest.approx(1e-4 + ddp_ar * n, rel=1e-6)
+    # each adds to a layer what its run added: two ring hops of the fit
+    assert collective_time(world2, "all_reduce", 2, 1, n) == pytest.approx(2e-4 + ar * n, rel=1e-6)
+    assert collective_time(world2, "all_reduce_ddp", 2, 1, n) == pytest.approx(1e-4 + ddp_ar * n, rel=1e-6)
     assert collective_time(world2, "reduce_scatter", 2, 1, n) == pytest.approx(2e-4 + ar * n, rel=1e-6)
     assert collective_time(world2, "all_gather", 2, 1, n) == pytest.approx(1e-4 + ag * n, rel=1e-6)
     # without FSDP's replication timed the old even split stands: three equal collectives
     even = fit_dp(plain, zero3, "zero3", 2, 1.0)
     assert even["all_gather"] == even["reduce_scatter"]
+
+
+def test_fp32_replication_is_priced_on_the_ddp_reducer_bf16_on_fsdp():
+    """The runtime runs fp32 plain replication on torch's DDP reducer and bf16 on FSDP2
+    (Layout.on_ddp_reducer): the planner prices each with the all-reduce its runtime path issues."""
+    from ndtrain.layout import Layout
+    from ndtrain.model.config import preset
+    from ndtrain.planner.api import make_problem
+    from ndtrain.planner.timing import dp_comm
+
+    cheap, dear = {"alpha": 1e-5, "beta": 50e9}, {"alpha": 1e-3, "beta": 0.2e9}
+    hw = from_profile({"cores": 2, "dp_in_situ": {"2": {"all_reduce": dear, "all_reduce_ddp": cheap}}})
+    grads = {}
+    for mp in ("fp32", "bf16"):
+        pb = make_problem(preset("debug"), 256, 8, 2, hw, precision=mp)
+        lay = Layout(dp_replicate=2, mb=4)  # the problem holds the precision
+        grads[mp] = dp_comm(pb, lay, pb.shape.layers)[2]
+    assert Layout(dp_replicate=2).on_ddp_reducer() and not Layout(dp_replicate=2, mp="bf16").on_ddp_reducer()
+    assert not Layout(dp_replicate=2).on_ddp_reducer(moe=True)
+    # bf16 reduces fp32 gradients too (FSDP's reduce dtype): same bytes, the blocking fit costs more
+    assert grads["fp32"] * 5 < grads["bf16"]
 
 
 def test_optimizer_is_timed_as_the_trainer_runs_it(monkeypatch):

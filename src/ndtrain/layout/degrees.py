@@ -137,10 +137,18 @@ class Layout:
     def plain_replication(self) -> bool:
         """DDP in the strict sense: data parallelism alone, over ranks that each hold the whole
         model (a shard group of one rank, no tp/cp/pp/ep) and all-reduce whole gradients every
-        step. The runtime then uses torch's DDP reducer, which overlaps bucketed all-reduces with
-        the backward (parallel/data_parallel.py)."""
+        step (in fp32, on torch's DDP reducer: `on_ddp_reducer`)."""
         return (self.dp_replicate > 1 and self.shard_degree == 1 and self.tp == 1 and self.pp == 1
                 and self.ep == 1 and self.sync == "step")
+
+    def on_ddp_reducer(self, moe: bool = False, mp: str | None = None) -> bool:
+        """Whether the runtime runs this layout on torch's DDP reducer rather than FSDP2: plain
+        replication in fp32, without CPU offload, of a dense model (`moe`: the model has routed
+        experts, which a step may leave without gradient; `mp`: the precision where the caller
+        holds it apart from the layout, as the planner's problem does). bf16 stays on FSDP2,
+        whose bf16 blocks beat DDP under autocast on CPU (docs/benchmarks.md, run F). The
+        planner prices the reducer's all-reduce with its own in-situ fit where one was calibrated."""
+        return self.plain_replication and (mp or self.mp) == "fp32" and not self.offload and not moe
 
     @property
     def expert_shard_degree(self) -> int:

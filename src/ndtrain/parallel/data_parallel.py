@@ -62,7 +62,7 @@ def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool, mixed_pre
 
 def uses_ddp(dims, model: nn.Module) -> bool:
     """Whether `parallelize` gives this model and layout torch's DDP reducer rather than FSDP2."""
-    return dims.plain_replication and dims.mp == "fp32" and not dims.offload and not model.cfg.is_moe
+    return dims.on_ddp_reducer(model.cfg.is_moe)
 
 
 def apply_ddp(model: nn.Module, group) -> None:

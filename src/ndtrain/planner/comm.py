@@ -63,11 +63,13 @@ def _members(span_unit: int, ranks: int, domain: int) -> int:
 
 
 def collective_time(hw: Hardware, kind: str, ranks: int, stride: int, nbytes: float, k: dict | None = None) -> float:
+    """`kind` "all_reduce_ddp" is an all-reduce priced with the DDP reducer's in-situ fit."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
     node = hw.gpus_per_node
+    fit = _measured(hw, kind)
+    kind = kind.removesuffix("_ddp")
     if stride * ranks <= node:  # inside one NVLink domain
-        fit = _measured(hw, kind)
         alpha, bw = fit if fit else links(hw, k)[:2]
         return _flat(kind, ranks, nbytes, alpha, bw)
     ai, bi, ax, bx = links(hw, k)

@@ -260,7 +260,7 @@ def from_profile(data: dict, source: str = "") -> Hardware:
     # (cold buffers, copies, a Gloo thread sharing the core with compute), not what an idle loop does.
     for world, in_situ in data.get("dp_in_situ", {}).items():
         for name, fit in in_situ.items():
-            if name.removesuffix("_tp") in names:
+            if name.removesuffix("_tp").removesuffix("_ddp") in names:
                 by_world.setdefault(str(world), {})[name] = {"alpha": fit["alpha"], "beta": fit["beta"]}
     attn = data.get("attention", {})
     return Hardware(

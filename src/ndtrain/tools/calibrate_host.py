@@ -170,10 +170,10 @@ def fit_dp(base: dict, measured: dict, mode: str, world: int, share: float, repl
     all-reduce per block, as FSDP issues its reduce-scatter), ZeRO-3's reduce-scatter costs that
     all-reduce and only the rest of ZeRO-3's extra is split over its two all-gathers; an even
     three-way split made gathers look dear and the reduce-scatter cheap, which ranked ZeRO-1 above
-    DDP here. The "all_reduce" fit comes from mode "ddp", the DDP reducer the runtime runs plain
-    replication on: its bucketed all-reduces overlap the backward, so it adds less to a layer
-    than FSDP's (HSDP's cross-replica all-reduce is priced with it too: slightly optimistic).
-    Mode "replicate" fits nothing of its own."""
+    DDP here. Two all-reduce fits: "all_reduce" from mode "replicate" (FSDP2's blocking one, as
+    HSDP and bf16 replication run it) and "all_reduce_ddp" from mode "ddp", the DDP reducer the
+    runtime runs fp32 plain replication on (Layout.on_ddp_reducer), whose bucketed all-reduces
+    overlap the backward and so add less to a layer."""
     tp = 2 if mode == "zero3_tp" else 1
     k = world // tp
     nbytes = [layer_param_bytes(d) / tp for d, _ in SHAPES]
@@ -190,9 +190,9 @@ def fit_dp(base: dict, measured: dict, mode: str, world: int, share: float, repl
         return {"alpha": alpha / (hops * (k - 1)), "beta": hops * (k - 1) / k / per_byte}
 
     if mode == "ddp":
-        return {"all_reduce": ring(extra(measured), 2)}
+        return {"all_reduce_ddp": ring(extra(measured), 2)}
     if mode == "replicate":
-        return {}
+        return {"all_reduce": ring(extra(measured), 2)}
     if replicated is None or tp > 1:
         fit = ring([e / 3 for e in extra(measured)], 1)
         suffix = "_tp" if tp > 1 else ""
