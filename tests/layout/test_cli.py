@@ -28,6 +28,13 @@ def test_config_check_prints_the_layout_it_would_build(capsys, tmp_path):
     assert set(tmp_path.iterdir()) == before  # a check writes nothing
 
 
+@pytest.mark.parametrize("mp,path", [("fp32", "torch's DDP reducer"), ("bf16", "on FSDP2")])
+def test_config_check_says_which_runtime_path_replication_takes(capsys, mp, path):
+    assert cli(["config", "check", "--world", "2", "--model.preset=debug", "--parallel.dp_replicate=2",
+                "--parallel.dp_shard=1", f"--parallel.mixed_precision={mp}"]) == 0
+    assert f"replicated (DDP, {path}" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("args,key", [
     (["--world", "6", "--parallel.tp=4"], "parallel.dp_shard"),  # 6 ranks do not split into tp=4
     (["--world", "8", "--parallel.tp=8", "--model.preset=debug", "--model.n_kv_heads=2"], "parallel.tp"),

@@ -104,7 +104,9 @@ def describe(cfg: JobConfig, lay: Layout, world: int, ranks: list[dict]) -> list
                      f"sharded{detail}), gradients reduced {reduce}"
                      + (f"; replicated x{lay.dp_replicate} (HSDP)" if lay.dp_replicate > 1 and not diloco else ""))
     else:
-        lines.append(f"data parallel: dp={lay.dp}, " + ("replicated (DDP)" if lay.dp > 1 and not diloco else
+        ddp = "replicated (DDP" + (", torch's DDP reducer: bucketed all-reduces during the backward)"
+                                   if lay.on_ddp_reducer(cfg.model.is_moe) else ", on FSDP2)")
+        lines.append(f"data parallel: dp={lay.dp}, " + (ddp if lay.dp > 1 and not diloco else
                                                         "none" if lay.dp == 1 else "replicas"))
     if diloco:
         frag = f", in {lay.fragments} staggered fragments" if lay.fragments > 1 else ""
