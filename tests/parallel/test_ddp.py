@@ -1,4 +1,4 @@
-"""Plain replication runs on torch's DDP reducer (parallel/data_parallel.py: uses_ddp), invisibly:
+"""Plain replication runs on torch's DDP reducer (Layout.on_ddp_reducer), invisibly:
 the same parameter names, gradients all-reduced once per step, and every other layout on FSDP2.
 Its numerics are in the parity matrix (test_parity.py: dp_replicate=2 with ga=2, ac=full, bf16)."""
 
@@ -28,16 +28,12 @@ def _model(name: str = "debug"):
     ({"dp_replicate": 2, "sync": "diloco"}, False),  # FSDP inside each replica
 ])
 def test_which_layouts_run_on_ddp(degrees, ddp):
-    from ndtrain.parallel.data_parallel import uses_ddp
-
-    assert uses_ddp(Layout(**degrees), _model()) is ddp
+    assert Layout(**degrees).on_ddp_reducer(_model().cfg.is_moe) is ddp
 
 
 def test_moe_models_keep_fsdp():
     """A step may route no token to an expert; DDP's reducer would wait for its gradient."""
-    from ndtrain.parallel.data_parallel import uses_ddp
-
-    assert not uses_ddp(Layout(dp_replicate=2), _model("debug-moe"))
+    assert not Layout(dp_replicate=2).on_ddp_reducer(_model("debug-moe").cfg.is_moe)
 
 
 def _build_and_step():

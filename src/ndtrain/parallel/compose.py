@@ -14,7 +14,7 @@ Order matters, and is fixed:
    outside the graph so parameter all-gathers stay eager and overlappable.
 7. FSDP/HSDP/DDP - last, over the outer data-parallel mesh: it shards whatever the steps above
    produced (DTensors become 2-D sharded) and owns gradient reduction. Plain replication gets
-   torch's DDP reducer instead (parallel/data_parallel.py: uses_ddp).
+   torch's DDP reducer instead (Layout.on_ddp_reducer, parallel/data_parallel.py).
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ def parallelize(model: nn.Module, dims: Layout, mesh=None) -> nn.Module:
         for block in model.layers.values():
             block.compile()
     if dims.world_size // (dims.tp * dims.pp) > 1:
-        from ndtrain.parallel.data_parallel import apply_ddp, apply_fsdp, uses_ddp
+        from ndtrain.parallel.data_parallel import apply_ddp, apply_fsdp
 
-        if uses_ddp(dims, model):
+        if dims.on_ddp_reducer(model.cfg.is_moe):
             apply_ddp(model, mesh["dp_replicate"].get_group())
             return model
 

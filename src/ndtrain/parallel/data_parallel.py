@@ -13,7 +13,7 @@ paper's sense (Rajbhandari et al. 2020) over the shard group dp_shard x cp:
 - dp_replicate > 1: the replicate dim of a 2-D (HSDP) mesh: gradients are all-reduced across
   replicas.
 - plain replication (`Layout.plain_replication`: dp_replicate alone, a shard group of one rank):
-  DDP. Here FSDP2 would still copy every block into and out of a one-rank "all-gather" and issue
+  DDP; `Layout.on_ddp_reducer` says when it runs as below. Here FSDP2 would still copy every block into and out of a one-rank "all-gather" and issue
   one blocking all-reduce per block after its backward (on CPU its streams are no-ops), so this
   layout uses torch's DDP reducer instead, through the composable `replicate` (no wrapper module:
   parameter names, checkpoints and HF export are unchanged): gradients land in 25 MB buckets
@@ -58,11 +58,6 @@ def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool, mixed_pre
             shard_experts(block, ep_fsdp_mesh, kwargs, reshard)
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
-
-
-def uses_ddp(dims, model: nn.Module) -> bool:
-    """Whether `parallelize` gives this model and layout torch's DDP reducer rather than FSDP2."""
-    return dims.on_ddp_reducer(model.cfg.is_moe)
 
 
 def apply_ddp(model: nn.Module, group) -> None:

@@ -155,7 +155,8 @@ def step_breakdown(pb: Problem, lay: Layout, lc: dict | None = None, split: Spli
             pp += actions * pb.hw.pp_action_s
 
     key = ("dp", lay.tp, lay.cp, lay.ep, lay.effective_zero, lay.shard_degree, lay.dp_replicate, p, n_dev,
-           lay.grads_sharded_per_microbatch, lay.reshards_after_forward, lay.offload)
+           lay.grads_sharded_per_microbatch, lay.reshards_after_forward,
+           lay.on_ddp_reducer(pb.shape.n_experts > 0, pb.precision))
     mb_f, mb_b, grad_c, param_c = _memo(cache, key, dp_comm, pb, lay, n_dev)
     # gathers hide behind the forward, gradient reductions behind the backward that produces them;
     # what the last micro-batch leaves of its windows hides the once-per-step traffic

@@ -140,8 +140,8 @@ class Trainer:
             self.diloco = DiLoCo(cfg.parallel, self.mesh, self.dims, self.model_parts, cfg.train.steps,
                                  cfg.model.n_layers)
         self.scalar_group = self.diloco.replica_group if self.diloco else None
-        # bf16 (and fp8, which is bf16 outside its fp8 matmuls) without FSDP (one process, TP
-        # alone, DDP) runs under autocast instead of FSDP's policy.
+        # bf16 (and fp8, which is bf16 outside its fp8 matmuls) without FSDP (one process, or TP
+        # alone) runs under autocast instead of FSDP's policy.
         self.fp8 = cfg.parallel.mixed_precision == "fp8"
         low = cfg.parallel.mixed_precision in ("bf16", "fp8")
         self.autocast = (low and not self.fsdp) or cfg.train.autocast_bf16
