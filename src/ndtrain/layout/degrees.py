@@ -151,6 +151,14 @@ class Layout:
         return self.plain_replication and (mp or self.mp) == "fp32" and not self.offload and not moe
 
     @property
+    def pairs_forward_backward(self) -> bool:
+        """A pipeline whose schedule pairs a forward with another micro-batch's backward
+        (layout/schedules.py: DualPipeV), where expert all-to-alls can overlap compute."""
+        from ndtrain.layout.schedules import get
+
+        return self.pp > 1 and get(self.schedule).pairs_forward_backward
+
+    @property
     def expert_shard_degree(self) -> int:
         """Ranks over which ZeRO shards routed-expert states (the shard group divided by ep)."""
         return max(1, self.shard_degree // max(self.ep, 1))

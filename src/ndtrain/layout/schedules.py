@@ -40,6 +40,18 @@ class Schedule:
             return f"{self.name} runs exactly two stages per rank in a V: set pp_virtual_stages=2"
         return None
 
+    @property
+    def forwards_first(self) -> bool:
+        """Every micro-batch's forward runs before any backward (GPipe): a rank holds all m
+        micro-batches' activations, the loss's logits included, at its peak."""
+        return self.name == "GPipe"
+
+    @property
+    def pairs_forward_backward(self) -> bool:
+        """A forward and another micro-batch's backward run as one paired action (DualPipeV), so
+        one's communication (MoE all-to-all) can hide behind the other's compute."""
+        return self.name == "DualPipeV"
+
     def min_microbatches(self, p: int) -> int:
         """The fewest micro-batches this schedule accepts (GPipe runs with 1, but does not pipeline)."""
         if self.name == "DualPipeV":
@@ -113,7 +125,7 @@ class Schedule:
         through all of that rank's layers: (first pipeline rank, last pipeline rank)."""
         if p == 1:
             return 1.0, 1.0
-        if self.name == "GPipe":
+        if self.forwards_first:
             return float(m), float(m)
         if self.name == "1F1B":
             return float(min(p, m)), 1.0

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ndtrain.layout.schedules import get
+
 
 @dataclass(frozen=True)
 class Action:
@@ -30,7 +32,7 @@ class Event:
 def single_order(schedule: str, p: int, m: int, rank: int) -> list[Action]:
     """The order torch's single-stage schedules execute (their `pipeline_order` is only a drawing
     aid, and off by one for 1F1B)."""
-    if schedule == "GPipe":
+    if get(schedule).forwards_first:
         return [Action(rank, "F", i) for i in range(m)] + [Action(rank, "B", i) for i in range(m)]
     warmup = min(m, p - rank)
     out = [Action(rank, "F", i) for i in range(warmup)]

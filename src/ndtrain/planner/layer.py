@@ -95,7 +95,7 @@ def layer_costs(pb: Problem, lay: Layout) -> dict:
             copies = min(copies, st.ep_node_limit)  # one copy per node crosses the NICs
         nbytes = tok * copies * sh.dim * wire / t * k["moe_imbalance"]
         total = coll(hw, "all_to_all", lay.ep, t, nbytes, k) * sh.moe_layer_frac * (4 + 2 * n_rec)
-        if st.ep_overlap and lay.schedule == "DualPipeV" and lay.pp > 1:
+        if st.ep_overlap and lay.pairs_forward_backward:
             shown = max(0.0, total - k["overlap_eff"] * (fwd + bwd + mm["wgrad"] + rec))
             hidden += total - shown
             total = shown

@@ -144,8 +144,8 @@ def memory_breakdown(pb: Problem, lay: Layout, split: Split) -> dict:
         dp_, dg, do = state_bytes(dense, zero, shard, pbytes, grads_sharded)
         ep_, eg, eo = state_bytes(expert, zero if exp_shard > 1 else 0, exp_shard, pbytes, grads_sharded)
         acts = layers * per_layer * inf + working
-        # the loss's backward follows its forward at once except under GPipe (all forwards first)
-        held = m if lay.schedule == "GPipe" and p > 1 else 1
+        # the loss's backward follows its forward at once, except where all forwards run first
+        held = m if p > 1 and registry.get(lay.schedule).forwards_first else 1
         logits = logit_elems * ((elt + 4) * held + 4) if head else 0.0
         if zero == 3 and lay.reshards_after_forward:
             layer_psi = (sh.dense_params_layer / t + sh.expert_params_layer / lay.ep)
