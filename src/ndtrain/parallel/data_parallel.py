@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from ndtrain.parallel.gloo_reduce_scatter import AllToAllReduceScatter
+
 from ndtrain.parallel.expert import shard_experts
 
 
@@ -58,6 +60,23 @@ def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool, mixed_pre
             shard_experts(block, ep_fsdp_mesh, kwargs, reshard)
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
+    if dp_mesh.device_type == "cpu":
+        overlap_on_gloo(blocks, model)
+
+
+def overlap_on_gloo(blocks: list[nn.Module], model: nn.Module) -> None:
+    """FSDP2 on CPU ranks. Its streams are no-ops there, so its implicit prefetch issues each
+    all-gather as a blocking call just before the block needs it. Asynchronous unshards with each
+    block naming the next as its forward prefetch put the next block's all-gather on Gloo's thread
+    while this block computes (the backward already prefetches the previous block, now also
+    asynchronously); one block more stays gathered at a time. The gradient reduce-scatter goes
+    through torch's all-to-all (gloo_reduce_scatter.py). GPUs keep FSDP2's stream-based defaults.
+    Measured side by side on the peers' model (docs/benchmarks.md, run I)."""
+    model._set_unshard_async_op(True)  # every FSDP module under it
+    for module, nxt in zip([model, *blocks], blocks):
+        module.set_modules_to_forward_prefetch([nxt])
+    for module in [model, *blocks]:
+        module.set_custom_reduce_scatter(AllToAllReduceScatter())
 
 
 def apply_ddp(model: nn.Module, group) -> None:
