@@ -230,6 +230,18 @@ UNMEASURED_TP_HOST = {"2": {"2": {"layer": {"alpha": 18.7e-3, "per_byte": 17.7e-
 # schedules cost ~4 ms each, and without it the planner chose pp=2 over a faster DDP).
 UNMEASURED_PP_ACTION_S = 4e-3
 
+# Where calibration did not time torch's DDP reducer (fp32 plain replication: bucketed all-reduces
+# on Gloo's thread behind the backward), the share of FSDP2's blocking all-reduce it leaves exposed,
+# as fitted in situ on the 2-core host of docs/benchmarks.md (2026-11-30, world 2: alpha 0.21 vs
+# 1.08 ms, 0.89 vs 0.46 GB/s). Pricing it as the blocking all-reduce ranked ZeRO-1 (one all-to-all
+# reduce-scatter and one all-gather) above DDP, which trained 11% faster there (run I).
+UNMEASURED_DDP_EXPOSED = {"alpha": 0.195, "beta": 1.95}
+
+
+def _ddp_reducer_fit(blocking: dict) -> dict:
+    return {"alpha": blocking["alpha"] * UNMEASURED_DDP_EXPOSED["alpha"],
+            "beta": blocking["beta"] * UNMEASURED_DDP_EXPOSED["beta"]}
+
 
 def from_profile(data: dict, source: str = "") -> Hardware:
     """The "this-machine" entry from a calibration profile (a dict as `ndtrain calibrate` writes)."""
@@ -247,11 +259,10 @@ def from_profile(data: dict, source: str = "") -> Hardware:
     fits = {name: {k: colls[name][k] for k in ("alpha", "beta")} if name in colls else default_fit
             for name in names}
     if "reduce_scatter" not in colls:
-        # Gloo has no reduce-scatter of its own: torch's ProcessGroupGloo clones the input, runs a
-        # full all-reduce and copies this rank's chunk out. Unmeasured, it costs the all-reduce:
-        # the ring all-reduce's 2(k-1) alpha + 2(k-1)/k n/beta in comm.py's reduce-scatter terms.
-        ar = fits["all_reduce"]
-        fits["reduce_scatter"] = {"alpha": 2 * ar["alpha"], "beta": ar["beta"] / 2}
+        # The runtime's reduce-scatter on Gloo is an all-to-all and a local sum
+        # (parallel/gloo_reduce_scatter.py; Gloo's own runs a full all-reduce): unmeasured, it costs
+        # the all-to-all of its input, the same (k-1) alpha + (k-1)/k n / beta in comm.py's terms.
+        fits["reduce_scatter"] = dict(fits["all_to_all"])
     by_world: dict = {}
     for name in names:
         for world, fit in colls.get(name, {}).get("by_world", {}).items():
@@ -262,6 +273,11 @@ def from_profile(data: dict, source: str = "") -> Hardware:
         for name, fit in in_situ.items():
             if name.removesuffix("_tp").removesuffix("_ddp") in names:
                 by_world.setdefault(str(world), {})[name] = {"alpha": fit["alpha"], "beta": fit["beta"]}
+    if not any("all_reduce_ddp" in w for w in by_world.values()):
+        fits["all_reduce_ddp"] = _ddp_reducer_fit(fits["all_reduce"])
+        for in_world in by_world.values():
+            if "all_reduce" in in_world:
+                in_world["all_reduce_ddp"] = _ddp_reducer_fit(in_world["all_reduce"])
     attn = data.get("attention", {})
     return Hardware(
         name="this-machine",

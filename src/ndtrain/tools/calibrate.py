@@ -70,7 +70,10 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], reps:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    from ndtrain.parallel.gloo_reduce_scatter import AllToAllReduceScatter
+
+    # The reduce-scatter as the runtime's FSDP issues it on Gloo (Gloo's own is a full all-reduce).
+    reduce_scatter = AllToAllReduceScatter()
     results = []
     for n in sizes:
         elems = max(world, n // 4 // world * world)
@@ -79,7 +82,7 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], reps:
         ops = {
             "all_reduce": lambda: dist.all_reduce(full),
             "all_gather": lambda: ag(full, part),
-            "reduce_scatter": lambda: rs(part, full),
+            "reduce_scatter": lambda: reduce_scatter(part, full, dist.group.WORLD, dist.ReduceOp.SUM),
             "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(full), full),
             "p2p": (lambda: dist.send(full, 1)) if rank == 0 else (lambda: dist.recv(full, 0)) if rank == 1 else None,
         }

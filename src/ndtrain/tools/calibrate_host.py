@@ -164,16 +164,17 @@ def fit_dp(base: dict, measured: dict, mode: str, world: int, share: float, repl
     reduce-scatter of the layer per step; DDP: one all-reduce). "zero3_tp" fits the "_tp" kinds,
     used where FSDP shards tensor-parallel parameters.
 
-    Gloo has no reduce-scatter of its own: torch's ProcessGroupGloo runs `reduce_scatter_tensor`
-    as a clone of the input, a full all-reduce and a copy of this rank's chunk. So where FSDP2's
-    replication was measured on the same ranks (`replicated`: mode "replicate", one blocking
-    all-reduce per block, as FSDP issues its reduce-scatter), ZeRO-3's reduce-scatter costs that
-    all-reduce and only the rest of ZeRO-3's extra is split over its two all-gathers; an even
-    three-way split made gathers look dear and the reduce-scatter cheap, which ranked ZeRO-1 above
-    DDP here. Two all-reduce fits: "all_reduce" from mode "replicate" (FSDP2's blocking one, as
-    HSDP and bf16 replication run it) and "all_reduce_ddp" from mode "ddp", the DDP reducer the
-    runtime runs fp32 plain replication on (Layout.on_ddp_reducer), whose bucketed all-reduces
-    overlap the backward and so add less to a layer."""
+    The runtime's FSDP reduce-scatters through torch's all-to-all on Gloo
+    (parallel/gloo_reduce_scatter.py), moving (k-1)/k of the gradients where an all-reduce moves
+    2(k-1)/k. So where FSDP2's replication was measured on the same ranks (`replicated`: mode
+    "replicate", one blocking all-reduce per block, issued where FSDP issues its reduce-scatter),
+    ZeRO-3's reduce-scatter costs half that all-reduce and the rest of ZeRO-3's extra is split over
+    its two all-gathers (prefetched, so what they leave exposed); an even three-way split made
+    gathers look dear and the reduce-scatter cheap, which ranked ZeRO-1 above DDP here. Two
+    all-reduce fits: "all_reduce" from mode "replicate" (FSDP2's blocking one, as HSDP and bf16
+    replication run it) and "all_reduce_ddp" from mode "ddp", the DDP reducer the runtime runs fp32
+    plain replication on (Layout.on_ddp_reducer), whose bucketed all-reduces overlap the backward
+    and so add less to a layer."""
     tp = 2 if mode == "zero3_tp" else 1
     k = world // tp
     nbytes = [layer_param_bytes(d) / tp for d, _ in SHAPES]
@@ -197,8 +198,8 @@ def fit_dp(base: dict, measured: dict, mode: str, world: int, share: float, repl
         fit = ring([e / 3 for e in extra(measured)], 1)
         suffix = "_tp" if tp > 1 else ""
         return {"all_gather" + suffix: fit, "reduce_scatter" + suffix: fit}
-    ar = extra(replicated)  # the reduce-scatter at the all-reduce's cost; the gathers share the rest
-    return {"all_gather": ring([(z - a) / 2 for z, a in zip(extra(measured), ar)], 1), "reduce_scatter": ring(ar, 1)}
+    rs = [a / 2 for a in extra(replicated)]  # half the all-reduce's bytes; the gathers share the rest
+    return {"all_gather": ring([(z - r) / 2 for z, r in zip(extra(measured), rs)], 1), "reduce_scatter": ring(rs, 1)}
 
 
 def fit_tp(plain: dict, measured: dict, tp: int, share: float) -> dict:
