@@ -38,6 +38,18 @@ def model_overrides(shape: dict) -> list[str]:
     return [f"--model.{k}={v}" for k, v in shape.items()]
 
 
+def peer_train_command(data: Path, out_dir: Path, *, world: int, mb: int, seq: int, steps: int,
+                       precision: str, extra: list[str]) -> list[str]:
+    """`ndtrain train` of the peers' run: their model and batch, AdamW as they set it, no
+    validation, samples, checkpoints or TensorBoard; `extra` picks the layout."""
+    return [PY, "-m", "ndtrain", "train", f"--nproc={world}", *model_overrides(PEER_MODEL), f"--data.path={data}",
+            f"--data.seq_len={seq}", f"--train.global_batch={mb * world}", f"--train.micro_batch={mb}",
+            f"--train.steps={steps}", "--train.val_interval=0", "--train.sample_tokens=0", "--optimizer.lr=1e-3",
+            "--optimizer.warmup_steps=0", "--optimizer.weight_decay=0.1", f"--train.output_dir={out_dir}",
+            "--logging.tensorboard=false", "--logging.progress=off", "--checkpoint.interval_steps=0",
+            f"--parallel.mixed_precision={precision}", *extra]
+
+
 def run(cmd: list[str], env_extra: dict | None = None, timeout: int = 900) -> str:
     env = {**os.environ, **(env_extra or {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

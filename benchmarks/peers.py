@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PEER_MODEL, PY, ROOT, model_overrides, synthetic_tokens, torchrun
+from common import PEER_MODEL, PY, ROOT, peer_train_command, synthetic_tokens, torchrun
 
 PEERS = ("floor", "ds-zero1", "ds-zero3")
 ND_LAYOUTS = {"nd-fsdp": ["--parallel.dp_shard=2", "--parallel.zero=3"],
@@ -80,12 +80,8 @@ def run_one(name: str, a, data: Path, tmp: Path, i: int) -> dict:
                 "first_step_s": r["first_step_at"] - start, "rss_mb": rss,
                 "layout": name}
     run_dir = tmp / f"{name}-{i}"
-    cmd = [PY, "-m", "ndtrain", "train", f"--nproc={a.world}", *model_overrides(PEER_MODEL), f"--data.path={data}",
-           f"--data.seq_len={a.seq}", f"--train.global_batch={a.mb * a.world}", f"--train.micro_batch={a.mb}",
-           f"--train.steps={a.steps}", "--train.val_interval=0", "--train.sample_tokens=0", "--optimizer.lr=1e-3",
-           "--optimizer.warmup_steps=0", "--optimizer.weight_decay=0.1", f"--train.output_dir={run_dir}",
-           "--logging.tensorboard=false", "--logging.progress=off", "--checkpoint.interval_steps=0",
-           f"--parallel.mixed_precision={a.precision}", *ND_LAYOUTS[name]]
+    cmd = peer_train_command(data, run_dir, world=a.world, mb=a.mb, seq=a.seq, steps=a.steps, precision=a.precision,
+                             extra=ND_LAYOUTS[name])
     _, start, rss = launch(cmd, {})
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "step_time_s" in r]

@@ -27,7 +27,8 @@ with resharding after backward and gradient sync switched per micro-batch (the t
 `accumulation` below), so gradient reduction, mixed precision (bf16 compute, fp32 reduction and
 master weights), accumulation without sync, CPU offload, exact gradient-norm clipping and
 layout-independent (DCP) checkpoints are identical across stages. Between steps the parameters
-rest sharded, which only saves memory.
+rest sharded, which only saves memory. On CPU ranks two of FSDP2's own hooks change how its
+collectives run, not what they compute (`overlap_on_gloo`).
 """
 
 from __future__ import annotations
