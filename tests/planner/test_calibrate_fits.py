@@ -77,3 +77,29 @@ def test_optimizer_is_timed_as_the_trainer_runs_it(monkeypatch):
     monkeypatch.setattr(torch.optim, "AdamW", recording)
     assert optimizer_seconds_per_param(params=1 << 12, tensors=2, reps=1) > 0
     assert OptimizerConfig().implementation == "fused" and seen and seen[0].get("fused") is True
+
+
+def test_bf16_layers_get_their_own_gemm_efficiency():
+    """mm_eff is fitted on the calibration's plain layer; bf16 gets its own, from the layer run in
+    bf16 (its norms, RoPE, CPU attention and casts stay fp32, so the matmul peak's ratio
+    overstates its speed-up): with each fitted, the time model gives back each measured layer."""
+    from ndtrain.layout import Layout
+    from ndtrain.planner.problem import make_problem
+    from ndtrain.planner.timing import layer_costs
+    from ndtrain.tools.calibrate import fit_mm_eff
+    from ndtrain.tools.calibrate_host import BATCH, _config
+
+    dim, seq = SHAPES[-1]
+    prof = {"cores": 2, "matmul": {"fp32_1thread": 100e9, "bf16_1thread": 220e9},
+            "attention": {"fp32": {"256": 30e9}, "bf16": {"256": 30e9}},
+            "host_s": {"layer": 1e-3, "head": 5e-4,
+                       "measured": {f"{dim},{seq}": [25e-3, 0.0]}, "measured_bf16": {f"{dim},{seq}": [18e-3, 0.0]}}}
+    eff = {"fp32": fit_mm_eff(prof), "bf16": fit_mm_eff(prof, "bf16")}
+    assert 0.25 < eff["bf16"] < eff["fp32"] < 1.5  # 2.2x the peak, 1.4x the layer: less of the peak
+    hw = from_profile({**prof, "mm_eff": eff["fp32"], "mm_eff_bf16": eff["bf16"]})
+    for precision, measured in (("fp32", 25e-3), ("bf16", 18e-3)):
+        pb = make_problem(_config(4, dim), seq, BATCH, 1, hw, precision=precision)
+        assert layer_costs(pb, Layout(dp_shard=1, mb=BATCH))["compute"] == pytest.approx(measured, rel=1e-6)
+    # A profile from before the bf16 layer was timed: one efficiency for both
+    old = from_profile({**prof, "mm_eff": eff["fp32"]})
+    assert old.cpu_mm_eff("bf16") == old.cpu_mm_eff("fp32") == eff["fp32"]

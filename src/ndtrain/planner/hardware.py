@@ -54,6 +54,8 @@ class Hardware:
     tdp_w: float
     peak_fp32: float = 0.0  # only CPUs train in fp32; 0 = use peak_bf16 / 2
     mm_eff: float = A100_MM_EFF
+    # CPU ranks: mm_eff fitted on a bf16 layer (0: not measured, mm_eff serves both)
+    mm_eff_bf16: float = 0.0
     kappa: float = A100_KAPPA
     alpha_intra: float = 5e-6  # s per message hop inside a node
     alpha_inter: float = 12e-6  # s per message hop across nodes
@@ -105,12 +107,16 @@ class Hardware:
             return self.peak_fp32 or self.peak_bf16 / 2
         return self.peak_bf16
 
+    def cpu_mm_eff(self, precision: str) -> float:
+        """CPU ranks' fitted GEMM efficiency for `precision` (fp8 computes its remainder in bf16)."""
+        return self.mm_eff_bf16 if precision in ("bf16", "fp8") and self.mm_eff_bf16 else self.mm_eff
+
     def attention_rate(self, precision: str, seq: int) -> float:
         """Measured rate at `seq`, interpolated in log(seq) between measured lengths; the
         matmul rate where nothing was measured."""
         table = sorted((int(s), r) for s, r in self.attn_flops.get(precision, {}).items())
         if not table:
-            return self.peak(precision) * self.mm_eff
+            return self.peak(precision) * self.cpu_mm_eff(precision)
         if seq <= table[0][0]:
             return table[0][1]
         for (s0, r0), (s1, r1) in zip(table, table[1:]):
@@ -289,7 +295,8 @@ def from_profile(data: dict, source: str = "") -> Hardware:
         tdp_w=float(data.get("watts_per_device", 15.0)),
         # mm_eff: what a plain decoder layer measured at calibration says GEMMs of training shapes
         # reach of the square-matmul rate (1 where not measured).
-        mm_eff=float(data.get("mm_eff", 1.0)), kappa=A100_KAPPA, overhead_bytes=0.3 * GiB,
+        mm_eff=float(data.get("mm_eff", 1.0)), mm_eff_bf16=float(data.get("mm_eff_bf16", 0.0)),
+        kappa=A100_KAPPA, overhead_bytes=0.3 * GiB,
         op_overhead_s=data.get("op_overhead_s", 30e-6), alpha_intra=fits["all_gather"]["alpha"],
         alpha_inter=fits["all_gather"]["alpha"], collectives=fits, source=source,
         cores=int(data.get("cores") or os.cpu_count() or 1),

@@ -140,10 +140,11 @@ def cpu_layer_costs(pb: Problem, lay: Layout) -> dict:
     sp = lay.sp and t > 1
     tok = b * pb.seq / c
     mm_flops, attn_flops = average_layer_forward_flops(pb.cfg, pb.seq, "causal" if st.flash_attention else "full")
-    rate = hw.peak(pb.precision) * hw.mm_eff
+    eff = hw.cpu_mm_eff(pb.precision)
+    rate = hw.peak(pb.precision) * eff
     if pb.precision == "fp8":
         f = fp8_matmul_fraction(pb.cfg, t)
-        rate = hw.mm_eff / (f / hw.peak("fp8") + (1 - f) / hw.peak("bf16"))
+        rate = eff / (f / hw.peak("fp8") + (1 - f) / hw.peak("bf16"))
     # MoE layers run replicated over tp (each tp rank routes the whole sequence)
     moe = sh.mm_moe_layer / sh.mm_params_layer if sh.mm_params_layer else 0.0
     mm = tok * mm_flops * ((1 - moe) / t + moe) / rate
@@ -204,6 +205,6 @@ def cpu_head_cost(pb: Problem, lay: Layout) -> float:
     sh, hw, elt = pb.shape, pb.hw, pb.act_bytes
     tok = lay.mb * pb.seq / lay.cp
     head_precision = "bf16" if pb.precision == "fp8" else pb.precision
-    gemm = 3 * tok * head_forward_flops(pb.cfg) / lay.tp / (hw.peak(head_precision) * hw.mm_eff)
+    gemm = 3 * tok * head_forward_flops(pb.cfg) / lay.tp / (hw.peak(head_precision) * hw.cpu_mm_eff(head_precision))
     loss = 2 * (elt + 8) * tok * sh.vocab / lay.tp / hw.hbm_bw
     return gemm + loss + (hw.head_overhead_s or OPS_HEAD * hw.op_overhead_s) + tp_head(pb, lay)

@@ -78,8 +78,10 @@ def micro_batch_seconds(build, dim: int, seq: int, reps: int, tp: bool = False, 
     return layer, max(1e-7, per_depth[lo] - lo * layer)
 
 
-def plain_host(reps: int) -> dict:
-    """{"dim,seq": [layer, head]} for SHAPES, one thread, in this process."""
+def plain_host(reps: int, precision: str = "fp32") -> dict:
+    """{"dim,seq": [layer, head]} for SHAPES, one thread, in this process. bf16: parameters and
+    activations in bf16, as FSDP2's bf16 policy runs a block (fp32 norms, RoPE and CPU attention
+    inside it, as the model does)."""
     import torch
 
     from ndtrain.model.init import materialize
@@ -87,7 +89,7 @@ def plain_host(reps: int) -> dict:
     def build(layers, dim):
         model = _llama(layers, dim)
         materialize(model, 0, "cpu")
-        return model
+        return model.to(torch.bfloat16) if precision == "bf16" else model
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)
