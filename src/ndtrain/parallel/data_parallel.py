@@ -35,11 +35,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-from ndtrain.parallel.gloo_reduce_scatter import AllToAllReduceScatter
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ndtrain.parallel.expert import shard_experts
+from ndtrain.parallel.gloo_reduce_scatter import AllToAllReduceScatter
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool, mixed_precision: str,
@@ -76,8 +75,9 @@ def overlap_on_gloo(blocks: list[nn.Module], model: nn.Module) -> None:
     model._set_unshard_async_op(True)  # every FSDP module under it
     for module, nxt in zip([model, *blocks], blocks):
         module.set_modules_to_forward_prefetch([nxt])
-    for module in [model, *blocks]:
-        module.set_custom_reduce_scatter(AllToAllReduceScatter())
+    for module in model.modules():  # the root, the blocks, and experts sharded on their own mesh
+        if isinstance(module, FSDPModule):
+            module.set_custom_reduce_scatter(AllToAllReduceScatter())
 
 
 def apply_ddp(model: nn.Module, group) -> None:
