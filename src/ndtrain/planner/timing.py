@@ -65,7 +65,7 @@ def dp_comm(pb: Problem, lay: Layout, layers_on_device: int) -> tuple[float, flo
         ranks = R * c  # cp ranks hold the same parameters and reduce with the replicas
         # torch's DDP reducer (fp32 plain replication) overlaps its all-reduces with the backward:
         # its own in-situ fit where calibration timed it, FSDP2's blocking one elsewhere.
-        ddp = lay.on_ddp_reducer(pb.shape.n_experts > 0, pb.precision) and "all_reduce_ddp" in hw.collectives
+        ddp = lay.on_ddp_reducer(pb.cfg.is_moe, pb.precision) and "all_reduce_ddp" in hw.collectives
         ar = "all_reduce_ddp" if ddp else "all_reduce"
         grad = dense_coll(ar, ranks, t, gbytes * dense) + coll(ar, ranks // ep, t * ep, gbytes * expert)
         return 0.0, 0.0, grad, 0.0
@@ -156,7 +156,7 @@ def step_breakdown(pb: Problem, lay: Layout, lc: dict | None = None, split: Spli
 
     key = ("dp", lay.tp, lay.cp, lay.ep, lay.effective_zero, lay.shard_degree, lay.dp_replicate, p, n_dev,
            lay.grads_sharded_per_microbatch, lay.reshards_after_forward,
-           lay.on_ddp_reducer(pb.shape.n_experts > 0, pb.precision))
+           lay.on_ddp_reducer(pb.cfg.is_moe, pb.precision))
     mb_f, mb_b, grad_c, param_c = _memo(cache, key, dp_comm, pb, lay, n_dev)
     # gathers hide behind the forward, gradient reductions behind the backward that produces them;
     # what the last micro-batch leaves of its windows hides the once-per-step traffic
