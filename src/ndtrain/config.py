@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ndtrain.errors import ConfigError, NdtrainError
+from ndtrain.layout.schedules import DEFAULT as DEFAULT_SCHEDULE
 from ndtrain.model.config import PRESETS, ModelConfig
 
 
@@ -73,7 +74,7 @@ class ParallelConfig:
     ac_every: int = 2  # for every_n: checkpoint every N-th layer
     compile: bool = False
     cp_attention: str = "ring"  # ring | allgather
-    pp_schedule: str = "1F1B"
+    pp_schedule: str = DEFAULT_SCHEDULE
     pp_virtual_stages: int = 1
     pp_microbatches: int = 0  # 0 = one per micro-batch of the accumulation
     layers_per_stage: list[int] = field(default_factory=list)

@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ndtrain.errors import NdtrainError
+from ndtrain.layout.schedules import DEFAULT, DEFAULT_INTERLEAVED
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first, tp innermost
 DEGREES = MESH_ORDER + ("ep",)
@@ -65,7 +66,7 @@ class Layout:
     reshard_after_forward: bool = True  # zero = 3 only
     sp: bool = True  # sequence parallel, with tp > 1
     mb: int = 1  # micro-batch: sequences per rank per forward/backward
-    schedule: str = "1F1B"
+    schedule: str = DEFAULT
     v: int = 1  # stages per pipeline rank
     m: int = 0  # pipeline micro-batches per step; 0 = one per micro-batch of the accumulation
     split: str = "balanced"
@@ -345,7 +346,7 @@ def parse_layout(text: str | dict, world: int | None = None, base: Layout | None
     items = parse_items(text)
     base = base or Layout(dp_shard=-1)
     if "schedule" not in items and items.get("v", 1) > 1:
-        items["schedule"] = "Interleaved1F1B"
+        items["schedule"] = DEFAULT_INTERLEAVED
     from ndtrain.layout.schedules import SCHEDULES
 
     sched = SCHEDULES.get(items.get("schedule", base.schedule))

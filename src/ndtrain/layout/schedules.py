@@ -152,6 +152,16 @@ SINGLE = tuple(s.name for s in _ALL if s.kind == "single")
 INTERLEAVED = tuple(s.name for s in _ALL if s.kind == "interleaved")
 V_SHAPED = tuple(s.name for s in _ALL if s.kind == "v")
 SPLIT_BACKWARD = tuple(s.name for s in _ALL if s.split_backward)
+# What a layout runs when it names no schedule; with v > 1 and no schedule, the interleaved one.
+DEFAULT = "1F1B"
+DEFAULT_INTERLEAVED = "Interleaved1F1B"
+
+
+def single_stage_candidates(p: int, m: int) -> list[str]:
+    """One-stage-per-rank schedules for p ranks and m micro-batches, best first: 1F1B (GPipe's
+    bubble, a fraction of its activation memory) where it can run, then GPipe (whether it runs is
+    problems()'s to decide)."""
+    return ([DEFAULT] if m >= SCHEDULES[DEFAULT].min_microbatches(p) else []) + ["GPipe"]
 
 
 def get(name: str) -> Schedule:

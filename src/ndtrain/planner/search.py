@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ndtrain.errors import NdtrainError
 from ndtrain.layout import Layout
 from ndtrain.layout.flops import MFU_ATTENTION, flops_per_token, recompute_flops_per_token
-from ndtrain.layout.schedules import INTERLEAVED, SCHEDULES
+from ndtrain.layout.schedules import DEFAULT, INTERLEAVED, SCHEDULES, single_stage_candidates
 from ndtrain.planner.memory import memory_breakdown, state_bytes
 from ndtrain.planner.problem import Problem, Split, stage_split
 from ndtrain.planner.stack import PLANNED_AC
@@ -271,7 +271,7 @@ def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: l
 def _estimate(ev: Evaluator, t: int, c: int, p: int, dp: int) -> float:
     """Rough step time of a mesh (smallest micro-batch, no recompute, 1F1B) to order the search."""
     m = ev.pb.global_batch // dp
-    sched = "1F1B" if p > 1 and m >= SCHEDULES["1F1B"].min_microbatches(p) else "GPipe"
+    sched = single_stage_candidates(p, m)[0]
     try:
         return ev.lower_bound(Layout(dp_shard=dp, tp=t, cp=c, pp=p, mb=1, ac="none", sp=t > 1, schedule=sched))
     except NdtrainError:
@@ -282,7 +282,7 @@ def _schedules(p: int, m: int, layers: int, allowed: tuple[str, ...] | None, fix
     """(schedule, v) pairs worth costing for p pipeline ranks and m micro-batches. Their validity
     (v and micro-batch rules, enough layers for p*v stages) is problems()'s to decide."""
     if p == 1:
-        yield fixed.get("schedule", "1F1B"), 1
+        yield fixed.get("schedule", DEFAULT), 1
         return
     want = set(allowed) if allowed else None
     if "schedule" in fixed:
@@ -291,10 +291,10 @@ def _schedules(p: int, m: int, layers: int, allowed: tuple[str, ...] | None, fix
     def ok(name):
         return want is None or name in want
 
-    if ok("1F1B") and m >= SCHEDULES["1F1B"].min_microbatches(p) and fixed.get("v", 1) == 1:
-        yield "1F1B", 1
-    elif ok("GPipe") and fixed.get("v", 1) == 1:
-        yield "GPipe", 1  # same bubble as 1F1B, more memory: only where 1F1B cannot run
+    if fixed.get("v", 1) == 1:  # the first allowed: GPipe only where 1F1B cannot run or is not allowed
+        single = next((name for name in single_stage_candidates(p, m) if ok(name)), None)
+        if single:
+            yield single, 1
     # v up to 8 when searched; a pinned v (a published layout) may be larger
     for v in ([fixed["v"]] if fixed.get("v", 1) > 1 else range(2, min(layers // p, 8) + 1)):
         for name in INTERLEAVED:

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from ndtrain.errors import NdtrainError
+from ndtrain.layout.schedules import DEFAULT as DEFAULT_SCHEDULE
 from ndtrain.paths import check_output_file
 from ndtrain.parallel import pipeline_schedule as ps
 
@@ -244,7 +245,7 @@ def main(argv: list[str]) -> int:
                                 epilog="Measured runs take --section.key=value overrides, e.g. --parallel.pp=4 "
                                        "--parallel.pp_schedule=Interleaved1F1B --parallel.pp_virtual_stages=2")
     p.add_argument("--simulate", action="store_true", help="draw the ideal timeline; no processes are started")
-    p.add_argument("--schedule", default="1F1B", help="simulate: a schedule, a comma list, or 'all'")
+    p.add_argument("--schedule", default=DEFAULT_SCHEDULE, help="simulate: a schedule, a comma list, or 'all'")
     p.add_argument("--pp", type=int, default=4, help="simulate: pipeline ranks")
     p.add_argument("--v", type=int, default=0, help="simulate: stages per rank (default 2 where needed, else 1)")
     p.add_argument("--microbatches", "-m", type=int, default=8, help="simulate: micro-batches per step")

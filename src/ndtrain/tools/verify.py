@@ -79,7 +79,7 @@ def layout_config(base: dict, spec: str) -> JobConfig:
     if ga is None:
         # A pipeline layout without ga= runs the fewest micro-batches its schedule accepts (at
         # least pp, so that GPipe pipelines too).
-        ga = max(pp, registry.get(par.get("pp_schedule", "1F1B")).min_microbatches(pp)) if pp > 1 else 1
+        ga = max(pp, registry.get(par.get("pp_schedule", registry.DEFAULT)).min_microbatches(pp)) if pp > 1 else 1
     world = layout_world(ov)
     dp = world // (int(par.get("tp", 1)) * pp * int(par.get("cp", 1)))
     if "micro_batch" not in ov.get("train", {}):
