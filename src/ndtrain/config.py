@@ -73,6 +73,9 @@ class ParallelConfig:
     activation_checkpoint: str = "none"  # none | full | every_n | selective
     ac_every: int = 2  # for every_n: checkpoint every N-th layer
     compile: bool = False
+    # The Linear layers' fp32 matmuls on CPU: "onednn" (faster than MKL's on the AMD host measured,
+    # docs/benchmarks.md) or "blas" (torch's own choice). GPUs and other dtypes are unaffected.
+    cpu_matmul: str = "onednn"
     cp_attention: str = "ring"  # ring | allgather
     pp_schedule: str = DEFAULT_SCHEDULE
     pp_virtual_stages: int = 1

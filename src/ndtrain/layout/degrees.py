@@ -43,6 +43,7 @@ CONFIG_KEYS = {
     "ac_every": ("parallel", "ac_every"), "mp": ("parallel", "mixed_precision"),
     "offload": ("parallel", "cpu_offload"), "compile": ("parallel", "compile"),
     "cp_attention": ("parallel", "cp_attention"), "fp8_recipe": ("parallel", "fp8_recipe"),
+    "cpu_matmul": ("parallel", "cpu_matmul"),
     "mb": ("train", "micro_batch"), "doc_mask": ("data", "document_mask"),
     "sync": ("parallel", "replicate_sync"), "inner_steps": ("parallel", "diloco_inner_steps"),
     "fragments": ("parallel", "diloco_fragments"), "overlap": ("parallel", "diloco_overlap_steps"),
@@ -77,6 +78,7 @@ class Layout:
     fp8_recipe: str = "tensorwise"  # with mp = fp8: torchao's scaling recipe (tensorwise | rowwise)
     offload: bool = False
     compile: bool = False
+    cpu_matmul: str = "onednn"  # the Linear layers' CPU fp32 kernel: onednn | blas (model/linear.py)
     cp_attention: str = "ring"
     doc_mask: bool = False  # [data] document_mask: attention stays inside each packed document
     # How dp_replicate replicas agree (layout/diloco.py): "step" all-reduces gradients every step;
@@ -332,7 +334,8 @@ def _typed(name: str, value, what: str):
         from ndtrain.layout.schedules import canonical_schedule
 
         return canonical_schedule(text)
-    return text.lower() if name in ("ac", "mp", "split", "cp_attention", "fp8_recipe", "sync", "outer_dtype") else text
+    return text.lower() if name in ("ac", "mp", "split", "cp_attention", "cpu_matmul", "fp8_recipe", "sync",
+                                                "outer_dtype") else text
 
 
 def parse_layout(text: str | dict, world: int | None = None, base: Layout | None = None) -> Layout:

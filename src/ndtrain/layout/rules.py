@@ -19,7 +19,7 @@ from ndtrain.layout import schedules as sch
 from ndtrain.layout.degrees import (AC_POLICIES, CP_ATTENTION, DEGREES, MESH_ORDER, PRECISIONS, Layout, ResolveError,
                                     resolve)
 from ndtrain.layout.partition import SPLITS, partition_problem
-from ndtrain.model.config import ModelConfig
+from ndtrain.model.config import CPU_MATMUL_KERNELS, ModelConfig
 
 
 class Problem(str):
@@ -64,6 +64,8 @@ def values(c: Context):
         yield "parallel.mixed_precision", f"must be one of {', '.join(PRECISIONS)}, got {lay.mp!r}"
     if lay.cp_attention not in CP_ATTENTION:
         yield "parallel.cp_attention", f"must be one of {', '.join(CP_ATTENTION)}, got {lay.cp_attention!r}"
+    if lay.cpu_matmul not in CPU_MATMUL_KERNELS:
+        yield "parallel.cpu_matmul", f"must be one of {', '.join(CPU_MATMUL_KERNELS)}, got {lay.cpu_matmul!r}"
     if lay.mb < 1:
         yield "train.micro_batch", f"must be positive, got {lay.mb}"
     if lay.v < 1:

@@ -9,6 +9,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+# Kernels the model's Linear layers can run their CPU fp32 matmuls through (model/linear.py),
+# chosen by `[parallel] cpu_matmul`; here, torch-free, so the layout rules can check the name.
+CPU_MATMUL_KERNELS = ("onednn", "blas")
+
 
 @dataclass
 class ModelConfig:

@@ -8,13 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ndtrain.model.linear import Linear
+
 
 class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w1 = Linear(dim, hidden, bias=False)
+        self.w2 = Linear(hidden, dim, bias=False)
+        self.w3 = Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -21,6 +21,7 @@ from torch import nn
 
 from ndtrain.model.config import ModelConfig
 from ndtrain.model.feed_forward import FeedForward
+from ndtrain.model.linear import Linear
 from ndtrain.model.moe import MoE
 
 
@@ -96,10 +97,10 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.rope_theta = cfg.rope_theta
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.wq = Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.sdpa = causal_sdpa
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -147,7 +148,7 @@ class Transformer(nn.Module):
         ids = range(cfg.n_layers) if layers is None else layers
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in ids})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps) if last else None
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if last else None
+        self.output = Linear(cfg.dim, cfg.vocab_size, bias=False) if last else None
         self.tie_weights()
 
     def tie_weights(self) -> None:

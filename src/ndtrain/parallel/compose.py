@@ -22,11 +22,13 @@ from __future__ import annotations
 from torch import nn
 
 from ndtrain.layout import Layout
+from ndtrain.model.linear import set_cpu_kernel
 from ndtrain.parallel.activation import apply_activation_checkpointing
 
 
 def parallelize(model: nn.Module, dims: Layout, mesh=None) -> nn.Module:
     """`dims` is the resolved layout (ndtrain.layout.Layout): degrees and every knob."""
+    set_cpu_kernel(model, dims.cpu_matmul)  # a kernel choice, not a transform: before them all
     if dims.mp == "fp8":
         from ndtrain.parallel.float8 import apply_float8
 

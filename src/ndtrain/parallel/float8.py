@@ -23,6 +23,7 @@ from torch import nn
 
 from ndtrain.layout.fp8 import converts
 from ndtrain.model.init import canonical_name
+from ndtrain.model.linear import Linear
 
 
 def torchao_float8():
@@ -63,7 +64,7 @@ def apply_float8(model: nn.Module, lay) -> list[str]:
 
     def keep(module: nn.Module, fqn: str) -> bool:
         name = canonical_name(fqn)
-        ok = type(module) is nn.Linear and converts(name, module.in_features, module.out_features, lay.tp)
+        ok = type(module) in (nn.Linear, Linear) and converts(name, module.in_features, module.out_features, lay.tp)
         if ok:
             converted.append(name)
         return ok

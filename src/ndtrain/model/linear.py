@@ -1,0 +1,86 @@
+"""`Linear`: nn.Linear whose fp32 matmuls on CPU can run through oneDNN instead of the BLAS.
+
+torch sends a CPU fp32 matmul to the BLAS it was built with (MKL in the pip wheels) and keeps
+oneDNN, bundled in the same wheel, for reduced precision. On the AMD EPYC this project is
+measured on, MKL takes a slower path than oneDNN for the model's shapes: the forward and the
+input gradient ran 1.05-1.5x faster through oneDNN (`torch.ops.mkldnn._linear_pointwise`,
+1,024 tokens x dim 256-2,048), the weight gradient (both operands transposed) did not, so it
+stays on the BLAS. Both are IEEE fp32; only the order of the sums differs (docs/benchmarks.md,
+"oneDNN for fp32 linears").
+
+Everything else takes nn.Linear's own path: other dtypes and devices, autocast, tensor
+subclasses (DTensor under tensor parallelism, float8), torch.compile (inductor picks its own
+kernels), and `cpu_kernel = "blas"` (`[parallel] cpu_matmul`). It stays an nn.Linear, so
+parameter names, checkpoints, HF export, TP plans and the fp8 swap see no difference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import register_flop_formula
+
+from ndtrain.model.config import CPU_MATMUL_KERNELS
+
+
+def _onednn_matmul(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a [n, k] @ w[m, k]^T (+ bias) through oneDNN."""
+    return torch.ops.mkldnn._linear_pointwise(a, w, bias, "none", [], "")
+
+
+@register_flop_formula(torch.ops.mkldnn._linear_pointwise)
+def _onednn_matmul_flops(a_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    """So torch's FlopCounterMode counts these matmuls as it counts the BLAS's."""
+    return 2 * math.prod(a_shape[:-1]) * a_shape[-1] * w_shape[0]
+
+
+class _OneDnnLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        out = _onednn_matmul(x.reshape(-1, x.shape[-1]), weight, bias)
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = _onednn_matmul(g, weight.t()).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            gw = g.t() @ x.reshape(-1, x.shape[-1])  # the BLAS: oneDNN was slower with these transposes
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g.sum(0)
+        return gx, gw, gb
+
+
+def onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Plain fp32 CPU tensors, outside autocast and compile, with oneDNN in this build."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and type(x) is torch.Tensor and type(weight) in (torch.Tensor, nn.Parameter) and x.numel() > 0
+            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+            and torch.backends.mkldnn.is_available())
+
+
+class Linear(nn.Linear):
+    cpu_kernel = "onednn"  # or "blas"; set per model by set_cpu_kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernel == "onednn" and onednn_applies(x, self.weight):
+            return _OneDnnLinear.apply(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def set_cpu_kernel(model: nn.Module, kernel: str) -> None:
+    """Every Linear of `model` runs its CPU fp32 matmuls through `kernel` (CPU_MATMUL_KERNELS)."""
+    if kernel not in CPU_MATMUL_KERNELS:
+        raise ValueError(f"cpu kernel must be one of {', '.join(CPU_MATMUL_KERNELS)}, got {kernel!r}")
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.cpu_kernel = kernel
