@@ -2,10 +2,11 @@
 
 torch sends a CPU fp32 matmul to the BLAS it was built with (MKL in the pip wheels) and keeps
 oneDNN, bundled in the same wheel, for reduced precision. On the AMD EPYC this project is
-measured on, MKL takes a slower path than oneDNN for the model's shapes: the forward and the
-input gradient ran 1.05-1.5x faster through oneDNN (`torch.ops.mkldnn._linear_pointwise`,
-1,024 tokens x dim 256-2,048), the weight gradient (both operands transposed) did not, so it
-stays on the BLAS. Both are IEEE fp32; only the order of the sums differs (docs/benchmarks.md,
+measured on, MKL takes a slower path than oneDNN for the model's shapes: through oneDNN
+(`torch.ops.mkldnn._linear_pointwise`, 1,024 tokens x dim 256-2,048) the forward ran 1.07-1.33x
+and the input gradient 1.00-1.20x faster, the weight gradient (both operands transposed) 0.84-
+1.06x, so that one stays on the BLAS; the whole model's forward + backward 1.07x
+(benchmarks/cpu_matmul.py). Both are IEEE fp32; only the order of the sums differs (docs/benchmarks.md,
 "oneDNN for fp32 linears").
 
 Everything else takes nn.Linear's own path: other dtypes and devices, autocast, tensor
