@@ -6,8 +6,8 @@ measured on, MKL takes a slower path than oneDNN for the model's shapes: through
 (`torch.ops.mkldnn._linear_pointwise`, 1,024 tokens x dim 256-2,048) the forward ran 1.07-1.33x
 and the input gradient 1.00-1.20x faster, the weight gradient (both operands transposed) 0.84-
 1.06x, so that one stays on the BLAS; the whole model's forward + backward 1.07x
-(benchmarks/cpu_matmul.py). Both are IEEE fp32; only the order of the sums differs (docs/benchmarks.md,
-"oneDNN for fp32 linears").
+(benchmarks/cpu_matmul.py). Both are IEEE fp32; only the order of the sums differs
+(docs/benchmarks.md, "oneDNN for the fp32 linears").
 
 Everything else takes nn.Linear's own path: other dtypes and devices, autocast, tensor
 subclasses (DTensor under tensor parallelism, float8), torch.compile (inductor picks its own
