@@ -334,8 +334,8 @@ def _typed(name: str, value, what: str):
         from ndtrain.layout.schedules import canonical_schedule
 
         return canonical_schedule(text)
-    return text.lower() if name in ("ac", "mp", "split", "cp_attention", "cpu_matmul", "fp8_recipe", "sync",
-                                                "outer_dtype") else text
+    lowered = ("ac", "mp", "split", "cp_attention", "cpu_matmul", "fp8_recipe", "sync", "outer_dtype")
+    return text.lower() if name in lowered else text
 
 
 def parse_layout(text: str | dict, world: int | None = None, base: Layout | None = None) -> Layout:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ndtrain.layout.schedules import DEFAULT, DEFAULT_INTERLEAVED
+
 SOURCES = {
     "narayanan2021": "Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters Using "
                      "Megatron-LM' (SC21), Table 1",
@@ -73,7 +75,7 @@ class Row:
 def _t1(params, a, h, l, tp, pp, gpus, batch, tflops) -> Row:
     fixed = dict(tp=tp, pp=pp, cp=1, ep=1, dp_shard=1, dp_replicate=gpus // (tp * pp), ac="full", sp=False)
     if pp > 1:
-        fixed["schedule"] = "Interleaved1F1B"
+        fixed["schedule"] = DEFAULT_INTERLEAVED  # Megatron's interleaved 1F1B
     return Row("narayanan2021", f"GPT {params}B, {gpus} A100", GPT.format(l=l, h=h, a=a, v=51200), "a100-80", gpus,
                2048, batch, fixed, "megatron-2021", "bf16", "tflops_megatron", tflops, "fit",
                note="micro-batch and v not published: the planner picks them")
@@ -83,7 +85,7 @@ def _mcore(source, name, model, gpus, batch, mb, seq, tp, pp, cp, vp, value, zer
     dp = gpus // (tp * pp * cp)
     fixed = dict(tp=tp, pp=pp, cp=cp, ep=1, dp_shard=dp, dp_replicate=1, zero=zero, mb=mb, v=max(1, vp), sp=tp > 1)
     if pp > 1:
-        fixed["schedule"] = "Interleaved1F1B" if vp > 1 else "1F1B"
+        fixed["schedule"] = DEFAULT_INTERLEAVED if vp > 1 else DEFAULT
     return Row(source, name, model, "h100", gpus, seq, batch, fixed, "megatron-core-2024", "fp8", "tokens_per_gpu",
                value, kw.pop("role", "validation"), mb=(mb,), **kw)
 
