@@ -29,7 +29,8 @@ import torch  # noqa: E402
 from common import PEER_MODEL, synthetic_tokens  # noqa: E402
 
 BUCKETS = ("matmul", "attention", "elementwise", "optimizer", "communication", "data", "python")
-MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_addmm_activation", "aten::baddbmm")
+MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_addmm_activation", "aten::baddbmm",
+          "mkldnn::_linear_pointwise")  # the oneDNN fp32 linears (model/linear.py)
 COMM = ("c10d", "gloo", "all_gather", "reduce_scatter", "allreduce", "all_reduce", "broadcast", "FSDP::",
         "fsdp::", "_wait_tensor", "record_param_comms", "aten::_foreach_copy", "aten::split_with_sizes_copy")
 
