@@ -82,6 +82,7 @@ BAD = [
     (["--parallel.ac_every=0"], "parallel.ac_every"),
     (["--parallel.cp_attention=flash"], "parallel.cp_attention"),
     (["--parallel.cpu_matmul=mkl"], "parallel.cpu_matmul"),
+    (["--parallel.compile_auto=sometimes"], "parallel.compile_auto"),
     (["--parallel.pp_virtual_stages=0"], "parallel.pp_virtual_stages"),
     (["--parallel.pp_microbatches=-1"], "parallel.pp_microbatches"),
     (["--parallel.tp=0"], "parallel.tp"),

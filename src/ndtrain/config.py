@@ -72,7 +72,10 @@ class ParallelConfig:
     cpu_offload: bool = False
     activation_checkpoint: str = "none"  # none | full | every_n | selective
     ac_every: int = 2  # for every_n: checkpoint every N-th layer
-    compile: bool = False
+    compile: bool = False  # torch.compile each decoder block
+    # Unless `compile` is given, `ndtrain train` turns it on when the planner predicts it repays its
+    # cold compile within train.steps (planner/compile_choice.py; the start-up log gives the sums).
+    compile_auto: bool = True
     # The Linear layers' fp32 matmuls on CPU: "onednn" (faster than MKL's on the AMD host measured,
     # docs/benchmarks.md) or "blas" (torch's own choice). GPUs and other dtypes are unaffected.
     cpu_matmul: str = "onednn"
@@ -335,6 +338,8 @@ def load_config(path: str | None = None, overrides: list[str] | dict | None = No
     given = raw.get("parallel") if isinstance(raw.get("parallel"), dict) else {}
     if "dp_auto" not in given and any(_field_key(key) in DP_CHOICE_KEYS for key in given):
         cfg.parallel.dp_auto = False  # the user chose the data-parallel flavour (a stored config says)
+    if "compile_auto" not in given and "compile" in given:
+        cfg.parallel.compile_auto = False  # the user (or a stored config) said whether to compile
     if cfg.parallel.zero in (1, 2) and (zero_stage_only or "parallel" not in raw):
         cfg.parallel.reshard_after_forward = False  # ZeRO-1/2 never reshard: parameters stay gathered
     validate(cfg)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ndtrain.config import load_config
@@ -72,11 +74,96 @@ def test_dp_choice_survives_a_stored_config():
     assert again.parallel.dp_auto and (again.parallel.dp_replicate, again.parallel.dp_shard) == (2, 1)
 
 
-def test_no_choice_where_the_planner_cannot_price_it():
+def test_no_choice_where_the_planner_cannot_price_it(tmp_path, monkeypatch):
+    import ndtrain.planner.hardware as hardware
+
+    monkeypatch.setattr(hardware, "DEFAULT_PROFILE", tmp_path / "none.json")  # uncalibrated: compile unpriced
     for parallel in ({"pp": 2}, {"activation_checkpoint": "every_n"}):
         cfg = load_config(None, {**PEERS, "parallel": parallel})
         assert apply_auto_layout(cfg, 4) is None and cfg.parallel.dp_shard == -1, parallel
     assert apply_auto_layout(load_config(None, PEERS), 1) is None
+
+
+# ---- compile_auto: compile the blocks when it repays its compile time within the run ----------
+
+
+def calibrated_profile(tmp_path, name: str = "hardware", **measured) -> str:
+    """A CPU profile as `ndtrain calibrate` writes it (what it lacks takes the defaults)."""
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"description": "a calibrated test host", **measured}))
+    return str(path)
+
+
+def test_giving_compile_keeps_the_users_choice():
+    from ndtrain.config import from_dict, to_dict
+
+    assert load_config(None, {}).parallel.compile_auto
+    for given in ({"compile": False}, {"compile": True}, {"compile_auto": False}):
+        assert not load_config(None, {"parallel": dict(given)}).parallel.compile_auto, given
+    both = load_config(None, {"parallel": {"compile": False, "compile_auto": True}})
+    assert both.parallel.compile_auto
+    assert from_dict(to_dict(load_config(None, {}))).parallel.compile_auto  # a stored config decides again
+
+
+def test_compile_auto_decides_for_the_run_length(tmp_path):
+    profile = calibrated_profile(tmp_path)
+    def run(steps, **parallel):
+        cfg = load_config(None, {**PEERS, "train": {**PEERS["train"], "steps": steps},
+                                 "parallel": {"auto_hardware": profile, **parallel}})
+        return cfg, apply_auto_layout(cfg, 2)
+
+    cfg, short = run(35)
+    assert not cfg.parallel.compile and not short["compile"]["compile"]
+    assert short["description"].startswith("data parallel (defaults)")  # the layout was chosen too
+    n = short["compile"]["breakeven_steps"]
+    cfg, long = run(n + 1)
+    assert cfg.parallel.compile and long["compile"]["compile"] and "torch.compile on" in long["compile"]["description"]
+    assert long["predicted_step_time"] == long["compile"]["compiled_step_s"] < short["predicted_step_time"]
+    cfg, kept = run(n + 1, compile=False)  # the user's word stands, however long the run
+    assert not cfg.parallel.compile and (kept is None or "compile" not in kept)
+    cfg, alone = run(n + 1, dp_replicate=2, dp_shard=1)  # no layout choice: the decision alone
+    assert cfg.parallel.compile and set(alone) == {"compile"}
+
+
+def test_the_compile_decision_is_logged(parity_base, tmp_path):
+    """`ndtrain train`'s start-up: the decision and its sums go to the log and metrics.jsonl
+    (a compile time no run repays: off, and nothing compiles)."""
+    from ndtrain.train.trainer import train
+
+    base = {k: dict(v) for k, v in parity_base.items()}
+    base["train"].update(steps=2, output_dir=str(tmp_path / "run"))
+    base["parallel"] = {"auto_hardware": calibrated_profile(tmp_path, compile_s=1e9)}
+    cfg = load_config(None, base)
+    train(cfg, plan=apply_auto_layout)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    event = next(r for r in rows if r.get("event") == "compile_auto")
+    assert event["compile"] is False and event["compile_s"] == 1e9 and event["breakeven_steps"] > 2
+    assert not cfg.parallel.compile
+
+
+@pytest.mark.slow
+def test_a_run_long_enough_compiles_and_trains_as_eager(parity_base, tmp_path):
+    """A compile time the run repays: on, the blocks compile (dynamo traced graphs) and the loss
+    matches the eager run's (fp32, the parity tolerance)."""
+    import torch
+
+    from ndtrain.train.trainer import train
+
+    def run(name, compile_s):
+        base = {k: dict(v) for k, v in parity_base.items()}
+        base["train"].update(steps=3, output_dir=str(tmp_path / name))
+        base["parallel"] = {"auto_hardware": calibrated_profile(tmp_path, name, compile_s=compile_s)}
+        cfg = load_config(None, base)
+        train(cfg, plan=apply_auto_layout)
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return cfg, [r["loss"] for r in rows if "loss" in r]
+
+    torch._dynamo.reset()
+    cfg, compiled = run("compiled", 1e-6)
+    assert cfg.parallel.compile and torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
+    cfg, eager = run("eager", 1e9)
+    assert not cfg.parallel.compile
+    assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-5)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])

@@ -152,3 +152,14 @@ def predict_step_time(model_cfg: ModelConfig, layout: dict | str, seq_len: int, 
                       hardware=None, **kw) -> float:
     """Predicted seconds per optimizer step (see `predict` for the arguments and the breakdown)."""
     return predict(model_cfg, layout, seq_len, global_batch, hardware, **kw).step_time
+
+
+def compile_decision(model_cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: int, steps: int,
+                     hardware_profile=None, precision: str = "bf16") -> dict | None:
+    """Whether torch.compile of the blocks repays its cold compile within `steps` for this resolved
+    layout (planner/compile_choice.py); None where the planner cannot price it."""
+    from ndtrain.planner.compile_choice import compile_choice
+
+    hw = _hardware(hardware_profile)
+    pb = make_problem(model_cfg, seq_len, global_batch, layout.world, hw, precision=_precision(hw, precision))
+    return compile_choice(pb, layout, steps)

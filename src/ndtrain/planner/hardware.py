@@ -97,6 +97,12 @@ class Hardware:
     oversubscription: float = 1.0  # above the pod
     # Constants measured by a GPU calibration profile (planner/profile.py): {name: value}
     measured: dict = field(default_factory=dict, compare=False, hash=False)
+    # Seconds for a cold torch.compile of one kind of decoder block, forward and backward (what
+    # `[parallel] compile_auto` weighs against the run's saving); 0 = unknown: never compiled by it.
+    compile_s: float = 0.0
+    # CPU ranks: the fraction of a decoder layer's forward + backward that compiled blocks save,
+    # {precision: fraction} (GPUs price compile as fused elementwise kernels: kappa_fused)
+    cpu_compile_saving: dict = field(default_factory=dict, compare=False, hash=False)
 
     def peak(self, precision: str) -> float:
         if precision == "fp8":
@@ -155,11 +161,19 @@ class Hardware:
         return self.nic_bw * NIC_EFF
 
 
+# A cold torch.compile of one decoder block's forward and backward on a GPU host. An estimate, not
+# measured here (no GPU): vLLM reports 19-67 s to compile whole Llama 3 models' forward (1B and
+# 8B, H100 and L4; the dynamo trace ~5 s, inductor and Triton the rest); a training block adds its
+# backward graph. benchmarks/gpu.sh measures it (first step, compile on vs off).
+GPU_COMPILE_S = 60.0
+
+
 def _gpu(name, desc, bf16, fp8, hbm_gib, hbm_tbs, nvlink_gbs, nic_gbs, tdp, generation, sms, **kw) -> Hardware:
     tile = (128, 128) if generation == "ampere" else (128, 256)  # CUTLASS/cuBLAS bf16 main tiles
     return Hardware(name=name, description=desc, peak_bf16=bf16 * 1e12, peak_fp8=fp8 * 1e12,
                     hbm_bytes=hbm_gib * GiB, hbm_bw=hbm_tbs * 1e12, nvlink_bw=nvlink_gbs * 1e9,
-                    nic_bw=nic_gbs * 1e9, gpus_per_node=8, tdp_w=tdp, generation=generation, sms=sms, tile=tile, **kw)
+                    nic_bw=nic_gbs * 1e9, gpus_per_node=8, tdp_w=tdp, generation=generation, sms=sms, tile=tile,
+                    compile_s=GPU_COMPILE_S, **kw)
 
 
 CATALOG: dict[str, Hardware] = {
@@ -243,6 +257,14 @@ UNMEASURED_PP_ACTION_S = 4e-3
 # reduce-scatter and one all-gather) above DDP, which trained 11% faster there (run I).
 UNMEASURED_DDP_EXPOSED = {"alpha": 0.195, "beta": 1.95}
 
+# `ndtrain calibrate` does not compile: what compiled blocks measured on the 2-core host of
+# docs/benchmarks.md (benchmarks/step_options.py, the peers' model, one thread, fresh inductor
+# cache; 2026-11-30 and 2026-12-01): a cold compile of 15.4-17.7 s (fp32) and 18.0-27.8 s
+# (bf16), and 8.9% (fp32, against the eager oneDNN linears) and 13.5-15.0% (bf16) of the model's
+# forward + backward saved, of which the blocks are ~92%: so ~10% and ~14% of a layer. Applied only to a
+# calibrated profile: on the uncalibrated defaults the saving is not priced and compile stays off.
+UNMEASURED_CPU_COMPILE = {"compile_s": 18.0, "saving": {"fp32": 0.10, "bf16": 0.14}}
+
 
 def _ddp_reducer_fit(blocking: dict) -> dict:
     return {"alpha": blocking["alpha"] * UNMEASURED_DDP_EXPOSED["alpha"],
@@ -308,6 +330,8 @@ def from_profile(data: dict, source: str = "") -> Hardware:
         optimizer_s_per_param=float(data.get("optimizer_s_per_param", 0.0)),
         pp_action_s=float(data.get("pp_action_s", UNMEASURED_PP_ACTION_S)),
         collectives_by_world=by_world,
+        compile_s=float(data.get("compile_s", UNMEASURED_CPU_COMPILE["compile_s"])) if data else 0.0,
+        cpu_compile_saving=dict(data.get("compile_saving", UNMEASURED_CPU_COMPILE["saving"])) if data else {},
     )
 
 

@@ -151,6 +151,11 @@ def cpu_layer_costs(pb: Problem, lay: Layout) -> dict:
     attn = tok * attn_flops / t / hw.attention_rate("bf16" if pb.precision == "fp8" else pb.precision, pb.seq)
     a_none = activation_bytes(sh, st, pb.seq, b, t, sp, c, "none", elt)
     elem = hw.kappa * a_none / hw.hbm_bw + (hw.layer_overhead_s or OPS_PER_LAYER * hw.op_overhead_s)
+    if lay.compile:
+        # Compiled blocks, priced by what they measured against eager on CPU ranks (a whole-layer
+        # fraction: fused elementwise ops, fewer host calls, inductor's own GEMM calls).
+        keep = 1.0 - hw.cpu_compile_saving.get("bf16" if pb.precision == "fp8" else pb.precision, 0.0)
+        mm, attn, elem = mm * keep, attn * keep, elem * keep
     fwd = mm + attn + elem / 3
     rec = 0.0
     if lay.ac == "full":

@@ -69,7 +69,7 @@ class Evaluator:
         self.sized = 0
 
     def layer(self, lay: Layout) -> dict:
-        key = (lay.tp, lay.cp, lay.mb, lay.ac, lay.sp, lay.ep, lay.pairs_forward_backward)
+        key = (lay.tp, lay.cp, lay.mb, lay.ac, lay.sp, lay.ep, lay.pairs_forward_backward, lay.compile)
         lc = self._layer.get(key)
         if lc is None:
             lc = self._layer[key] = layer_costs(self.pb, lay)

@@ -40,7 +40,23 @@ def apply_auto_layout(cfg: JobConfig, world_size: int, hardware_profile=None) ->
     """Overwrite cfg's layout keys with the planner's best layout for `world_size` ranks on this
     machine; returns the planner's choice with its prediction, or None when auto is off. With
     only `dp_auto` on (no data-parallel key given), the planner chooses the data-parallel flavour
-    alone (apply_dp_choice)."""
+    alone (apply_dp_choice). Then, with `compile_auto` on, whether to compile the blocks
+    (apply_compile_choice): its decision is the returned dict's "compile" entry (the only one
+    when no layout was chosen)."""
+    choice = _layout_choice(cfg, world_size, hardware_profile)
+    compiled = apply_compile_choice(cfg, world_size, hardware_profile) if cfg.parallel.compile_auto else None
+    if compiled is None:
+        return choice
+    if choice is None:
+        return {"compile": compiled}
+    if compiled["compile"]:  # the step the run will take is the compiled one
+        choice["predicted_step_time"] = compiled["compiled_step_s"]
+        choice["predicted_tokens_per_s"] = cfg.train.global_batch * cfg.data.seq_len / compiled["compiled_step_s"]
+        choice["description"] += f"; compiled {compiled['compiled_step_s']:.3f} s/step"
+    return {**choice, "compile": compiled}
+
+
+def _layout_choice(cfg: JobConfig, world_size: int, hardware_profile=None) -> dict | None:
     if not cfg.parallel.auto:
         return apply_dp_choice(cfg, world_size, hardware_profile) if cfg.parallel.dp_auto else None
     from ndtrain.layout import from_config
@@ -92,6 +108,27 @@ def apply_dp_choice(cfg: JobConfig, world_size: int, hardware_profile=None) -> d
         setattr(p, key, choice[key])
     choice["description"] = "data parallel (defaults): " + describe(choice)
     return choice
+
+
+def apply_compile_choice(cfg: JobConfig, world_size: int, hardware_profile=None) -> dict | None:
+    """`[parallel] compile_auto`: set cfg.parallel.compile to whether compiling the blocks repays
+    its cold compile within train.steps on this machine (planner/compile_choice.py), for the layout
+    cfg now holds; returns the decision, or None (compile left as set) where the planner cannot
+    price it."""
+    from ndtrain.layout import from_config, resolve
+    from ndtrain.planner.api import compile_decision
+
+    p = cfg.parallel
+    try:
+        hw = hardware_profile if hardware_profile is not None else auto_hardware(cfg)
+        decision = compile_decision(cfg.model, resolve(from_config(p, cfg.train, cfg.data), world_size),
+                                    cfg.data.seq_len, cfg.train.global_batch, cfg.train.steps, hw,
+                                    precision=p.mixed_precision)
+    except NdtrainError:  # an unresolvable layout, a GPU the catalog lacks: compile as configured
+        return None
+    if decision is not None:
+        p.compile = decision["compile"]
+    return decision
 
 
 def describe(choice: dict) -> str:

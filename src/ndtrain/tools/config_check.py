@@ -28,7 +28,7 @@ def check_config(cfg: JobConfig, world: int, build: bool = True) -> tuple[Layout
     the first problem (and counting the others)."""
     if world < 1:
         raise NdtrainError(f"--world must be >= 1, got {world}")
-    if cfg.parallel.auto or cfg.parallel.dp_auto:  # as `ndtrain train` would plan it
+    if cfg.parallel.auto or cfg.parallel.dp_auto or cfg.parallel.compile_auto:  # as `ndtrain train` would plan it
         from ndtrain.tools.auto import apply_auto_layout
 
         apply_auto_layout(cfg, world)

@@ -78,7 +78,12 @@ def _loop(cfg: JobConfig, run_dir: Path, progress: dict, make_trainer) -> dict:
 
         log.info(f"fp8 ({cfg.parallel.fp8_recipe} scaling): {len(fp8_linears(cfg.model, trainer.dims.tp))} "
                  f"Linear layers in float8 ({summary(cfg.model, trainer.dims.tp)}); all else bf16")
-    if trainer.auto_choice:
+    chosen = trainer.auto_choice or {}
+    if chosen.get("compile"):
+        log.info(chosen["compile"]["description"])
+        log.log({"step": trainer.step, "event": "compile_auto", "compile": chosen["compile"]["compile"],
+                 **{k: chosen["compile"][k] for k in ("eager_step_s", "compiled_step_s", "compile_s", "breakeven_steps")}})
+    if "description" in chosen:
         log.info(f"layout chosen by the planner: {trainer.auto_choice['description']}")
         log.log({"step": trainer.step, "event": "auto", "layout": trainer.auto_choice["description"],
                  "predicted_step_time": trainer.auto_choice["predicted_step_time"],
@@ -125,7 +130,7 @@ def _loop(cfg: JobConfig, run_dir: Path, progress: dict, make_trainer) -> dict:
         path = published[-1] if published else None
     finally:
         guard.close()
-    if trainer.auto_choice and len(step_times) > 3:
+    if "predicted_step_time" in chosen and len(step_times) > 3:
         measured = statistics.median(step_times[3:])  # the first steps pay for warm-up
         log.info(f"planned layout: measured {measured:.3f} s/step vs predicted "
                  f"{trainer.auto_choice['predicted_step_time']:.3f} s/step")

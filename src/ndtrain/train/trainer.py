@@ -65,11 +65,13 @@ def split_micro(n: int, micro: int) -> list[tuple[int, int]]:
 
 
 def plan_layout(cfg: JobConfig, world_size: int, plan=None) -> dict | None:
-    """`[parallel] auto` (or `dp_auto`, the defaults' data-parallel choice): `plan(cfg,
-    world_size)` (the planner glue, ndtrain.tools.auto, handed down by the command because the
-    planner sits above the trainer) overwrites cfg's layout keys for this world and returns its
-    choice; None when neither is on. Without a planner, dp_auto keeps the static default."""
-    if not cfg.parallel.auto and not (cfg.parallel.dp_auto and plan is not None):
+    """`[parallel] auto` (or `dp_auto`, the defaults' data-parallel choice, and `compile_auto`):
+    `plan(cfg, world_size)` (the planner glue, ndtrain.tools.auto, handed down by the command
+    because the planner sits above the trainer) overwrites cfg's layout keys for this world and
+    returns its choice; None when none is on. Without a planner, dp_auto and compile_auto keep
+    the static defaults."""
+    defaults_choose = cfg.parallel.dp_auto or cfg.parallel.compile_auto
+    if not cfg.parallel.auto and not (defaults_choose and plan is not None):
         return None
     if plan is None:
         raise ConfigError("parallel.auto", "parallel.auto needs the planner: start the run with `ndtrain train` "

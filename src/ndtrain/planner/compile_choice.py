@@ -1,0 +1,58 @@
+"""Whether torch.compile of the decoder blocks repays its compile time within a run: the rule
+behind `[parallel] compile_auto`.
+
+Compiled blocks train faster per step (fused elementwise kernels, fewer host calls) but the
+first step pays a cold compile: ~18 s per kind of block on the 2-core CPU host of
+docs/benchmarks.md, estimated at ~60 s on a GPU host (hardware.py: compile_s). Compile pays
+when the run's steps times the per-step saving the planner predicts exceed that cost:
+
+    compile  <=>  steps x (eager step - compiled step) > kinds of block x compile_s
+
+Both step times come from the same model that ranks layouts (Evaluator): on a GPU the fused
+elementwise kernels (kappa_fused against kappa_eager); on CPU ranks the fraction of a layer
+compiled blocks measured saving there (hardware.py: cpu_compile_saving). Where the planner
+cannot price it (no compile time known, as on uncalibrated CPU ranks; a layout the compile rules
+refuse; a recompute policy it does not model) there is no decision and compile stays as set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ndtrain.errors import NdtrainError
+from ndtrain.layout import Layout
+from ndtrain.planner.problem import Problem
+from ndtrain.planner.search import Evaluator
+from ndtrain.planner.stack import PLANNED_AC
+
+
+def block_kinds(pb: Problem) -> int:
+    """Distinct block graphs torch.compile traces: dense and MoE layers compile separately."""
+    return len({pb.cfg.is_moe_layer(i) for i in range(pb.cfg.n_layers)})
+
+
+def compile_choice(pb: Problem, lay: Layout, steps: int) -> dict | None:
+    """{"compile": bool, "eager_step_s", "compiled_step_s", "compile_s" (the run's cold compile
+    cost), "breakeven_steps" (None when compiling saves nothing), "steps", "description"}; None
+    where the planner cannot price it."""
+    if pb.hw.compile_s <= 0 or lay.ac not in PLANNED_AC or steps < 1:
+        return None
+    ev = Evaluator(pb)
+    try:
+        eager = ev(dataclasses.replace(lay, compile=False)).step_time
+        compiled = ev(dataclasses.replace(lay, compile=True)).step_time
+    except NdtrainError:  # the layout (or its compiled form) is one the runtime refuses
+        return None
+    cost = block_kinds(pb) * pb.hw.compile_s
+    saved = eager - compiled
+    breakeven = math.ceil(cost / saved) if saved > 0 else None
+    on = breakeven is not None and steps > breakeven
+    if breakeven is None:
+        why = "compiled blocks are predicted no faster here"
+    else:
+        why = (f"it saves a predicted {saved * 1e3:.1f} ms/step ({eager:.3f} -> {compiled:.3f} s) and repays "
+               f"its ~{cost:.0f} s cold compile after {breakeven:,} steps; the run has {steps:,}")
+    return {"compile": on, "eager_step_s": eager, "compiled_step_s": compiled, "compile_s": cost,
+            "breakeven_steps": breakeven, "steps": steps,
+            "description": f"torch.compile {'on' if on else 'off'}: {why} (on {pb.hw.name})"}
