@@ -14,7 +14,7 @@ import dataclasses
 import sys
 from functools import lru_cache
 
-from ndtrain.config import JobConfig, layout_batches, load_config
+from ndtrain.config import JobConfig, layout_batches, load_config, to_toml
 from ndtrain.errors import ConfigError, NdtrainError
 from ndtrain.layout import Layout, from_config, problems, resolve
 from ndtrain.layout import schedules as registry
@@ -156,9 +156,34 @@ def main(argv: list[str]) -> int:
 
 
 def config_main(argv: list[str]) -> int:
-    """`ndtrain config`: `check` here, everything else (`show`, help) in ndtrain.config."""
+    """`ndtrain config`: `check` (main above), `show` and help (show_main)."""
     if argv and argv[0] == "check":
         return main(argv[1:])
-    from ndtrain.config import main as config_show
+    return show_main(argv)
 
-    return config_show(argv)
+
+def show_main(argv: list[str]) -> int:
+    """`ndtrain config show [--config F] [overrides]`: the resolved config (checked for what any
+    world would have wrong); `ndtrain config check --world N ...`: everything for N ranks."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: ndtrain config show [--config F] [--section.key=value ...]\n"
+              "       ndtrain config check --world N [--config F] [--section.key=value ...]")
+        return 0
+    action, rest = argv[0], argv[1:]
+    if action != "show":  # `check` was answered by config_main
+        raise NdtrainError(f"unknown config action {action!r}; use `config show` or `config check --world N`")
+    path = None
+    if "--config" in rest:
+        i = rest.index("--config")
+        if i + 1 >= len(rest):
+            raise NdtrainError("--config needs a file")
+        path, rest = rest[i + 1], rest[:i] + rest[i + 2:]
+    else:
+        for i, a in enumerate(rest):
+            if a.startswith("--config="):
+                path, rest = a.split("=", 1)[1], rest[:i] + rest[i + 1:]
+                break
+    cfg = load_config(path, rest)
+    sys.stdout.write(to_toml(cfg))
+    return 0
+

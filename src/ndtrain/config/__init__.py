@@ -1,19 +1,24 @@
 """Typed job configuration: dataclasses per section, loaded from TOML with `--section.key=value`
-overrides, validated up front so a bad value fails with one message naming its key."""
+overrides, validated up front (config/checks.py) so a bad value fails with one message naming
+its key. `ndtrain config show` and `config check` live in tools/config_check.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ndtrain.config.checks import TRACKERS, global_batch_at, layout_batches, validate
 from ndtrain.errors import ConfigError, NdtrainError
 from ndtrain.layout.schedules import DEFAULT as DEFAULT_SCHEDULE
 from ndtrain.model.config import PRESETS, ModelConfig
+
+__all__ = ["DataConfig", "OptimizerConfig", "ParallelConfig", "TrainConfig", "CheckpointConfig", "LoggingConfig",
+           "JobConfig", "SECTIONS", "TRACKERS", "DP_CHOICE_KEYS", "load_config", "validate", "global_batch_at",
+           "layout_batches", "parse_value", "parse_overrides", "to_dict", "to_toml", "from_dict"]
 
 
 @dataclass
@@ -147,9 +152,6 @@ class CheckpointConfig:
     keep_every: int = 0
     resume: str = ""  # "" (never), "auto", or a path
     dir: str = ""  # default <output_dir>/checkpoints
-
-
-TRACKERS = ("tensorboard", "wandb", "mlflow")
 
 
 @dataclass
@@ -346,101 +348,6 @@ def load_config(path: str | None = None, overrides: list[str] | dict | None = No
     return cfg
 
 
-def _mix_problem(mix: list) -> str | None:
-    for entry in mix:
-        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and entry[0]
-                and isinstance(entry[1], (int, float)) and not isinstance(entry[1], bool) and entry[1] > 0):
-            return f'must be a list of [name, weight] pairs with positive weights, e.g. [["web", 0.7], ["code", 0.3]]; got {entry!r}'
-    names = [e[0] for e in mix]
-    if len(set(names)) != len(names):
-        return f"names must be unique, got {names}"
-    return None
-
-
-def validate(cfg: JobConfig) -> None:
-    """Checks that need no process group and no world size. `config check --world N` (and the
-    trainer, before any process group exists) run the layout's rules for a given world."""
-    for key, msg in cfg.model.validate():
-        raise ConfigError(key, msg)
-    d, o, t, p, c = cfg.data, cfg.optimizer, cfg.train, cfg.parallel, cfg.checkpoint
-    checks = [
-        ("data.tokenizer", d.tokenizer in ("byte", "bpe"), f"must be 'byte' or 'bpe', got {d.tokenizer!r}"),
-        ("data.seq_len", d.seq_len > 0, f"must be positive, got {d.seq_len}"),
-        ("data.seq_len", d.seq_len <= cfg.model.max_seq_len, f"{d.seq_len} exceeds model.max_seq_len {cfg.model.max_seq_len}"),
-        ("data.max_mb", d.max_mb > 0, f"must be positive, got {d.max_mb}"),
-        ("data.prefetch", d.prefetch >= 0, f"must be >= 0 (0 disables prefetching), got {d.prefetch}"),
-        ("data.mix", _mix_problem(d.mix) is None, _mix_problem(d.mix) or ""),
-        ("optimizer.lr", o.lr > 0, f"must be positive, got {o.lr}"),
-        ("optimizer.min_lr_ratio", 0 <= o.min_lr_ratio <= 1, f"must be in [0, 1], got {o.min_lr_ratio}"),
-        ("optimizer.warmup_steps", o.warmup_steps >= 0, f"must be >= 0, got {o.warmup_steps}"),
-        ("optimizer.schedule", o.schedule in ("cosine", "constant"), f"must be cosine or constant, got {o.schedule!r}"),
-        ("optimizer.betas", len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"must be two numbers in [0, 1), got {o.betas}"),
-        ("optimizer.eps", o.eps > 0, f"must be positive, got {o.eps}"),
-        ("optimizer.weight_decay", o.weight_decay >= 0, f"must be >= 0, got {o.weight_decay}"),
-        ("optimizer.grad_clip", o.grad_clip >= 0, f"must be >= 0 (0 disables), got {o.grad_clip}"),
-        ("optimizer.implementation", o.implementation in ("foreach", "fused", "for-loop"), f"must be foreach, fused or for-loop, got {o.implementation!r}"),
-        ("train.steps", t.steps > 0, f"must be positive, got {t.steps}"),
-        ("train.seed", t.seed >= 0, f"must be >= 0, got {t.seed}"),
-        ("train.sample_tokens", t.sample_tokens >= 0, f"must be >= 0 (0 disables the sample), got {t.sample_tokens}"),
-        ("train.sample_prompt", t.sample_tokens == 0 or t.sample_prompt != "", "must not be empty when sample_tokens > 0"),
-        ("data.vocab_size", d.vocab_size >= 1, f"must be positive, got {d.vocab_size}"),
-        ("train.global_batch", t.global_batch > 0, f"must be positive, got {t.global_batch}"),
-        ("train.micro_batch", t.micro_batch > 0, f"must be positive, got {t.micro_batch}"),
-        ("train.device", t.device in ("auto", "cpu", "cuda"), f"must be auto, cpu or cuda, got {t.device!r}"),
-        ("train.backend", t.backend in ("auto", "gloo", "nccl"), f"must be auto, gloo or nccl, got {t.backend!r}"),
-        ("train.val_interval", t.val_interval >= 0, f"must be >= 0, got {t.val_interval}"),
-        ("train.val_batches", t.val_batches >= 0, f"must be >= 0, got {t.val_batches}"),
-        ("train.log_interval", t.log_interval > 0, f"must be positive, got {t.log_interval}"),
-        ("train.timeout_s", t.timeout_s > 0, f"must be positive, got {t.timeout_s}"),
-        ("train.step_deadline_s", t.step_deadline_s >= 0, f"must be >= 0 (0 disables the watchdog), got {t.step_deadline_s}"),
-        ("train.nonfinite_skip", t.nonfinite_skip >= 1, f"must be >= 1, got {t.nonfinite_skip}"),
-        ("train.straggler_threshold", t.straggler_threshold >= 0, f"must be >= 0 (0 disables), got {t.straggler_threshold}"),
-        ("train.straggler_window", t.straggler_window >= 1, f"must be >= 1, got {t.straggler_window}"),
-        ("train.batch_ramp", all(len(r) == 2 and r[0] >= 0 and r[1] > 0 for r in t.batch_ramp), "must be a list of [tokens_seen, global_batch] pairs"),
-        ("checkpoint.interval_steps", c.interval_steps >= 0, f"must be >= 0, got {c.interval_steps}"),
-        ("checkpoint.keep_last", c.keep_last >= 1, f"must be >= 1 (the newest checkpoint is always kept), got {c.keep_last}"),
-        ("checkpoint.keep_every", c.keep_every >= 0, f"must be >= 0, got {c.keep_every}"),
-        ("logging.progress", cfg.logging.progress in ("auto", "on", "off"), f"must be auto, on or off, got {cfg.logging.progress!r}"),
-        ("logging.trackers", all(t in TRACKERS for t in cfg.logging.trackers), f"must name trackers among {', '.join(TRACKERS)}, got {cfg.logging.trackers}"),
-        ("logging.trackers", len(set(cfg.logging.trackers)) == len(cfg.logging.trackers), f"names a tracker twice: {cfg.logging.trackers}"),
-        ("logging.wandb_mode", cfg.logging.wandb_mode in ("offline", "online"), f"must be offline or online, got {cfg.logging.wandb_mode!r}"),
-        ("logging.pipeline_trace_step", cfg.logging.pipeline_trace_step >= 0, f"must be >= 0 (0 = never), got {cfg.logging.pipeline_trace_step}"),
-        # The outer optimizer is no part of the layout (layout/diloco.py checks the sync keys).
-        ("parallel.diloco_outer_lr", p.diloco_outer_lr > 0, f"must be positive, got {p.diloco_outer_lr}"),
-        ("parallel.diloco_outer_momentum", 0 <= p.diloco_outer_momentum < 1, f"must be in [0, 1), got {p.diloco_outer_momentum}"),
-        ("parallel.auto", not (p.auto and p.replicate_sync == "diloco"),
-         "the planner does not choose DiLoCo replicas; set the degrees yourself (dp_replicate >= 2) with auto=false"),
-    ]
-    for key, ok, msg in checks:
-        if not ok:
-            raise ConfigError(key, msg)
-    # The layout: every rule a world size cannot change (ndtrain.layout.problems(), world unknown).
-    # With the world, `config check --world N` and `train` run the rest.
-    from ndtrain.layout import from_config, problems
-
-    found = problems(from_config(p, t, d), cfg.model, None, d.seq_len, layout_batches(t))
-    if found:
-        raise ConfigError(found[0].key, str(found[0]))
-
-
-def global_batch_at(cfg: JobConfig, tokens_seen: int) -> int:
-    """The global batch (sequences) for the next step; `batch_ramp` raises it by tokens seen."""
-    gb = cfg.train.global_batch
-    for threshold, batch in sorted(cfg.train.batch_ramp):
-        if tokens_seen >= threshold:
-            gb = batch
-    return gb
-
-
-def layout_batches(train: TrainConfig) -> list[int]:
-    """Every global batch (sequences) a run uses: the batch first, then each stage of its ramp."""
-    out = [train.global_batch]
-    for _, b in sorted(train.batch_ramp):
-        if b > 0 and b not in out:
-            out.append(b)
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # Writing the resolved config back as TOML (flat tables of scalars and lists are all we need).
 
@@ -476,29 +383,3 @@ def from_dict(d: dict) -> JobConfig:
     """Rebuild a JobConfig from `to_dict` output (e.g. the config stored in a checkpoint)."""
     d = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
     return load_config(None, d, stored=True)
-
-
-def main(argv: list[str]) -> int:
-    """`ndtrain config show [--config F] [overrides]`: the resolved config (checked for what any
-    world would have wrong); `ndtrain config check --world N ...`: everything for N ranks."""
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: ndtrain config show [--config F] [--section.key=value ...]\n"
-              "       ndtrain config check --world N [--config F] [--section.key=value ...]")
-        return 0
-    action, rest = argv[0], argv[1:]
-    if action != "show":  # `check` builds stages, so ndtrain.tools.config_check answers it first
-        raise NdtrainError(f"unknown config action {action!r}; use `config show` or `config check --world N`")
-    path = None
-    if "--config" in rest:
-        i = rest.index("--config")
-        if i + 1 >= len(rest):
-            raise NdtrainError("--config needs a file")
-        path, rest = rest[i + 1], rest[:i] + rest[i + 2:]
-    else:
-        for i, a in enumerate(rest):
-            if a.startswith("--config="):
-                path, rest = a.split("=", 1)[1], rest[:i] + rest[i + 1:]
-                break
-    cfg = load_config(path, rest)
-    sys.stdout.write(to_toml(cfg))
-    return 0
