@@ -101,3 +101,23 @@ def test_plan_new_flags_bad_values_are_one_line(capsys, bad):
     assert cli(["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", *bad]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("ndtrain plan: error:") and "\n" not in err
+
+
+def test_plan_says_whether_the_token_budget_repays_a_compile(capsys, monkeypatch, tmp_path):
+    """Each shown layout gets compile_auto's decision for a run of --tokens: GPUs price it (the
+    catalog's compile time, the fused-elementwise saving); an uncalibrated CPU gets no line."""
+    base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--seq", "8192",
+            "--global-batch-tokens", "1M", "--top", "1"]
+    assert cli([*base, "--tokens", "15T"]) == 0
+    assert "torch.compile on:" in capsys.readouterr().out
+    assert cli([*base, "--tokens", "16M", "--json"]) == 0  # 16 steps repay no 60 s compile
+    decision = json.loads(capsys.readouterr().out)["layouts"][0]["compile"]
+    assert decision["compile"] is False and decision["steps"] == 15 and decision["breakeven_steps"] > 15
+    import ndtrain.planner.hardware as hardware
+
+    monkeypatch.setattr(hardware, "DEFAULT_PROFILE", tmp_path / "none.json")  # an uncalibrated CPU
+    cpu = ["plan", "--model-shape", "layers=6,hidden=256,heads=16,kv_heads=16,ffn=768,vocab=2048", "--gpus", "2",
+           "--gpu", "this-machine", "--seq", "256", "--global-batch", "8", "--precision", "fp32", "--top", "1"]
+    assert cli(cpu) == 0
+    out = capsys.readouterr().out
+    assert "#1" in out and "torch.compile" not in out

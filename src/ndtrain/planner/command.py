@@ -15,7 +15,7 @@ from ndtrain.layout.schedules import NAMES as SCHEDULES
 from ndtrain.layout.schedules import canonical_schedule
 from ndtrain.planner.problem import make_problem
 from ndtrain.planner.stack import PLANNED_AC, PRECISIONS, STACKS
-from ndtrain.planner.report import check_command, goodput_text, plan_text, robust_json
+from ndtrain.planner.report import check_command, compile_for_budget, goodput_text, plan_text, robust_json
 from ndtrain.planner.search import Evaluator, SearchResult, search
 from ndtrain.planner.shapes import parse_count, parse_duration, resolve_model
 from ndtrain.planner.uncertainty import assess
@@ -181,7 +181,8 @@ def plan_main(argv: list[str]) -> int:
             "search": {"considered": res.considered, "sized": res.sized, "evaluated": res.evaluated, "fitting": res.fitting,
                        "seconds": res.seconds},
             "layouts": [{**p.to_json(budget, args.gpus, pb.hw.tdp_w), "layout_text": p.layout.text(),
-                         "config_check": check_command(pb, p.layout), **robust_json(rob, p)} for p in shown],
+                         "config_check": check_command(pb, p.layout), "compile": compile_for_budget(pb, p, budget),
+                         **robust_json(rob, p)} for p in shown],
             "fastest_over_cap": res.fastest_over_cap.to_json() if res.fastest_over_cap else None,
             "robustness": {"worlds": rob.worlds, "share_within_2pct": rob.share, "reason": rob.reason,
                            "constants": pb.k} if rob else None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ndtrain.model.config import PRESETS, num_params
+from ndtrain.planner.compile_choice import compile_choice
 from ndtrain.planner.problem import Problem
 from ndtrain.planner.search import Prediction, SearchResult
 from ndtrain.planner.uncertainty import headroom, moving_parts
@@ -79,6 +80,7 @@ def layout_block(rank: str, pred: Prediction, pb: Problem, budget: float, rob=No
     where = mem["device"] + f" rank, {mem['layers']} layers"
     days = budget / pred.tokens_per_s / 86400
     mwh = pb.world * pb.hw.tdp_w * days * 86400 / 3.6e9
+    compiled = compile_for_budget(pb, pred, budget)
     return [
         f"{rank} {pred.layout.short()}",
         f"    throughput {human(pred.tokens_per_s)} tokens/s{_interval(rob, pred, pb)}, {pred.tflops_per_gpu:.3g} TFLOP/s/GPU, "
@@ -91,7 +93,13 @@ def layout_block(rank: str, pred: Prediction, pb: Problem, budget: float, rob=No
         + " + ".join(f"{k} {mem[k] / GiB:.1f}" for k in MEM_KEYS) + fits,
         f"    {human(budget)} tokens: {days:,.1f} days, {mwh:,.0f} MWh" if mwh >= 100 else
         f"    {human(budget)} tokens: {days:,.1f} days, {mwh:.3g} MWh" + " (GPUs at TDP)",
-    ]
+    ] + ([f"    {compiled['description']}; `[parallel] compile_auto` decides so for a run this long"] if compiled else [])
+
+
+def compile_for_budget(pb: Problem, pred: Prediction, budget: float) -> dict | None:
+    """What `compile_auto` would decide for a run of `budget` tokens on this layout (its steps:
+    the budget over the tokens per step); None where it cannot be priced."""
+    return compile_choice(pb, pred.layout, max(1, round(budget / pb.tokens_per_step)))
 
 
 def plan_text(pb: Problem, res: SearchResult, budget: float, explain: bool, rob=None,
