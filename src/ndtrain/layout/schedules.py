@@ -138,13 +138,15 @@ class Schedule:
         return p + 0.5, p + 0.5  # DualPipeV (DeepSeek-V3 Table 2): PP+1 chunk-micro-batches at v=2
 
 
+DUALPIPEV = "DualPipeV"  # named for the published DeepSeek-V3 run the planner validates against
+
 _ALL = [
     Schedule("GPipe", "single", False, "Huang et al. 2019: all forwards, then all backwards"),
     Schedule("1F1B", "single", False, "Narayanan et al. 2021 (PipeDream-Flush)"),
     Schedule("Interleaved1F1B", "interleaved", False, "Narayanan et al. 2021, interleaved stages"),
     Schedule("InterleavedZeroBubble", "interleaved", True, "Qi et al. 2024, ZB-H1 interleaved"),
     Schedule("ZBVZeroBubble", "v", True, "Qi et al. 2024, ZB-V"),
-    Schedule("DualPipeV", "v", True, "DeepSeek-AI 2024, DualPipe folded into a V"),
+    Schedule(DUALPIPEV, "v", True, "DeepSeek-AI 2024, DualPipe folded into a V"),
 ]
 SCHEDULES: dict[str, Schedule] = {s.name: s for s in _ALL}
 NAMES = tuple(SCHEDULES)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ndtrain.layout.schedules import DEFAULT, DEFAULT_INTERLEAVED
+from ndtrain.layout.schedules import DEFAULT, DEFAULT_INTERLEAVED, DUALPIPEV
 
 SOURCES = {
     "narayanan2021": "Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters Using "
@@ -106,13 +106,13 @@ ROWS: tuple[Row, ...] = (
     _t1(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), _t1(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
     # --- Llama 3 405B, Table 4: the 8K rows fit the Hopper GEMM ceiling; 131K checks
     Row("llama3", "Llama 3 405B, 8,192 H100, 8K", "llama3-405b", "h100", 8192, 8192, 2048,
-        dict(tp=8, cp=1, pp=16, dp_shard=64, dp_replicate=1, schedule="Interleaved1F1B"), "llama3-2024", "bf16",
+        dict(tp=8, cp=1, pp=16, dp_shard=64, dp_replicate=1, schedule=DEFAULT_INTERLEAVED), "llama3-2024", "bf16",
         "tflops_causal", 430, "fit", META_NETWORK),
     Row("llama3", "Llama 3 405B, 16,384 H100, 8K", "llama3-405b", "h100", 16384, 8192, 2048,
-        dict(tp=8, cp=1, pp=16, dp_shard=128, dp_replicate=1, schedule="Interleaved1F1B"), "llama3-2024", "bf16",
+        dict(tp=8, cp=1, pp=16, dp_shard=128, dp_replicate=1, schedule=DEFAULT_INTERLEAVED), "llama3-2024", "bf16",
         "tflops_causal", 400, "fit", META_NETWORK),
     Row("llama3", "Llama 3 405B, 16,384 H100, 131K", "llama3-405b", "h100", 16384, 131072, 128,
-        dict(tp=8, cp=16, pp=16, dp_shard=8, dp_replicate=1, schedule="Interleaved1F1B"), "llama3-2024", "bf16",
+        dict(tp=8, cp=16, pp=16, dp_shard=8, dp_replicate=1, schedule=DEFAULT_INTERLEAVED), "llama3-2024", "bf16",
         "tflops_causal", 380, "validation", META_NETWORK),
     # --- NeMo 24.07, FP8 on DGX-H100 (tokens/s/GPU); LLAMA2-7B fits the fp8 GEMM ceiling
     _mcore("nemo2407", "NeMo LLAMA2-7B, 8 H100", LLAMA2["llama2-7b"], 8, 128, 1, 4096, 1, 1, 1, 1, 16847, role="fit"),
@@ -136,7 +136,7 @@ ROWS: tuple[Row, ...] = (
     _mcore("bridge", "Bridge 26.02 LLAMA3.1-405B, 1,024 H100", "llama3-405b", 1024, 1536, 1, 8192, 8, 8, 2, 8, 311),
     # --- DeepSeek-V3 on 2,048 H800: fp8, DualPipe, EP64 (whole-run GPU hours, so failures included)
     Row("deepseekv3", "DeepSeek-V3, 2,048 H800", "deepseek-v3", "h800", 2048, 4096, 15360,
-        dict(tp=1, cp=1, pp=16, ep=64, dp_shard=128, dp_replicate=1, zero=1, schedule="DualPipeV"), "deepseek-2024",
+        dict(tp=1, cp=1, pp=16, ep=64, dp_shard=128, dp_replicate=1, zero=1, schedule=DUALPIPEV), "deepseek-2024",
         "fp8", "tokens_per_gpu", 14.8e12 / 2.664e6 / 3600, "validation",
         note="GPU hours of the whole run (restarts included); MLA modelled as multi-head attention"),
     # --- torchtitan on 64 A100 (FSDP2, eager)
@@ -148,11 +148,11 @@ ROWS: tuple[Row, ...] = (
     _titan("torchtitan Llama 2 70B, full", LLAMA2["llama2-70b"], 4096, 2, "full", 353),
     # --- MT-NLG 530B (Megatron TP + DeepSpeed 1F1B pipeline, full recompute): seconds per step
     *(Row("mtnlg", f"MT-NLG 530B, {n} A100", GPT.format(l=105, h=20480, a=128, v=51200), "a100-80", n, 2048, 1920,
-          dict(tp=8, pp=35, cp=1, ep=1, dp_shard=1, dp_replicate=n // 280, ac="full", sp=False, schedule="1F1B"),
+          dict(tp=8, pp=35, cp=1, ep=1, dp_shard=1, dp_replicate=n // 280, ac="full", sp=False, schedule=DEFAULT),
           "megatron-2021", "bf16", "step_s", s, "validation") for n, s in ((2240, 60.1), (2800, 50.2), (3360, 44.4))),
     # --- BLOOM 176B (Megatron-DeepSpeed, ZeRO-1, 1F1B pipeline), Omni-Path network
     Row("bloom", "BLOOM 176B, 384 A100", GPT.format(l=70, h=14336, a=112, v=250880), "a100-80", 384, 2048, 2048,
-        dict(tp=4, pp=12, cp=1, ep=1, dp_shard=8, dp_replicate=1, zero=1, ac="full", sp=False, schedule="1F1B"),
+        dict(tp=4, pp=12, cp=1, ep=1, dp_shard=8, dp_replicate=1, zero=1, ac="full", sp=False, schedule=DEFAULT),
         "megatron-2021", "bf16", "tflops_megatron", 150, "validation", JEAN_ZAY,
         note="'about 150 TFLOPs'; vocab 250,680 padded to 250,880"),
 )

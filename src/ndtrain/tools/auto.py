@@ -36,6 +36,11 @@ def auto_hardware(cfg: JobConfig):
     return None
 
 
+def _planned_for(cfg: JobConfig, hardware_profile=None):
+    """The hardware a planning call prices: the caller's, else what auto_hardware finds."""
+    return hardware_profile if hardware_profile is not None else auto_hardware(cfg)
+
+
 def apply_auto_layout(cfg: JobConfig, world_size: int, hardware_profile=None) -> dict | None:
     """Overwrite cfg's layout keys with the planner's best layout for `world_size` ranks on this
     machine; returns the planner's choice with its prediction, or None when auto is off. With
@@ -63,7 +68,7 @@ def _layout_choice(cfg: JobConfig, world_size: int, hardware_profile=None) -> di
     from ndtrain.planner.api import auto_layout
 
     options = sorted({1, 2, 4, 8, cfg.train.micro_batch})
-    hw = hardware_profile if hardware_profile is not None else auto_hardware(cfg)
+    hw = _planned_for(cfg, hardware_profile)
     choice = auto_layout(cfg.model, world_size, cfg.data.seq_len, cfg.train.global_batch,
                          micro_batch_options=options, hardware_profile=hw,
                          precision=cfg.parallel.mixed_precision,
@@ -96,7 +101,7 @@ def apply_dp_choice(cfg: JobConfig, world_size: int, hardware_profile=None) -> d
     from ndtrain.planner.api import auto_layout
 
     try:  # a GPU the catalog lacks, or an unreadable profile: the static default, not an error
-        hw = hardware_profile if hardware_profile is not None else auto_hardware(cfg)
+        hw = _planned_for(cfg, hardware_profile)
         choice = auto_layout(cfg.model, world_size, cfg.data.seq_len, cfg.train.global_batch,
                              micro_batch_options=[cfg.train.micro_batch], hardware_profile=hw,
                              precision=cfg.parallel.mixed_precision, ac_options=(p.activation_checkpoint,),
@@ -120,7 +125,7 @@ def apply_compile_choice(cfg: JobConfig, world_size: int, hardware_profile=None)
 
     p = cfg.parallel
     try:
-        hw = hardware_profile if hardware_profile is not None else auto_hardware(cfg)
+        hw = _planned_for(cfg, hardware_profile)
         decision = compile_decision(cfg.model, resolve(from_config(p, cfg.train, cfg.data), world_size),
                                     cfg.data.seq_len, cfg.train.global_batch, cfg.train.steps, hw,
                                     precision=p.mixed_precision)

@@ -84,10 +84,10 @@ def _loop(cfg: JobConfig, run_dir: Path, progress: dict, make_trainer) -> dict:
         log.log({"step": trainer.step, "event": "compile_auto", "compile": chosen["compile"]["compile"],
                  **{k: chosen["compile"][k] for k in ("eager_step_s", "compiled_step_s", "compile_s", "breakeven_steps")}})
     if "description" in chosen:
-        log.info(f"layout chosen by the planner: {trainer.auto_choice['description']}")
-        log.log({"step": trainer.step, "event": "auto", "layout": trainer.auto_choice["description"],
-                 "predicted_step_time": trainer.auto_choice["predicted_step_time"],
-                 "predicted_tokens_per_s": trainer.auto_choice["predicted_tokens_per_s"]})
+        log.info(f"layout chosen by the planner: {chosen['description']}")
+        log.log({"step": trainer.step, "event": "auto", "layout": chosen["description"],
+                 "predicted_step_time": chosen["predicted_step_time"],
+                 "predicted_tokens_per_s": chosen["predicted_tokens_per_s"]})
     step_times: list[float] = []
     last_val, preempted, interrupted, path = None, False, False, None
     guard = recovery.Recovery(cfg, trainer, ckpt, run_dir)  # watchdog, non-finite rollback, stragglers
@@ -133,7 +133,7 @@ def _loop(cfg: JobConfig, run_dir: Path, progress: dict, make_trainer) -> dict:
     if "predicted_step_time" in chosen and len(step_times) > 3:
         measured = statistics.median(step_times[3:])  # the first steps pay for warm-up
         log.info(f"planned layout: measured {measured:.3f} s/step vs predicted "
-                 f"{trainer.auto_choice['predicted_step_time']:.3f} s/step")
+                 f"{chosen['predicted_step_time']:.3f} s/step")
     summary = {"run_dir": str(run_dir), "steps": trainer.step, "val_loss": last_val, "checkpoint": str(path),
                "preempted": preempted, "interrupted": interrupted,
                "stop_signal": guard.preemption.signal_name if preempted else ""}
