@@ -109,6 +109,9 @@ class DiLoCo:
                     self.tracked.append(_Tracked(name, p, fragment_of(name, self.F, n_layers)))
                 self.alias[name] = seen[id(p)]
         self.fragments = [[i for i, t in enumerate(self.tracked) if t.fragment == f] for f in range(self.F)]
+        # The groups' device (cuda under NCCL): every tensor this class hands to a collective is
+        # made on it, including those of a fragment this rank holds nothing of (a pipeline stage).
+        self.device = _local(self.tracked[0].param).device if self.tracked else torch.device(mesh.root.device_type)
         with torch.no_grad():
             self.synced = [_local(t.param).detach().clone() for t in self.tracked]
             self.momentum = [torch.zeros_like(s) for s in self.synced] if self.mu > 0 else []
@@ -167,8 +170,8 @@ class DiLoCo:
         t0 = time.perf_counter()
         idx = self.fragments[f]
         deltas = [(self.synced[i] - _local(self.tracked[i].param)).reshape(-1) for i in idx]
-        flat = torch.cat(deltas).to(self.dtype) if deltas else torch.zeros(0, dtype=self.dtype)
-        loss_t = torch.tensor([loss], dtype=torch.float64, device=flat.device)
+        flat = torch.cat(deltas).to(self.dtype) if deltas else torch.zeros(0, dtype=self.dtype, device=self.device)
+        loss_t = torch.tensor([loss], dtype=torch.float64, device=self.device)
         self._count(flat)
         self._count(loss_t)
         background = self.tau > 0 and step != self.total_steps
@@ -207,14 +210,15 @@ class DiLoCo:
         idx = self.fragments[f]
         synced = [self.synced[i] for i in idx]
         grads = pend.avg
-        if self.mu > 0:
-            mom = [self.momentum[i] for i in idx]
-            torch._foreach_mul_(mom, self.mu)
-            torch._foreach_add_(mom, grads)
-            update = torch._foreach_add(grads, mom, alpha=self.mu)  # Nesterov: Δ̄ + μ·m
-        else:
-            update = grads
-        torch._foreach_add_(synced, update, alpha=-self.lr)
+        if idx:  # torch's foreach ops refuse an empty list (a fragment this stage holds nothing of)
+            if self.mu > 0:
+                mom = [self.momentum[i] for i in idx]
+                torch._foreach_mul_(mom, self.mu)
+                torch._foreach_add_(mom, grads)
+                update = torch._foreach_add(grads, mom, alpha=self.mu)  # Nesterov: Δ̄ + μ·m
+            else:
+                update = grads
+            torch._foreach_add_(synced, update, alpha=-self.lr)
         late = merge and pend.apply_at > pend.sent_at  # inner steps ran while it was in flight
         for i, s in zip(idx, synced):
             local = _local(self.tracked[i].param)
@@ -223,18 +227,23 @@ class DiLoCo:
             else:
                 local.copy_(s)
         self.outer_steps[f] += 1
-        sq = sum(float(g.double().pow(2).sum()) * shard_count(self.tracked[i].param) / self.ranks_per_stage
-                 for i, g in zip(idx, grads))
-        t = torch.tensor([sq], dtype=torch.float64, device=synced[0].device if synced else "cpu")
-        dist.all_reduce(t, group=self.replica_group)  # inside the replica: Δ̄ is the same in every one
+        # Summed on the device and read in take_rows: no host sync inside the step.
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for i, g in zip(idx, grads):
+            sq += g.double().pow(2).sum() * (shard_count(self.tracked[i].param) / self.ranks_per_stage)
+        dist.all_reduce(sq, group=self.replica_group)  # inside the replica: Δ̄ is the same in every one
         self.rows.append({"step": step, "outer_step": self.outer_steps[f], "fragment": f,
-                          "outer_grad_norm": math.sqrt(float(t)), "cross_replica_bytes": self._bytes_row,
+                          "outer_grad_norm": sq, "cross_replica_bytes": self._bytes_row,
                           "sync_s": pend.blocked_s + time.perf_counter() - t0,
-                          "loss_across_replicas": float(pend.loss) / self.R, "sent_at": pend.sent_at})
+                          "loss_across_replicas": pend.loss, "sent_at": pend.sent_at})
         self._bytes_row = 0
 
     def take_rows(self) -> list[dict]:
+        """The outer steps since the last call, their device values read now (once per step)."""
         rows, self.rows = self.rows, []
+        for row in rows:
+            row["outer_grad_norm"] = math.sqrt(float(row["outer_grad_norm"]))
+            row["loss_across_replicas"] = float(row["loss_across_replicas"]) / self.R
         return rows
 
     def wait_all(self) -> None:
@@ -261,7 +270,7 @@ class DiLoCo:
         if self.mu > 0:
             out["momentum"] = {t.name: _like(t.param, m) for t, m in zip(self.tracked, self.momentum)}
         for f in pending:
-            pend = self.pending.get(f) or _Pending(0, 0, loss=torch.zeros(1, dtype=torch.float64),
+            pend = self.pending.get(f) or _Pending(0, 0, loss=torch.zeros(1, dtype=torch.float64, device=self.device),
                                                    avg=[torch.zeros_like(self.synced[i]) for i in self.fragments[f]])
             self.pending[f] = pend
             out[f"pending{f}"] = {"loss": pend.loss, **{self.tracked[i].name: _like(self.tracked[i].param, a)
