@@ -219,7 +219,8 @@ class MoE(nn.Module):
         row = torch.zeros(self.n_experts + 5, dtype=torch.float64, device=probs.device)
         row[: self.n_experts] = torch.bincount(top_idx.flatten(), minlength=self.n_experts).double()
         extra = row[self.n_experts:]
-        extra[_DROPPED] = 0.0 if keep is None else float((~keep).sum())
+        if keep is not None:  # a tensor copy, not float(): no host sync per layer and micro-batch
+            extra[_DROPPED] = (~keep).sum()
         extra[_ENTROPY] = -(probs * probs.clamp_min(1e-30).log()).sum().double()
         extra[_TOKENS] = float(top_idx.shape[0])
         extra[_AUX] = aux.detach().double()
@@ -251,7 +252,8 @@ def end_step(layers: list[tuple[str, MoE]], all_reduce: Callable[[torch.Tensor],
              update_bias: bool = True) -> dict:
     """After the optimizer step: sum the step's routing statistics over the ranks that saw
     different tokens (`all_reduce`, in place), apply the aux-loss-free bias update from the
-    global load, reset the counters, and return the metrics."""
+    global load, reset the counters, and return the metrics. The statistics stayed on the device
+    for the whole step; they are read to the host here, once for all layers (one sync per step)."""
     if not layers:
         return {}
     rows = []
@@ -263,27 +265,30 @@ def end_step(layers: list[tuple[str, MoE]], all_reduce: Callable[[torch.Tensor],
     stats = torch.stack([F.pad(r, (0, width - r.numel())) for r in rows])
     if all_reduce is not None:
         all_reduce(stats)
+    host = stats.tolist()  # the step's one read of the statistics
     metrics: dict = {}
     worst, dropped, assigned, entropy, aux = 1.0, 0.0, 0.0, 0.0, 0.0
-    for (layer, moe), row in zip(layers, stats):
+    for (layer, moe), row, device_row in zip(layers, host, stats):
         n_exp = moe.n_experts
         load, extra = row[:n_exp], row[n_exp:]
-        tokens = max(float(extra[_TOKENS]), 1.0)
-        imbalance = float(load.max() / load.mean().clamp_min(1e-12))
-        if update_bias and moe.load_balance == "aux_free" and float(extra[_TOKENS]) > 0:
-            # DeepSeek-V3: push overloaded experts down and underloaded ones up by a fixed step.
-            moe.expert_bias += moe.bias_update_rate * torch.sign(load.mean() - load).to(moe.expert_bias)
+        tokens = max(extra[_TOKENS], 1.0)
+        imbalance = max(load) / max(sum(load) / n_exp, 1e-12)
+        if update_bias and moe.load_balance == "aux_free" and extra[_TOKENS] > 0:
+            # DeepSeek-V3: push overloaded experts down and underloaded ones up by a fixed step
+            # (computed on the device: the bias never leaves it).
+            dev_load = device_row[:n_exp]
+            moe.expert_bias += moe.bias_update_rate * torch.sign(dev_load.mean() - dev_load).to(moe.expert_bias)
         prefix = f"moe/layer{layer}"
-        metrics[f"{prefix}/tokens_per_expert"] = [int(v) for v in load.tolist()]
+        metrics[f"{prefix}/tokens_per_expert"] = [int(v) for v in load]
         metrics[f"{prefix}/imbalance"] = imbalance
-        metrics[f"{prefix}/dropped_frac"] = float(extra[_DROPPED]) / (tokens * moe.top_k)
-        metrics[f"{prefix}/router_entropy"] = float(extra[_ENTROPY]) / tokens
+        metrics[f"{prefix}/dropped_frac"] = extra[_DROPPED] / (tokens * moe.top_k)
+        metrics[f"{prefix}/router_entropy"] = extra[_ENTROPY] / tokens
         worst = max(worst, imbalance)
-        dropped += float(extra[_DROPPED])
+        dropped += extra[_DROPPED]
         assigned += tokens * moe.top_k
-        entropy += float(extra[_ENTROPY]) / tokens
+        entropy += extra[_ENTROPY] / tokens
         if moe.load_balance == "aux_loss":
-            aux += moe.aux_loss_coef * float(extra[_AUX]) / max(float(extra[_SEQS]), 1.0)
+            aux += moe.aux_loss_coef * extra[_AUX] / max(extra[_SEQS], 1.0)
     metrics["moe/imbalance"] = worst
     metrics["moe/dropped_frac"] = dropped / max(assigned, 1.0)
     metrics["moe/router_entropy"] = entropy / len(layers)

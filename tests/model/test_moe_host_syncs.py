@@ -1,0 +1,89 @@
+"""Host syncs per optimizer step with MoE layers (issue #28 item 10).
+
+On a GPU every read of a device value to the host (`.item()`, `.tolist()`, `float(t)`,
+`bool(t)`, `.cpu()`...) waits for the queued kernels, so a read per layer per micro-batch stalls
+the launch queue dozens of times a step. A CPU run has no queue to stall, so these tests count
+the reads instead: a TorchFunctionMode sees every such call, and only calls made from ndtrain's
+own code count (torch's internals read CPU-side scalars such as AdamW's step counts, which are no
+device syncs). The check: with several micro-batches a step makes no more reads than with one,
+and the MoE statistics are read once per step.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ndtrain.config import load_config
+
+SRC = str(Path(__file__).resolve().parents[2] / "src" / "ndtrain")
+READS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy"}
+# The one read left per MoE layer and micro-batch: capacity dropping gathers the kept
+# assignments with nonzero(), whose output size is data-dependent (see docs/moe.md).
+GATHER = "nonzero"
+
+
+class HostReads(TorchFunctionMode):
+    """Counts device-to-host reads made by ndtrain's code, by (name, file:line)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: Counter = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in READS or name == GATHER:
+            frame = sys._getframe(1)
+            while frame is not None and not frame.f_code.co_filename.startswith(SRC):
+                if frame.f_code.co_filename == __file__:
+                    frame = None  # the test's own reads do not count
+                    break
+                frame = frame.f_back
+            if frame is not None:
+                where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+                self.calls[(name, where)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def count(self, names=READS) -> int:
+        return sum(n for (name, _), n in self.calls.items() if name in names)
+
+
+def _trainer(corpus_dir, micro: int):
+    from ndtrain.train.trainer import Trainer
+
+    cfg = load_config(None, {"model": {"preset": "debug-moe", "capacity_factor": 1.0, "load_balance": "aux_free"},
+                             "data": {"path": str(corpus_dir), "seq_len": 32},
+                             "train": {"global_batch": 8, "micro_batch": micro, "seed": 5},
+                             "logging": {"tensorboard": False, "progress": "off"}})
+    return Trainer(cfg, run_dir=None, log=False)
+
+
+def _reads_of_one_step(corpus_dir, micro: int) -> HostReads:
+    trainer = _trainer(corpus_dir, micro)
+    try:
+        trainer.train_step()  # the first step builds what later steps reuse
+        with HostReads() as reads:
+            result = trainer.train_step()
+        assert result.extra["moe/layer1/tokens_per_expert"]  # the statistics were produced
+        return reads
+    finally:
+        trainer.close()
+
+
+@pytest.mark.timeout(120)
+def test_host_reads_per_step_do_not_grow_with_micro_batches(corpus_dir):
+    one, eight = _reads_of_one_step(corpus_dir, 8), _reads_of_one_step(corpus_dir, 1)
+    layers = 3  # debug-moe: layers 1-3 are MoE
+    assert eight.count() == one.count(), (
+        f"reads per step: {one.count()} with 1 micro-batch, {eight.count()} with 8: {sorted(eight.calls.items())}")
+    # O(1) per step: the loss, the gradient norm, the step's scalar reduction and the MoE statistics.
+    assert one.count() <= 6, sorted(one.calls.items())
+    moe_reads = sum(n for (name, where), n in one.calls.items() if where.startswith("moe.py") and name in READS)
+    assert moe_reads == 1, sorted(one.calls.items())
+    # What is left per layer and micro-batch: capacity's gather of the kept assignments.
+    assert eight.count({GATHER}) == layers * 8 and one.count({GATHER}) == layers
