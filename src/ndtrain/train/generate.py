@@ -1,18 +1,33 @@
-"""Sampling text from a checkpoint, in one process, whatever layout saved it."""
+"""Sampling text from a checkpoint, in one process, whatever layout saved it: on the run's device,
+with a KV cache (the prompt is prefilled once, then each new token is one single-token forward).
+
+The cache plugs into the model through `Attention.sdpa`, the slot context parallelism uses for
+ring attention, so the model itself carries no sampling code. The no-cache path (`cache=False`)
+is kept as the reference the tests compare against: both see the same window of tokens."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from ndtrain.data.mixture import first_data_dir
 from ndtrain.data.tokenizer import load_tokenizer
 from ndtrain.errors import NdtrainError, UsageError
+from ndtrain.model.config import ModelConfig, num_params
 from ndtrain.model.llama import Transformer, build_model
 from ndtrain.train.ckpt_store import list_checkpoints
+
+# Bytes per parameter and per cached K/V element: checkpoints hold fp32 weights and the sample
+# runs in them.
+_FP32 = 4
+# Of the free memory the sample may use: on a GPU the allocator's fragmentation and the kernels'
+# workspaces; on the host, other ranks of the node may still be exiting.
+_DEVICE_SHARE, _HOST_SHARE = 0.9, 0.5
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -33,44 +48,171 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise NdtrainError(f"no checkpoint found at {path} (no step_XXXXXXXX/ with a COMPLETE marker, nor checkpoints/)")
 
 
-def load_model(path: str | Path) -> tuple[Transformer, object]:
-    from ndtrain.train.ckpt_store import checkpoint_config, load_model_weights
+def sample_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda but no CUDA device is available")
+    return device
+
+
+def memory_needed(cfg: ModelConfig, tokens: int) -> int:
+    """Bytes the sample holds: fp32 weights plus the K/V cache for `tokens` positions (at most
+    the context); activations of one window are small beside either."""
+    kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * min(tokens, cfg.max_seq_len) * _FP32
+    return num_params(cfg) * _FP32 + kv
+
+
+def _host_available() -> int | None:
+    """MemAvailable, or less where a cgroup (a container, a Slurm step) caps this process."""
+    found = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def does_not_fit(cfg: ModelConfig, device: torch.device, tokens: int) -> str | None:
+    """Why a sample of `tokens` positions would not fit `device` (None: it fits). The weights
+    are read onto the device tensor by tensor, so the host holds only one at a time."""
+    need = memory_needed(cfg, tokens)
+    gc.collect()  # the trainer that just finished may still hold its model and optimizer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        free, where = int(torch.cuda.mem_get_info(device)[0] * _DEVICE_SHARE), f"{device}"
+    else:
+        free, where = _host_available(), "host memory"
+        if free is None:
+            return None
+        free = int(free * _HOST_SHARE)
+    if need > free:
+        return f"needs {need / 2**30:.1f} GiB (fp32 weights + K/V cache), {where} has {free / 2**30:.1f} GiB to spare"
+    return None
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", verified: bool = False) -> tuple[Transformer, object]:
+    """The checkpoint's model on `device`, read straight into the device's tensors (one copy).
+    `verified`: the caller has just hashed this checkpoint (it published it), so only the
+    manifest and sizes are checked, not every byte again."""
+    from ndtrain.train.ckpt_store import checkpoint_config, dcp_load, read_train_state, verify
 
     ckpt = resolve_checkpoint(path)
-    weights, state = load_model_weights(ckpt)  # verified, shapes checked, nothing unpickled
-    cfg = checkpoint_config(ckpt, state)
-    model = build_model(cfg.model, "cpu")
-    model.load_state_dict(weights)
+    problem = verify(ckpt, check_hashes=not verified)
+    if problem:
+        raise NdtrainError(f"checkpoint {ckpt} is not usable: {problem}")
+    cfg = checkpoint_config(ckpt, read_train_state(ckpt))
+    model = build_model(cfg.model, "meta")
+    model.to_empty(device=device)
+    model.tie_weights()
+    with torch.no_grad():
+        dcp_load({"model": model.state_dict()}, ckpt, no_dist=True)  # in place, shapes checked first
     model.eval()
     return model, cfg
 
 
+class KVCache:
+    """One attention layer's keys and values so far, in a buffer sized once; called in place of
+    the layer's attention kernel (`Attention.sdpa`) with the new tokens' q/k/v [b, h, s, d]."""
+
+    def __init__(self, inner, capacity: int):
+        self.inner, self.capacity = inner, capacity
+        self.k = self.v = None
+        self.length = 0
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+        s, past = k.shape[2], self.length
+        if self.k is None:
+            shape = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
+            self.k, self.v = k.new_empty(shape), v.new_empty(shape)
+        if past + s > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} positions; {past} + {s} would not fit")
+        self.k[:, :, past:past + s], self.v[:, :, past:past + s] = k, v
+        self.length = past + s
+        if past == 0:  # the prefill: the model's own kernel, exactly the no-cache computation
+            return self.inner(q, k, v, **kwargs)
+        if kwargs or s != 1:
+            raise ValueError("a KV cache continues one token at a time, without document masks")
+        # The one new query sees every cached position: no mask. (is_causal would align the
+        # mask to the first key, hiding all but position 0.)
+        return F.scaled_dot_product_attention(q, self.k[:, :, :self.length], self.v[:, :, :self.length],
+                                              enable_gqa=True)
+
+
+def window_start(n_tokens: int, start: int, ctx: int) -> int:
+    """The first of `n_tokens` the model sees, given the window began at `start`: the window
+    grows to the context length, then restarts on its newest half, so a cache is refilled once
+    per ctx/2 tokens instead of shifting every token. Both paths use this, so they match."""
+    if n_tokens - start <= ctx:
+        return start
+    return n_tokens - max(1, ctx // 2)
+
+
+def _choose(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
+    logits = logits.float().cpu()  # on the host: the same seed gives the same tokens on any device
+    if temperature <= 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+
+
 @torch.no_grad()
 def sample(model: Transformer, tokens: list[int], n: int, temperature: float = 0.8, top_k: int = 40,
-           seed: int = 0, stop_id: int | None = None) -> list[int]:
-    """Up to n new tokens; stops after `stop_id` (the end of a document)."""
+           seed: int = 0, stop_id: int | None = None, cache: bool = True) -> list[int]:
+    """Up to n new tokens; stops after `stop_id` (the end of a document). `cache=False`
+    recomputes the whole window for every token (the reference)."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.tensor([tokens], dtype=torch.long)
+    device = next(model.parameters()).device
     ctx = model.cfg.max_seq_len
-    for _ in range(n):
-        logits = model(ids[:, -ctx:])[0, -1].float()
-        if temperature <= 0:
-            nxt = int(logits.argmax())
-        else:
-            logits = logits / temperature
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
-        ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-        if nxt == stop_id:
-            break
-    return ids[0].tolist()
+    ids = list(tokens)
+    caches = []
+    if cache:
+        capacity = min(ctx, len(ids) + n)
+        for layer in model.layers.values():
+            caches.append(KVCache(layer.attention.sdpa, capacity))
+            layer.attention.sdpa = caches[-1]
+    try:
+        start, filled = 0, False  # filled: the cache holds ids[start:-1] (or all, before a token)
+        for _ in range(n):
+            new_start = window_start(len(ids), start, ctx)
+            if not cache or new_start != start or not filled:
+                start = new_start
+                for c in caches:
+                    c.reset()
+                x = torch.tensor([ids[start:]], device=device)
+                logits = model(x)[0, -1]
+                filled = True
+            else:  # one token at its position in the window
+                x = torch.tensor([ids[-1:]], device=device)
+                logits = model(x, positions=torch.tensor([len(ids) - 1 - start], device=device))[0, -1]
+            nxt = _choose(logits, temperature, top_k, gen)
+            ids.append(nxt)
+            if nxt == stop_id:
+                break
+    finally:
+        for layer, c in zip(model.layers.values(), caches):
+            layer.attention.sdpa = c.inner
+    return ids
 
 
 def generate_from_checkpoint(path, prompt: str, n: int, temperature: float = 0.8, top_k: int = 40,
-                             seed: int = 0) -> str:
-    model, cfg = load_model(path)
+                             seed: int = 0, device: str | torch.device = "cpu", verified: bool = False) -> str:
+    model, cfg = load_model(path, sample_device(device), verified)
     tok = load_tokenizer(first_data_dir(cfg.data.path, cfg.data.mix))
     out = sample(model, tok.encode(prompt), n, temperature, top_k, seed, getattr(tok, "eos_id", None))
     return tok.decode(out)
@@ -84,6 +226,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="auto (cuda if there is one), cpu, cuda or cuda:N")
     a = p.parse_args(argv)
     if not 0 <= a.tokens <= 1_000_000:
         raise UsageError(f"--tokens must be between 0 and 1000000, got {a.tokens}")
@@ -95,5 +238,9 @@ def main(argv: list[str]) -> int:
         raise UsageError(f"--seed must be >= 0, got {a.seed}")
     if not a.prompt:
         raise UsageError("--prompt must not be empty (the model needs at least one token to continue)")
-    print(generate_from_checkpoint(a.checkpoint, a.prompt, a.tokens, a.temperature, a.top_k, a.seed))
+    try:
+        device = sample_device(a.device)
+    except RuntimeError:
+        raise UsageError(f"--device must be auto, cpu, cuda or cuda:N, got {a.device!r}") from None
+    print(generate_from_checkpoint(a.checkpoint, a.prompt, a.tokens, a.temperature, a.top_k, a.seed, device))
     return 0
