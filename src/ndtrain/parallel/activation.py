@@ -1,5 +1,6 @@
 """Activation checkpointing policies: none, full (every block), every_n (every N-th block) and
-selective (keep matmul and attention outputs, recompute the cheap elementwise ops)."""
+selective (keep the outputs of matmuls, attention, fp8's amax and TP's reduce-scatter; recompute
+the cheap elementwise ops)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,37 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
-_SAVE_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-}
+def _ops(*names: str) -> set:
+    """The default overloads of `names` ("namespace.op") that this torch build has: an op torch
+    does not ship (a CPU build's missing namespace, a renamed op) is simply not saved."""
+    found = set()
+    for name in names:
+        space, op = name.split(".")
+        packet = getattr(getattr(torch.ops, space), op, None) if hasattr(torch.ops, space) else None
+        if packet is not None and hasattr(packet, "default"):
+            found.add(packet.default)
+    return found
+
+
+# What selective checkpointing keeps: outputs that are expensive to recompute and small beside
+# what they cost. torchtitan's save list is the reference for the GPU entries.
+_SAVE_OPS = _ops(
+    # Every matmul: aten's, oneDNN's fp32 linears on CPU (model/linear.py) and fp8's scaled mm.
+    "aten.mm", "aten.addmm", "aten.bmm", "mkldnn._linear_pointwise", "aten._scaled_mm",
+    # Attention: SDPA's fused kernels on CPU and CUDA, the math fallback, and flex attention (the
+    # document-masked path on CUDA), whose recompute would be a second attention forward.
+    "aten._scaled_dot_product_flash_attention_for_cpu", "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_cudnn_attention",
+    "aten._scaled_dot_product_attention_math", "aten._scaled_dot_product_fused_attention_overrideable",
+    # fp8's amax (tensorwise: max of |x|, rowwise: amax): a full read of the input for one number
+    # per tensor or row, and recomputing it could pick a different scale than the forward used.
+    "aten.max", "aten.amax",
+    # TP + SP's reduce-scatter after each row-parallel matmul: a recompute would repeat the
+    # collective (a network round per layer) for an output 1/tp of the sequence.
+    "_c10d_functional.reduce_scatter_tensor",
+)
+if hasattr(torch.ops.higher_order, "flex_attention"):
+    _SAVE_OPS.add(torch.ops.higher_order.flex_attention)
 
 
 # FSDP marks its work with profiler ranges. Inside a checkpointed block that holds its own FSDP
