@@ -273,3 +273,35 @@ def test_moe_init_is_by_name_and_the_bias_starts_at_zero():
     assert torch.equal(moe.expert_bias, torch.zeros(8))
     # Experts are distinct draws (not one expert repeated).
     assert not torch.equal(moe.experts.w1[0], moe.experts.w1[1])
+
+
+def test_experts_run_grouped_mm_in_the_autocast_dtype(monkeypatch):
+    """Under autocast the experts' weights (fp32 masters outside FSDP) and tokens are cast to the
+    autocast dtype for grouped_mm, which autocast itself leaves alone: CUDA's fused grouped GEMM
+    takes bf16 only, and in fp32 the experts fell back to a matmul per expert with a host sync
+    (`.tolist()`) per call. The CPU runs the same cast (its kernel is ~3x faster in bf16 here)."""
+    real, calls = F.grouped_mm, []
+
+    def recording(a, b, **kwargs):
+        calls.append((a.dtype, b.dtype))
+        return real(a, b, **kwargs)
+
+    monkeypatch.setattr(F, "grouped_mm", recording)
+    moe = _moe(load_balance="none")
+    x = torch.randn(2, 16, 64)
+    ref = moe(x)
+    assert calls and set(calls) == {(torch.float32, torch.float32)}  # no autocast: the weights' dtype
+    calls.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = moe(x)
+    assert len(calls) == 3 and set(calls) == {(torch.bfloat16, torch.bfloat16)}
+    # bf16 keeps 8 significant bits: each operand and result rounds by <= 2^-9 relative, and the
+    # SwiGLU chains two matmuls with a product between, so ~6 roundings: 2% of the output's scale.
+    torch.testing.assert_close(out.float(), ref, rtol=0.0, atol=0.02 * float(ref.detach().abs().max()))
+    out.float().pow(2).sum().backward()
+    assert moe.experts.w1.grad.dtype == torch.float32 and moe.experts.w1.grad.abs().sum() > 0
+    # Which (device, dtype) pairs take the fused kernel in torch 2.13 (CUDA: bf16 only).
+    from ndtrain.model.moe import fused_grouped_mm
+
+    assert fused_grouped_mm("cuda", torch.bfloat16) and not fused_grouped_mm("cuda", torch.float32)
+    assert fused_grouped_mm("cpu", torch.float32) and fused_grouped_mm("cpu", torch.bfloat16)

@@ -37,11 +37,18 @@ def _local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if hasattr(w, "to_local") else w
 
 
+def fused_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped GEMM (torch 2.13) runs these operands: on CUDA bf16 only (its
+    kernel and its meta rule refuse other dtypes); the CPU kernel takes fp32 and bf16."""
+    return device_type == "cpu" or dtype == torch.bfloat16
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x [N, a] split into len(w) row groups ending at `offs`, each times its w[g] [a, b]."""
-    if x.device.type == "cpu" or x.dtype == torch.bfloat16:
+    if fused_grouped_mm(x.device.type, x.dtype):
         return F.grouped_mm(x, w, offs=offs)
-    # CUDA's grouped GEMM takes bf16 only; other dtypes fall back to one matmul per group.
+    # Other dtypes (fp32 training on CUDA) fall back to one matmul per group, which reads the
+    # group sizes to the host: a sync per call. bf16 (autocast, FSDP's bf16 policy) avoids it.
     sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
     return torch.cat([xg @ w[g] for g, xg in enumerate(torch.split(x, sizes))])
 
@@ -60,7 +67,12 @@ class GroupedExperts(nn.Module):
         """x [N, dim] sorted by (local) expert; counts [n_local] rows per expert."""
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         offs = counts.cumsum(0).to(torch.int32)
-        x = x.to(w1.dtype)
+        # Autocast does not cast grouped_mm's operands, so fp32 master weights would keep the
+        # experts in fp32 (on CUDA: the per-expert fallback). Cast them like autocast casts a
+        # linear's; the gradients flow back to the fp32 weights through the cast.
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w1.dtype
+        x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
         h = F.silu(grouped_mm(x, w1, offs)) * grouped_mm(x, w3, offs)
         return grouped_mm(h.contiguous(), w2, offs)
 
