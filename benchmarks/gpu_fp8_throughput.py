@@ -74,6 +74,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, debug model, two short rounds: checks the script without a GPU")
+    p.add_argument("--json", action="store_true", help="end with one JSON line of the figures (for gpu_check.sh)")
     args = p.parse_args()
     if args.dry_run:
         args.preset, args.seq, args.micro_batch, args.device = "debug", 64, 2, "cpu"
@@ -83,7 +84,8 @@ def main() -> int:
         return 2
 
     from ndtrain.config import load_config
-    from ndtrain.model.config import PRESETS, flops_per_token, num_params
+    from ndtrain.layout.flops import flops_per_token
+    from ndtrain.model.config import PRESETS, num_params
     from ndtrain.train.metrics import FP8, peak_flops
     from ndtrain.train.trainer import Trainer
 
@@ -142,6 +144,9 @@ def main() -> int:
     for m in modes[1:]:
         print(f"{m} / bf16 tokens/s: {tps[m] / tps['bf16']:.3f}x")
     print(f"total {time.time() - t_start:.0f} s")
+    if args.json:
+        print(json.dumps({"device": name, "tokens_per_s": tps, "loss": losses, "peak_mem_gib": peak_mem,
+                          "mfu_bf16_peak": {m: fpt * tps[m] / peak_bf16 for m in modes}}))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""One mode of benchmarks/gpu.sh: bf16 training of `llama3-1b` on one GPU (world 1), tokens/s,
+"""One mode of the train stages of benchmarks/gpu_check.sh: bf16 training of `llama3-1b` on one GPU (world 1), tokens/s,
 MFU, peak memory, and the planner's memory prediction for the same layout.
 
     .venv/bin/python benchmarks/gpu_throughput.py --compile on|off   # one GPU
@@ -94,7 +94,8 @@ def main() -> int:
     out = {"preset": a.preset, "params_m": num_params(cfg.model) / 1e6, "device": name, "compile": a.compile,
            "seq": a.seq, "micro_batch": a.micro_batch, "step_s": step, "tokens_per_s": tps, "mfu": fpt * tps / peak,
            "peak_source": src, "peak_alloc_gib": peak_alloc, "peak_reserved_gib": peak_reserved,
-           "planner_hw": hw, "planner_memory_gib": pred.memory["total"] / 2**30, "loss": r.loss,
+           "planner_hw": hw, "planner_memory_gib": pred.memory["total"] / 2**30,
+           "planner_tokens_per_s": pred.tokens_per_s, "loss": r.loss,
            "warmup_s": warmup_s, "total_s": time.time() - t_start}
     print(json.dumps(out))
     trainer.close()
