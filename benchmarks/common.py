@@ -14,6 +14,37 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
+# The CPU flags that change which kernels run (AVX-512 paths, native bf16, AMX tiles, fp16).
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def host_header() -> str:
+    """One line naming where a benchmark ran: CPU model and its kernel-relevant flags (what lscpu
+    reads from /proc/cpuinfo), cores, the torch build, the date and the load average. A ratio
+    measured on one host kind says nothing about another (an AMX host runs bf16 ~10x fp32)."""
+    import datetime
+    import platform
+
+    import torch
+
+    model, flags = platform.processor() or "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    have = ",".join(f for f in KERNEL_FLAGS if f in flags) or "no AVX2, AVX-512 or AMX"
+    build = f"torch {torch.__version__}" + (" (oneDNN)" if torch.backends.mkldnn.is_available() else "")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return f"host: {model} [{have}], {os.cpu_count()} cores; {build}; {when}; load average {load}"
+
+
 # torchtitan's "debugmodel" shape, the one shared/notes/peers-on-cpu.md measured every peer on.
 PEER_MODEL = dict(dim=256, n_layers=6, n_heads=16, n_kv_heads=16, ffn_dim=768, vocab_size=2048, rope_theta=5e5)
 

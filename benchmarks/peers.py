@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PEER_MODEL, PY, ROOT, peer_train_command, synthetic_tokens, torchrun
+from common import PEER_MODEL, PY, ROOT, host_header, peer_train_command, synthetic_tokens, torchrun
 
 PEERS = ("floor", "ds-zero1", "ds-zero3")
 ND_LAYOUTS = {"nd-fsdp": ["--parallel.dp_shard=2", "--parallel.zero=3"],
@@ -118,6 +118,7 @@ def main() -> None:
     dtype = torch.bfloat16 if a.precision == "bf16" else torch.float32
     peak = matmul_peak(dtype)  # one rank's thread; CPU-MFU is against world x this
     fpt = flops_per_token(ModelConfig(**PEER_MODEL), a.seq)
+    print(host_header(), flush=True)
     print(f"matmul peak (1 thread, {a.precision}): {peak / 1e9:.1f} GFLOP/s; {fpt / 1e6:.2f} MFLOP/token", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="ndtrain-peers-"))
     data = synthetic_tokens(tmp / "data", PEER_MODEL["vocab_size"])
