@@ -84,6 +84,10 @@ class ParallelConfig:
     # The Linear layers' fp32 matmuls on CPU: "onednn" (faster than MKL's on the AMD host measured,
     # docs/benchmarks.md) or "blas" (torch's own choice). GPUs and other dtypes are unaffected.
     cpu_matmul: str = "onednn"
+    # How CUDA runs fp32 matmuls: "tf32" on the tensor cores (inputs rounded to a 10-bit mantissa,
+    # fp32 accumulation; ~7x the IEEE rate on A100/H100, as Megatron-LM and torchtitan train) or
+    # "ieee" on the CUDA cores. CPU ranks have no TF32: their fp32 stays IEEE whichever is set.
+    fp32_matmul_precision: str = "tf32"
     cp_attention: str = "ring"  # ring | allgather
     pp_schedule: str = DEFAULT_SCHEDULE
     pp_virtual_stages: int = 1

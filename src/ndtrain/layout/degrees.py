@@ -31,6 +31,7 @@ AC_POLICIES = ("none", "full", "every_n", "selective")
 SPLITS = ("balanced", "uniform", "llama3")
 PRECISIONS = ("fp32", "bf16", "fp8")
 CP_ATTENTION = ("ring", "allgather")
+FP32_MATMUL_PRECISIONS = ("tf32", "ieee")  # CUDA's fp32 matmuls: TF32 tensor cores, or IEEE on the CUDA cores
 
 # Layout field -> (config section, config key). The one mapping between the two vocabularies.
 CONFIG_KEYS = {
@@ -43,7 +44,7 @@ CONFIG_KEYS = {
     "ac_every": ("parallel", "ac_every"), "mp": ("parallel", "mixed_precision"),
     "offload": ("parallel", "cpu_offload"), "compile": ("parallel", "compile"),
     "cp_attention": ("parallel", "cp_attention"), "fp8_recipe": ("parallel", "fp8_recipe"),
-    "cpu_matmul": ("parallel", "cpu_matmul"),
+    "cpu_matmul": ("parallel", "cpu_matmul"), "fp32_matmul_precision": ("parallel", "fp32_matmul_precision"),
     "mb": ("train", "micro_batch"), "doc_mask": ("data", "document_mask"),
     "sync": ("parallel", "replicate_sync"), "inner_steps": ("parallel", "diloco_inner_steps"),
     "fragments": ("parallel", "diloco_fragments"), "overlap": ("parallel", "diloco_overlap_steps"),
@@ -79,6 +80,7 @@ class Layout:
     offload: bool = False
     compile: bool = False
     cpu_matmul: str = "onednn"  # the Linear layers' CPU fp32 kernel: onednn | blas (model/linear.py)
+    fp32_matmul_precision: str = "tf32"  # CUDA's fp32 matmuls: tf32 | ieee (CPU ranks have no TF32)
     cp_attention: str = "ring"
     doc_mask: bool = False  # [data] document_mask: attention stays inside each packed document
     # How dp_replicate replicas agree (layout/diloco.py): "step" all-reduces gradients every step;
@@ -190,6 +192,8 @@ class Layout:
             parts.append(self.schedule + (f" v={self.v}" if self.v > 1 else ""))
         if self.tp > 1 and not self.sp:
             parts.append("sp=0")
+        if self.mp == "fp32" and self.fp32_matmul_precision != "tf32":
+            parts.append(f"fp32_matmul={self.fp32_matmul_precision}")
         if self.sync == "diloco":
             parts.append(f"diloco H={self.inner_steps}" + (f" F={self.fragments}" if self.fragments > 1 else ""))
         parts += [f"mb={self.mb}", f"ac={self.ac}"]
@@ -334,7 +338,8 @@ def _typed(name: str, value, what: str):
         from ndtrain.layout.schedules import canonical_schedule
 
         return canonical_schedule(text)
-    lowered = ("ac", "mp", "split", "cp_attention", "cpu_matmul", "fp8_recipe", "sync", "outer_dtype")
+    lowered = ("ac", "mp", "split", "cp_attention", "cpu_matmul", "fp32_matmul_precision", "fp8_recipe", "sync",
+               "outer_dtype")
     return text.lower() if name in lowered else text
 
 

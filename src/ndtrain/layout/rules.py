@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ndtrain.layout import schedules as sch
-from ndtrain.layout.degrees import (AC_POLICIES, CP_ATTENTION, DEGREES, MESH_ORDER, PRECISIONS, Layout, ResolveError,
-                                    resolve)
+from ndtrain.layout.degrees import (AC_POLICIES, CP_ATTENTION, DEGREES, FP32_MATMUL_PRECISIONS, MESH_ORDER, PRECISIONS,
+                                    Layout, ResolveError, resolve)
 from ndtrain.layout.partition import SPLITS, partition_problem
 from ndtrain.model.config import CPU_MATMUL_KERNELS, ModelConfig
 
@@ -66,6 +66,9 @@ def values(c: Context):
         yield "parallel.cp_attention", f"must be one of {', '.join(CP_ATTENTION)}, got {lay.cp_attention!r}"
     if lay.cpu_matmul not in CPU_MATMUL_KERNELS:
         yield "parallel.cpu_matmul", f"must be one of {', '.join(CPU_MATMUL_KERNELS)}, got {lay.cpu_matmul!r}"
+    if lay.fp32_matmul_precision not in FP32_MATMUL_PRECISIONS:
+        yield ("parallel.fp32_matmul_precision",
+               f"must be one of {', '.join(FP32_MATMUL_PRECISIONS)}, got {lay.fp32_matmul_precision!r}")
     if lay.mb < 1:
         yield "train.micro_batch", f"must be positive, got {lay.mb}"
     if lay.v < 1:

@@ -19,6 +19,7 @@ Order matters, and is fixed:
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ndtrain.layout import Layout
@@ -28,7 +29,8 @@ from ndtrain.parallel.activation import apply_activation_checkpointing
 
 def parallelize(model: nn.Module, dims: Layout, mesh=None) -> nn.Module:
     """`dims` is the resolved layout (ndtrain.layout.Layout): degrees and every knob."""
-    set_cpu_kernel(model, dims.cpu_matmul)  # a kernel choice, not a transform: before them all
+    set_cpu_kernel(model, dims.cpu_matmul)  # kernel choices, not transforms: before them all
+    set_fp32_matmul_precision(dims.fp32_matmul_precision)
     if dims.mp == "fp8":
         from ndtrain.parallel.float8 import apply_float8
 
@@ -66,3 +68,16 @@ def parallelize(model: nn.Module, dims: Layout, mesh=None) -> nn.Module:
         apply_fsdp(model, dp_mesh, dims.reshards_after_forward, dims.mp, dims.offload,
                    mesh["ep_fsdp"] if dims.ep > 1 else None)
     return model
+
+
+def set_fp32_matmul_precision(precision: str) -> None:
+    """CUDA's fp32 matmuls on the TF32 tensor cores or IEEE (`[parallel] fp32_matmul_precision`).
+
+    cuBLAS reads one process-wide flag, so this sets torch's global state, to the run's value
+    (every pipeline part sets the same). It uses the non-deprecated per-backend API and leaves
+    every other backend alone: `torch.set_float32_matmul_precision("high")` would also switch
+    oneDNN's CPU matmuls. Nothing is set where CUDA is absent: CPU ranks have no TF32, and in
+    torch 2.13 a "tf32" here makes the legacy getters (`torch.get_float32_matmul_precision()`,
+    `torch.backends.cuda.matmul.allow_tf32`) raise, which a CPU run has no reason to risk."""
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.fp32_precision = precision
