@@ -104,3 +104,65 @@ def test_fp8_prices_only_the_matmuls_the_runtime_converts():
     moe = preset("deepseek-v3")  # routed and shared experts, router: bf16 in ndtrain, fp8 in DeepSeek's stack
     assert costs(moe, "bf16")["W"] / 2 < costs(moe, "fp8")["W"] < costs(moe, "bf16")["W"]
     assert costs(moe, "fp8", "deepseek-2024")["W"] < costs(moe, "fp8")["W"]
+
+
+# ---- fp32 matmuls: TF32 tensor cores or IEEE CUDA cores ([parallel] fp32_matmul_precision) -------
+
+
+def test_fp32_peaks_are_the_datasheets_tf32_and_ieee_rates():
+    """Dense TF32 is half the dense bf16 tensor rate; IEEE fp32 runs on the CUDA cores (NVIDIA's
+    A100 and H100 SXM datasheets: TF32 156 / 494.7 dense, FP32 19.5 / 67 TFLOP/s). CPU ranks have
+    one calibrated fp32 rate whatever the key says (torch's CPU has no TF32)."""
+    a100 = CATALOG["a100-80"]
+    assert a100.peak("fp32") == a100.peak("fp32", "tf32") == pytest.approx(156e12)
+    assert a100.peak("fp32", "ieee") == pytest.approx(19.5e12)
+    assert H100.peak("fp32", "tf32") == pytest.approx(494.5e12)
+    assert H100.peak("fp32", "ieee") == pytest.approx(67e12)
+    assert H100.peak("bf16", "ieee") == H100.peak("bf16")  # the key is about fp32 alone
+    cpu = make_problem(preset("debug"), 256, 8, 1, "this-machine", precision="fp32").hw
+    assert cpu.peak("fp32", "ieee") == cpu.peak("fp32", "tf32") == cpu.peak_fp32
+
+
+def test_fp32_step_on_a_gpu_differs_by_the_tf32_over_ieee_ratio_in_its_gemms():
+    """One H100, no communication: the step is m x (layers x (GEMMs + attention + elementwise) +
+    head) + optimizer, and only the GEMMs change rate. Every GEMM of Llama 3 8B at 4,096 tokens is
+    compute-bound, so under IEEE each takes exactly 494.5 / 67 = 7.38x its TF32 time (same tiles,
+    waves and k0, another peak), and the step grows by 6.38x the TF32 GEMM seconds: the
+    tolerance is float rounding."""
+    from ndtrain.planner.gemm import head_seconds, layer_matmuls
+
+    pb = make_problem(preset("llama3-8b"), 4096, 4, 1, "h100", precision="fp32")
+    tf32, ieee = (Layout(dp_shard=1, mb=1, fp32_matmul_precision=s) for s in ("tf32", "ieee"))
+    ratio = 494.5 / 67
+    mm = {lay: layer_matmuls(pb, lay, 0) for lay in (tf32, ieee)}
+    for part in ("F", "dgrad", "wgrad"):
+        assert mm[ieee][part] == pytest.approx(ratio * mm[tf32][part], rel=1e-9)
+    gemms = pb.cfg.n_layers * sum(mm[tf32][p] for p in ("F", "dgrad", "wgrad")) + head_seconds(pb, tf32)
+    steps = {lay: step_breakdown(pb, lay)["total"] for lay in (tf32, ieee)}
+    assert steps[ieee] - steps[tf32] == pytest.approx(4 * gemms * (ratio - 1), rel=1e-9)
+    assert 3 < steps[ieee] / steps[tf32] < ratio  # GEMMs dominate, attention and the rest do not scale
+    # bf16 never reads the key; nor do CPU ranks, priced by their calibrated fp32 rate
+    bf = make_problem(preset("llama3-8b"), 4096, 4, 1, "h100", precision="bf16")
+    assert step_breakdown(bf, ieee)["total"] == step_breakdown(bf, tf32)["total"]
+    cpu = make_problem(preset("debug"), 256, 8, 1, "this-machine", precision="fp32")
+    assert step_breakdown(cpu, ieee)["total"] == step_breakdown(cpu, tf32)["total"]
+
+
+def test_ndtrain_plan_prices_and_prints_the_key(capsys):
+    import json
+
+    from ndtrain.planner.command import plan_main
+
+    out = {}
+    for setting in ("tf32", "ieee"):
+        argv = ["--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--precision", "fp32", "--seq", "4096",
+                "--global-batch", "64", "--samples", "0", "--json",
+                "--layout", f"dp_shard=8,zero=1,mb=1,fp32_matmul_precision={setting}"]
+        assert plan_main(argv) == 0
+        out[setting] = json.loads(capsys.readouterr().out)["layouts"][0]
+    assert out["tf32"]["layout"]["fp32_matmul_precision"] == "tf32"
+    assert out["ieee"]["layout"]["fp32_matmul_precision"] == "ieee"
+    assert "--parallel.fp32_matmul_precision=ieee" in out["ieee"]["config_check"]
+    assert out["ieee"]["step_time_s"] > 3 * out["tf32"]["step_time_s"]
+    assert plan_main([a for a in argv if a != "--json"]) == 0
+    assert "fp32_matmul=ieee" in capsys.readouterr().out  # the layout line of the text report

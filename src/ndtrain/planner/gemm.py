@@ -12,7 +12,8 @@ tm x tn outputs, each SM one tile at a time:
   * the ceiling `gemm_eff` (fp8: `fp8_gemm_eff` of the fp8 peak) is what a large, aligned GEMM
     reaches inside a training step: fitted per GPU generation (planner/constants.py).
 A layer's Linear of [in, out] costs three GEMMs per micro-batch of T tokens: forward (T, out, in),
-input gradient (T, in, out), weight gradient (in, out, T).
+input gradient (T, in, out), weight gradient (in, out, T). fp32 GEMMs run at the rate the layout's
+`fp32_matmul_precision` gives them (Hardware.peak): TF32 tensor cores, or IEEE on the CUDA cores.
 
 CPU ranks ("this-machine") keep their calibrated model: all matmuls at peak x mm_eff.
 """
@@ -26,12 +27,17 @@ from ndtrain.layout.fp8 import block_linears, converts
 from ndtrain.planner.problem import Problem
 
 
-def gemm_seconds(pb: Problem, m: float, n: float, kk: float, fp8: bool = False, count: float = 1.0) -> float:
-    """Seconds of `count` same-shaped GEMMs (M, N, K) run as one grouped/batched call."""
+def gemm_seconds(pb: Problem, m: float, n: float, kk: float, fp8: bool = False, count: float = 1.0,
+                 fp32_matmul: str = "tf32") -> float:
+    """Seconds of `count` same-shaped GEMMs (M, N, K) run as one grouped/batched call; in fp32 at
+    the `fp32_matmul` rate (tf32 | ieee)."""
     if m <= 0 or n <= 0 or kk <= 0 or count <= 0:
         return 0.0
     hw, k = pb.hw, pb.k
-    peak = hw.peak("fp8") * k["fp8_gemm_eff"] if fp8 else hw.peak("bf16" if pb.precision != "fp32" else "fp32") * k["gemm_eff"]
+    if fp8:
+        peak = hw.peak("fp8") * k["fp8_gemm_eff"]
+    else:
+        peak = hw.peak("bf16" if pb.precision != "fp32" else "fp32", fp32_matmul) * k["gemm_eff"]
     flops = 2.0 * m * n * kk * count
     best = math.inf
     tm, tn = hw.tile
@@ -46,12 +52,13 @@ def gemm_seconds(pb: Problem, m: float, n: float, kk: float, fp8: bool = False, 
     return max(compute, memory)
 
 
-def linear_passes(pb: Problem, t_tok: float, n_in: float, n_out: float, fp8: bool, count: float = 1.0
-                  ) -> tuple[float, float, float]:
+def linear_passes(pb: Problem, t_tok: float, n_in: float, n_out: float, fp8: bool, count: float = 1.0,
+                  fp32_matmul: str = "tf32") -> tuple[float, float, float]:
     """(forward, input gradient, weight gradient) seconds of `count` Linears [n_in, n_out] over
     `t_tok` tokens each."""
-    return (gemm_seconds(pb, t_tok, n_out, n_in, fp8, count), gemm_seconds(pb, t_tok, n_in, n_out, fp8, count),
-            gemm_seconds(pb, n_in, n_out, t_tok, fp8, count))
+    return (gemm_seconds(pb, t_tok, n_out, n_in, fp8, count, fp32_matmul),
+            gemm_seconds(pb, t_tok, n_in, n_out, fp8, count, fp32_matmul),
+            gemm_seconds(pb, n_in, n_out, t_tok, fp8, count, fp32_matmul))
 
 
 def _fp8(pb: Problem, name: str, n_in: int, n_out: int, t: int) -> bool:
@@ -77,7 +84,7 @@ def layer_matmuls(pb: Problem, lay: Layout, layer: int) -> dict:
     def add(name, n_in, n_out, shard, tokens=tok, count=1.0):
         i, o = (n_in / t, n_out) if shard == "in" else (n_in, n_out / t) if shard == "out" else (n_in, n_out)
         fp8 = _fp8(pb, name, n_in, n_out, t)
-        f, dg, wg = linear_passes(pb, tokens, i, o, fp8, count)
+        f, dg, wg = linear_passes(pb, tokens, i, o, fp8, count, lay.fp32_matmul_precision)
         out["F"] += f
         out["dgrad"] += dg
         out["wgrad"] += wg
@@ -118,13 +125,14 @@ def attention_seconds(pb: Problem, lay: Layout) -> float:
     if pb.stack.flash_attention:
         flops = 4 * b * s_loc * pb.seq * heads * cfg.head_dim / 2 * (1 + 128 / pb.seq)
         return flops / (pb.hw.peak("bf16") * pb.k["attn_eff"])
-    qk = gemm_seconds(pb, s_loc, pb.seq, cfg.head_dim, count=b * heads)
-    pv = gemm_seconds(pb, s_loc, cfg.head_dim, pb.seq, count=b * heads)
+    qk = gemm_seconds(pb, s_loc, pb.seq, cfg.head_dim, count=b * heads, fp32_matmul=lay.fp32_matmul_precision)
+    pv = gemm_seconds(pb, s_loc, cfg.head_dim, pb.seq, count=b * heads, fp32_matmul=lay.fp32_matmul_precision)
     return qk + pv
 
 
 def head_seconds(pb: Problem, lay: Layout) -> float:
     """Output projection per micro-batch, forward and both gradients, in bf16 (never fp8)."""
     tok = lay.mb * pb.seq / lay.cp
-    f, dg, wg = linear_passes(pb, tok, pb.cfg.dim, pb.cfg.vocab_size / lay.tp, False)
+    f, dg, wg = linear_passes(pb, tok, pb.cfg.dim, pb.cfg.vocab_size / lay.tp, False,
+                              fp32_matmul=lay.fp32_matmul_precision)
     return f + dg + wg

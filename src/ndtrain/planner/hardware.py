@@ -104,14 +104,26 @@ class Hardware:
     # {precision: fraction} (GPUs price compile as fused elementwise kernels: kappa_fused)
     cpu_compile_saving: dict = field(default_factory=dict, compare=False, hash=False)
 
-    def peak(self, precision: str) -> float:
+    def peak(self, precision: str, fp32_matmul: str = "tf32") -> float:
+        """Dense matmul FLOP/s in `precision`. fp32 on a GPU runs as `fp32_matmul` says
+        (`[parallel] fp32_matmul_precision`): "tf32" on the tensor cores, at half the dense bf16
+        rate, or "ieee" on the CUDA cores. CPU ranks have one calibrated fp32 rate (no TF32)."""
         if precision == "fp8":
             if not self.peak_fp8:
                 raise NdtrainError(f"{self.name} has no fp8 tensor cores; use --precision bf16")
             return self.peak_fp8
-        if precision == "fp32":
-            return self.peak_fp32 or self.peak_bf16 / 2
-        return self.peak_bf16
+        if precision != "fp32":
+            return self.peak_bf16
+        if fp32_matmul == "ieee" and self.generation != "cpu":
+            # IEEE fp32 over dense bf16, per SM generation (the SKUs of one generation share the
+            # ratio but for clocks): NVIDIA's datasheets, FP32 / BF16 tensor TFLOP/s, A100 SXM
+            # 19.5 / 312, H100 SXM 67 / 989 (PCIe 51 / 756 prices 51.2, NVL 60 / 835 prices 56.6),
+            # HGX B200 75 / 2,250. So TF32 is 8x IEEE on A100 and 7.4x on H100.
+            ieee_of_bf16 = {"ampere": 19.5 / 312, "hopper": 67 / 989, "blackwell": 75 / 2250}
+            if self.generation not in ieee_of_bf16:
+                raise NdtrainError(f"{self.name}: no IEEE fp32 rate for GPU generation {self.generation!r}")
+            return self.peak_bf16 * ieee_of_bf16[self.generation]
+        return self.peak_fp32 or self.peak_bf16 / 2
 
     def cpu_mm_eff(self, precision: str) -> float:
         """CPU ranks' fitted GEMM efficiency for `precision` (fp8 computes its remainder in bf16)."""
