@@ -205,6 +205,7 @@ CASES = [
                                                     "--parallel.fp8_recipe=blockwise"), r"parallel\.fp8_recipe"),
     Case("train-cp-attention-unknown", lambda w, d: T(w, d, "--parallel.cp_attention=tree"), r"parallel\.cp_attention"),
     Case("train-cpu-matmul-unknown", lambda w, d: T(w, d, "--parallel.cpu_matmul=mkl"), r"parallel\.cpu_matmul"),
+    Case("train-fp32-matmul-unknown", lambda w, d: T(w, d, "--parallel.fp32_matmul_precision=high"), r"parallel\.fp32_matmul_precision"),
     Case("train-compile-auto-not-bool", lambda w, d: T(w, d, "--parallel.compile_auto=sometimes"),
          r"parallel\.compile_auto"),
     Case("train-auto-not-bool", lambda w, d: T(w, d, "--parallel.auto=maybe"), r"parallel\.auto"),
