@@ -42,7 +42,7 @@ from ndtrain.config import to_dict
 from ndtrain.errors import NdtrainError, RunError
 from ndtrain.parallel.diloco import checkpoint_restore, checkpoint_view
 from ndtrain.train.ckpt_failure import state_bytes, write_failure
-from ndtrain.train import ckpt_policy
+from ndtrain.train import ckpt_policy, ckpt_staging
 from ndtrain.train.ckpt_resume import any_rank, barrier, broadcast, choose, group_active
 from ndtrain.train.ckpt_digest import (collect_digests, has_digests, write_manifest_from,
                                        write_own_digests)
@@ -115,11 +115,11 @@ class Checkpointer:
         self.pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(1800.0, cfg.train.timeout_s))) \
             if self.async_ and group_active() else None
         self._stager = None
+        self._staging = None  # the in-flight save's copy into host memory (CUDA: it overlaps the next step)
         if self.async_:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
+            # Per device (ckpt_staging.py): pinned, shared and overlapped on CUDA, blocking on CPU.
             # Kept for the whole run: it reuses its RAM copies, so later saves skip allocation.
-            self._stager = DefaultStager(StagingOptions(False, False, False, False))
+            self._stager = ckpt_staging.make_stager(self.rt.device)
         if self.is_main:
             ckpt_policy.clear_leftovers(self.root)  # never published; left by a killed save
             ckpt_policy.finish_abandoning(self.root, self._info)  # a timeline switch a crash interrupted
@@ -180,6 +180,7 @@ class Checkpointer:
         if self.async_ and not final:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg,
                                     async_stager=self._stager, no_dist=not group_active())
+            self._staging, future = ckpt_staging.split_response(future)
             pending = _Pending(step, name, future, t0, time.perf_counter() - t0)
             if self.is_main:
                 pending.publisher = threading.Thread(target=self._publish_when_written, args=(pending, tmp, meta),
@@ -286,6 +287,18 @@ class Checkpointer:
         self._record_row(row)
         self._info(f"checkpoint {step_name(step)}: {mode}, training paused {stall_s:.3f} s, "
                    f"written and published in {total_s:.2f} s")
+
+    def wait_for_staging(self) -> None:
+        """Before anything writes the saved state (the trainer calls it before its optimizer step):
+        the in-flight save's copy into host memory must be complete. A no-op unless staging is
+        asynchronous (CUDA); the time it blocks counts as that save's stall."""
+        staging, self._staging = self._staging, None
+        if staging is None:
+            return
+        t0 = time.perf_counter()
+        # exception() waits for the copy; an error in it surfaces in wait(), with the upload's
+        if staging.exception() is None and self.pending is not None:
+            self.pending.stall_s += time.perf_counter() - t0
 
     def wait(self) -> None:
         """Block until the save in flight is written and published; every rank learns whether it

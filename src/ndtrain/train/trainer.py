@@ -155,6 +155,9 @@ class Trainer:
         self.tp_rank = self.mesh.coordinate("tp")[0]
 
         self.progress = TrainProgress()  # step, tokens seen, skip windows: saved by the checkpointer
+        # Set by checkpointer(): an async save may still be copying the state, and the optimizer
+        # must not write the weights until it is done (the copy overlaps forward and backward).
+        self.before_update = None
         dtype = torch.bfloat16 if low or self.autocast else torch.float32
         self.peak_flops_per_rank, self.peak_source = peak_flops(self.rt.device, dtype)
         # fp8 runs report MFU against the bf16 peak (comparable with bf16 runs) and the fp8 peak.
@@ -185,9 +188,11 @@ class Trainer:
                   "loader": self.loader, "rng": RNGState()}
         if self.diloco:
             states["diloco"] = DiLoCoState(self.diloco)
-        return Checkpointer(cfg or self.cfg, run_dir, states, runtime=self.rt, data=data_fingerprint(
+        ckpt = Checkpointer(cfg or self.cfg, run_dir, states, runtime=self.rt, data=data_fingerprint(
             self.train_set.manifest), layout=self.dims.describe(), dp_size=self.dp_size, info=self.logger.info,
             record=self.logger.log)
+        self.before_update = ckpt.wait_for_staging
+        return ckpt
 
     # ---- layout helpers -------------------------------------------------------------------
     def _dp_coords(self) -> tuple[int, int]:
@@ -301,6 +306,8 @@ class Trainer:
         grad_norm = math.sqrt(grad_sq) if grad_sq >= 0 else float("nan")
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         agreed = self.diloco.agree_start(skipped, self.rt.device) if self.diloco else None
+        if self.before_update is not None:
+            self.before_update()
         if not skipped:
             coef = clip_coefficient(grad_norm, cfg.optimizer.grad_clip)
             if coef < 1.0:
