@@ -24,7 +24,7 @@ from ndtrain.config import load_config
 SRC = str(Path(__file__).resolve().parents[2] / "src" / "ndtrain")
 READS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy"}
 # The one read left per MoE layer and micro-batch: capacity dropping gathers the kept
-# assignments with nonzero(), whose output size is data-dependent (see docs/moe.md).
+# assignments with nonzero(), whose output size is data-dependent (README, Mixture of experts).
 GATHER = "nonzero"
 
 
