@@ -8,6 +8,16 @@ on a shared host). Read the ratios: this host has 2 cores, so cp=1 uses one, cp=
 cp=4 oversubscribes them 2x.
 
     python benchmarks/context_parallel.py --seq 2048 4096 8192 --out docs/benchmarks_context.md
+
+`--attention` instead times the attention kernel alone on one rank (a cp group of one: the ring
+code, its block-kernel dispatch and merge, one causal block) against SDPA (flash on a GPU) at
+Llama 3 8B's heads (32 query, 8 K/V, head_dim 128, bf16) and prints, per path, forward+backward
+time, memory and the largest difference from SDPA; `--portable` adds the unfused path. On a GPU:
+
+    PYTHONPATH=src python benchmarks/context_parallel.py --attention --portable --seq 8192
+
+`--dry-run` runs the same on CPU at tiny shapes in fp32 (a few seconds; the test suite runs it),
+and one short training point at cp=1 and cp=2 when `--data` names a prepared corpus.
 """
 
 from __future__ import annotations
@@ -67,6 +77,103 @@ def point(data: str, seq: int, cp: int, mode: str, model: dict, steps: int) -> d
             "cpu_s": sum(r["cpu_s"] for r in per_rank)}
 
 
+# ---- the attention kernel alone, one rank -----------------------------------------------------
+def _timed(fn, dev, reps: int) -> float:
+    """Median seconds of `fn` after one warm-up call (the median: steady under a shared host)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _memory(fn, dev) -> float:
+    """MiB: on CUDA the peak allocated above what was live before (temporaries included); on CPU,
+    which has no allocator statistics, the bytes autograd saved for backward."""
+    if dev.type == "cuda":
+        _sync(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        fn()
+        _sync(dev)
+        return (torch.cuda.max_memory_allocated(dev) - base) / 2**20
+    from ndtrain.train.activation_meter import SavedActivationMeter
+
+    with SavedActivationMeter() as meter:
+        fn()
+    return meter.peak_bytes / 2**20
+
+
+def attention(seq: int, dry: bool, portable: bool, reps: int) -> list[dict]:
+    import torch.distributed as dist
+
+    from ndtrain.parallel.ring_attention import CPComm
+
+    dev = torch.device("cpu" if dry or not torch.cuda.is_available() else "cuda")
+    b, h, h_kv, d = (1, 4, 2, 32) if dry else (1, 32, 8, 128)
+    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    q, k, v, go = (torch.randn(b, n, seq, d, generator=g).to(dev, dtype) for n in (h, h_kv, h_kv, h))
+    own_group = not dist.is_initialized()
+    if own_group:  # a cp group of one rank; its K/V never leave the device
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return _attention_rows(q, k, v, go, CPComm(dist.group.WORLD, "ring"), portable, reps)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def _attention_rows(q, k, v, go, comm, portable: bool, reps: int) -> list[dict]:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ndtrain.model.llama import expand_kv
+    from ndtrain.parallel.block_attention import kernel_for
+    from ndtrain.parallel.ring_attention import context_attention
+
+    dev, (_, h, seq, d), h_kv = q.device, q.shape, k.shape[1]
+
+    def run(fn):
+        def step():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = fn(*leaves)
+            out.backward(go)
+            return [out.detach()] + [t.grad for t in leaves]
+        return step
+
+    def sdpa(q_, k_, v_):
+        # The flash backend (CPU's or CUDA's), on K/V expanded as the model's own attention does.
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q_, expand_kv(k_, h), expand_kv(v_, h), is_causal=True)
+
+    paths = {"sdpa": sdpa,
+             f"cp ({kernel_for(q, False).name})": lambda *t: context_attention(*t, comm)}
+    if portable:
+        paths["cp (portable)"] = lambda *t: context_attention(*t, comm, fused=False)
+    ref = run(sdpa)()
+    rows = []
+    for name, fn in paths.items():
+        step = run(fn)
+        got = step()
+        diff = max(float((a.float() - r.float()).abs().max()) for a, r in zip(got, ref))
+        rows.append({"path": name, "ms": 1e3 * _timed(step, dev, reps), "mib": _memory(step, dev), "diff": diff})
+    what = f"seq {seq}, {h} q / {h_kv} kv heads x {d}, {q.dtype}, {dev.type}"
+    for r in rows:
+        print(f"{what}  {r['path']:>16}: fwd+bwd {r['ms']:8.2f} ms  memory {r['mib']:9.1f} MiB  "
+              f"max |diff| vs sdpa {r['diff']:.2e}", flush=True)
+    return rows
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, nargs="+", default=[2048, 4096, 8192])
@@ -77,7 +184,21 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--out", default="")
+    p.add_argument("--attention", action="store_true", help="the attention kernel alone, one rank, vs SDPA")
+    p.add_argument("--portable", action="store_true", help="with --attention: add the unfused path")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, a few seconds")
     args = p.parse_args(argv)
+    if args.dry_run:
+        attention(256, True, True, 2)
+        if not (Path(args.data) / "manifest.json").exists():
+            print(f"dry run: no training point ({args.data} is not prepared)")
+            return 0
+        args.seq, args.cp, args.modes, args.steps, args.dim, args.layers = [128], [1, 2], ["ring"], 1, 32, 1
+    elif args.attention:
+        for seq in args.seq:
+            attention(seq, False, args.portable, args.reps)
+        return 0
     if not (Path(args.data) / "manifest.json").exists():
         print(f"{args.data} is not prepared; run `ndtrain prepare --out {args.data} --max-mb 16 --if-absent`")
         return 2

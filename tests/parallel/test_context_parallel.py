@@ -189,7 +189,7 @@ def _rank_checks(corpus):
             o = ContextParallelSDPA(group, mode)(ql, kl, vl)
             o.backward(shard_sequence(go, cp, cp_rank, dim=2))
             out["attention"][(cp, mode)] = (o.detach(), ql.grad, kl.grad, vl.grad)
-        # The portable kernel (what non-CPU devices run), through the whole ring.
+        # The portable kernel (the fallback for what no fused kernel takes), through the whole ring.
         ql, kl, vl = (shard_sequence(t, cp, cp_rank, dim=2).requires_grad_() for t in (q, k, v))
         o = context_attention(ql, kl, vl, CPComm(group, "ring"), fused=False)
         o.backward(shard_sequence(go, cp, cp_rank, dim=2))

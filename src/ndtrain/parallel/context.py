@@ -10,8 +10,10 @@ things know about the split:
 - the trainer shards inputs/targets with `shard_sequence` and passes `cp_positions` to the
   model, so RoPE rotates by true global positions;
 - attention (`Attention.sdpa`) is replaced by ring or all-gather attention (ring_attention.py),
-  which relies on exactly this layout; with document masking the trainer shards the document
-  ids and positions the same way, and the hook gathers all ranks' ids once per forward;
+  which relies on exactly this layout, each block on the device's fused kernel
+  (block_attention.py; the hook logs once if it must fall back to the portable one); with
+  document masking the trainer shards the document ids and positions the same way, and the
+  hook gathers all ranks' ids once per forward;
 - the loss: each rank normalises by its own tokens, and FSDP's gradient average over the
   (dp_replicate, dp_shard x cp) mesh turns that into the exact global token mean.
 
@@ -22,10 +24,15 @@ its own heads with its cp peers.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
+from ndtrain.parallel.block_attention import PORTABLE, kernel_for
 from ndtrain.parallel.ring_attention import CPComm, context_attention
+
+_log = logging.getLogger(__name__)
 
 
 # ---- layout ----------------------------------------------------------------------------------
@@ -64,6 +71,7 @@ class ContextParallelSDPA:
     def __init__(self, group, mode: str = "ring"):
         self.comm = CPComm(group, mode)
         self._docs: tuple | None = None  # (local ids, all ranks' ids) of the forward in progress
+        self._told: set[str] = set()  # portable-path reasons already logged (once per model, not per layer)
 
     def _gather_docs(self, doc_ids: torch.Tensor) -> list[torch.Tensor]:
         # Every layer is called with the same tensor: one all-gather per forward (and per
@@ -78,7 +86,12 @@ class ContextParallelSDPA:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         docs = None if doc_ids is None else self._gather_docs(doc_ids)
-        return context_attention(q, k, v, self.comm, docs=docs)
+        kernel = kernel_for(q, docs is not None)
+        if kernel.name == PORTABLE and kernel.reason not in self._told:
+            self._told.add(kernel.reason)
+            _log.warning("context-parallel attention runs the portable (unfused, several times slower) "
+                         "block kernel: %s", kernel.reason)
+        return context_attention(q, k, v, self.comm, docs=docs, kernel=kernel)
 
     def __repr__(self) -> str:
         return f"ContextParallelSDPA(cp={self.comm.size}, rank={self.comm.rank}, mode={self.comm.mode})"

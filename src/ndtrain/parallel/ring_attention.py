@@ -31,6 +31,11 @@ nothing of a block; such a row gets log-sum-exp -inf and output 0, which the mer
 Grouped-query attention: K/V travel with their own h_kv heads, not expanded to q's h heads, so
 every transfer (K/V and their gradients) is h/h_kv times smaller. Each block is expanded only
 locally, for its compute, and its dK/dV are summed over each head group before they are sent.
+
+Block kernels (block_attention.py): one attention call picks the device's fused kernel once
+(CUDA flash or efficient, CPU flash) and every block runs it; their outputs are normalised to one
+(out, lse) form, so the merge and the backward below are the same code on every device, and the
+CPU suite runs what a GPU runs. Each block's forward state goes back to its backward kernel.
 """
 
 from __future__ import annotations
@@ -41,79 +46,35 @@ import torch
 import torch.distributed as dist
 
 from ndtrain.model.llama import expand_kv
+from ndtrain.parallel import block_attention as blocks
+from ndtrain.parallel.block_attention import Kernel
 
 _TAG_KV, _TAG_DKV = 11, 12
 
 
 # ---- one block: (out, lse) and its gradient --------------------------------------------------
-def _additive(mask: torch.Tensor, dtype) -> torch.Tensor:
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-
-
-def block_forward(q, k, v, causal: bool, scale: float, fused: bool = True, rows: int = 1024, mask=None):
+def block_forward(q, k, v, causal: bool, scale: float, fused: bool = True, rows: int = 1024, mask=None,
+                  kernel: Kernel | None = None):
     """Attention of q over one K/V block; returns (out in q's dtype, log-sum-exp fp32 [b, h, s]).
-    `mask` ([b, 1, sq, sk] bool, causal already folded in) selects the keys each query may see."""
-    if fused and q.device.type == "cpu":
-        if mask is None:
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=_additive(mask, q.dtype), scale=scale)
-        # The kernel reports a fully masked row as lse 0; it must weigh nothing in the merge.
-        empty = ~mask.any(-1)
-        return out.masked_fill(empty[..., None], 0.0), lse.masked_fill(empty, float("-inf"))
-    # Portable path (any device), in fp32: scores are materialised for `rows` queries at a time,
-    # so the transient stays O(rows x keys) rather than O(queries x keys).
-    outs, lses = [], []
-    for r0 in range(0, q.shape[-2], rows):
-        qc = q[..., r0:r0 + rows, :]
-        kend = min(k.shape[-2], r0 + qc.shape[-2]) if causal and mask is None else k.shape[-2]
-        m = None if mask is None else mask[..., r0:r0 + rows, :]
-        sc = _scores(qc, k[..., :kend, :], causal and mask is None, scale, r0, m)
-        lse = torch.logsumexp(sc, dim=-1)
-        safe = lse.masked_fill(torch.isinf(lse), 0.0)  # a fully masked row: exp(-inf) = 0, not nan
-        outs.append(torch.matmul(torch.exp(sc - safe.unsqueeze(-1)), v[..., :kend, :].float()))
-        lses.append(lse)
-    return torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
+    `mask` ([b, 1, sq, sk] bool, causal already folded in) selects the keys each query may see.
+    The kernel is the device's fused one (block_attention.py), or the portable path if not `fused`."""
+    out, lse, _ = blocks.forward(_kernel(q, mask, fused, kernel), q, k, v, causal, scale, mask, rows)
+    return out, lse
 
 
 def block_backward(go, q, k, v, out, lse, causal: bool, scale: float, fused: bool = True, rows: int = 1024,
-                   mask=None):
+                   mask=None, kernel: Kernel | None = None, aux=None):
     """Gradients (dq, dk, dv) of one block given the final output and log-sum-exp of q's rows."""
-    if fused and q.device.type == "cpu":
-        if mask is None:
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                go, q, k, v, out, lse, 0.0, causal, scale=scale)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            go, q, k, v, out, lse, 0.0, False, attn_mask=_additive(mask, q.dtype), scale=scale)
-    if mask is not None:
-        causal = False  # folded into the mask
-    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    for r0 in range(0, q.shape[-2], rows):
-        qc, gc = q[..., r0:r0 + rows, :].float(), go[..., r0:r0 + rows, :].float()
-        kend = min(k.shape[-2], r0 + qc.shape[-2]) if causal else k.shape[-2]
-        kc, vc = k[..., :kend, :].float(), v[..., :kend, :].float()
-        m = None if mask is None else mask[..., r0:r0 + rows, :]
-        p = torch.exp(_scores(qc, kc, causal, scale, r0, m) - lse[..., r0:r0 + rows].unsqueeze(-1))
-        dv[..., :kend, :] += torch.matmul(p.transpose(-1, -2), gc)
-        delta = (gc * out[..., r0:r0 + rows, :].float()).sum(-1, keepdim=True)
-        ds = p * (torch.matmul(gc, vc.transpose(-1, -2)) - delta) * scale
-        dq[..., r0:r0 + rows, :] = torch.matmul(ds, kc)
-        dk[..., :kend, :] += torch.matmul(ds.transpose(-1, -2), qc)
-    return dq, dk, dv
+    return blocks.backward(_kernel(q, mask, fused, kernel), go, q, k, v, out, lse, causal, scale, mask, aux, rows)
 
 
-def _scores(q, k, causal: bool, scale: float, row0: int = 0, mask=None) -> torch.Tensor:
-    """fp32 scores; `causal` masks keys after each query's own position (row0 + row), `mask`
-    (bool, broadcastable) keeps only the keys it marks."""
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    if causal:
-        rows = torch.arange(s.shape[-2], device=s.device)[:, None] + row0
-        s = s.masked_fill(torch.arange(s.shape[-1], device=s.device)[None, :] > rows, float("-inf"))
-    return s
+_ASKED_PORTABLE = Kernel(blocks.PORTABLE, "fused=False was asked for")
+
+
+def _kernel(q, mask, fused: bool, kernel: Kernel | None) -> Kernel:
+    if kernel is not None:
+        return kernel
+    return blocks.kernel_for(q, mask is not None) if fused else _ASKED_PORTABLE
 
 
 def block_plan(rank: int, src: int, local_len: int) -> tuple[slice, slice, bool]:
@@ -197,6 +158,9 @@ class _DKVReturn:
         if self.all is not None:
             self.all[src] += part
             return
+        if self.comm.size == 1:  # a group of one (a one-rank benchmark): the gradient is home
+            self.pending = (part, [])
+            return
         if self.pending is not None:
             buf, works = self.pending
             for w in works:
@@ -232,36 +196,39 @@ def _block_mask(docs, rank: int, src: int, rows: slice, keys: slice, causal: boo
     return m[:, None]
 
 
-def _forward_blocks(q, kv, comm: CPComm, scale: float, fused: bool, docs=None):
+def _forward_blocks(q, kv, comm: CPComm, scale: float, kernel: Kernel, docs=None):
+    """Merged fp32 (out, lse) of q over every rank's block, and each block's kernel state (what
+    its backward kernel takes back: philox seed/offset, sequence lengths, the lse padding)."""
     b, h, n, d = q.shape
     out = torch.zeros((b, h, n, d), dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=q.device)
+    aux = {}
     for src, blk in comm.blocks(kv):
         rows, keys, causal = block_plan(comm.rank, src, n)
         k, v = expand_kv(blk[0][:, :, keys], h), expand_kv(blk[1][:, :, keys], h)
-        o, l = block_forward(q[:, :, rows], k, v, causal, scale, fused,
-                             mask=_block_mask(docs, comm.rank, src, rows, keys, causal))
+        o, l, aux[src] = blocks.forward(kernel, q[:, :, rows], k, v, causal, scale,
+                                        _block_mask(docs, comm.rank, src, rows, keys, causal))
         _merge(out, lse, o, l, rows)
-    return out, lse
+    return out, lse, aux
 
 
 class _ContextAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, comm: CPComm, fused: bool, docs):
+    def forward(ctx, q, k, v, comm: CPComm, kernel: Kernel, docs):
         scale = 1.0 / math.sqrt(q.shape[-1])
-        out32, lse = _forward_blocks(q, torch.stack([k, v]), comm, scale, fused, docs)
+        out32, lse, aux = _forward_blocks(q, torch.stack([k, v]), comm, scale, kernel, docs)
         # Laid out as [b, s, h, d] in memory: the model's transpose+reshape before wo is then a
         # view, so the tensor saved here and wo's saved input are one buffer, not two.
         b, h, n, d = q.shape
         out = torch.empty((b, n, h, d), dtype=q.dtype, device=q.device).transpose(1, 2).copy_(out32)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.scale, ctx.fused, ctx.docs = comm, scale, fused, docs
+        ctx.comm, ctx.scale, ctx.kernel, ctx.docs, ctx.aux = comm, scale, kernel, docs, aux
         return out
 
     @staticmethod
     def backward(ctx, go):
         q, k, v, out, lse = ctx.saved_tensors
-        comm, scale, fused, docs = ctx.comm, ctx.scale, ctx.fused, ctx.docs
+        comm, scale, kernel, docs = ctx.comm, ctx.scale, ctx.kernel, ctx.docs
         go = go.contiguous()
         h, n, n_kv = q.shape[1], q.shape[2], k.shape[1]
         kv = torch.stack([k, v])
@@ -270,8 +237,9 @@ class _ContextAttention(torch.autograd.Function):
         for src, blk in comm.blocks(kv):
             rows, keys, causal = block_plan(comm.rank, src, n)
             bk, bv = expand_kv(blk[0][:, :, keys], h), expand_kv(blk[1][:, :, keys], h)
-            gq, gk, gv = block_backward(go[:, :, rows], q[:, :, rows], bk, bv, out[:, :, rows], lse[:, :, rows],
-                                        causal, scale, fused, mask=_block_mask(docs, comm.rank, src, rows, keys, causal))
+            gq, gk, gv = blocks.backward(kernel, go[:, :, rows], q[:, :, rows], bk, bv, out[:, :, rows],
+                                         lse[:, :, rows], causal, scale,
+                                         _block_mask(docs, comm.rank, src, rows, keys, causal), ctx.aux[src])
             dq[:, :, rows] += gq
             part = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             part[0][:, :, keys] = _group_sum(gk, n_kv)
@@ -281,13 +249,16 @@ class _ContextAttention(torch.autograd.Function):
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
 
 
-def context_attention(q, k, v, comm: CPComm, fused: bool = True, docs=None) -> torch.Tensor:
+def context_attention(q, k, v, comm: CPComm, fused: bool = True, docs=None, kernel: Kernel | None = None):
     """Causal attention of this rank's queries over the whole cp-sharded sequence.
     q: [b, h, s_local, d], k, v: [b, h_kv, s_local, d] (h_kv divides h; not expanded, so only
     h_kv heads travel), all in the load-balanced layout. `docs`: every cp rank's local document
-    ids ([b, s_local] each, in cp-rank order) for document-masked attention."""
+    ids ([b, s_local] each, in cp-rank order) for document-masked attention. `kernel`: the block
+    kernel (default: the device's fused one, `block_attention.kernel_for`; portable if not `fused`)."""
     if q.shape[2] % 2:
         raise ValueError(f"context-parallel attention needs an even local sequence (two chunks), got {q.shape[2]}")
     if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:
         raise ValueError(f"K/V heads {k.shape[1]}/{v.shape[1]} must be equal and divide q's {q.shape[1]} heads")
-    return _ContextAttention.apply(q, k, v, comm, fused, docs)
+    if kernel is None:
+        kernel = blocks.kernel_for(q, docs is not None) if fused else _ASKED_PORTABLE
+    return _ContextAttention.apply(q, k, v, comm, kernel, docs)
