@@ -280,18 +280,17 @@ def stage_ac_recompute(a) -> dict:
 
 def stage_tf32(a) -> dict:
     from ndtrain.config import load_config
+    from ndtrain.parallel.compose import set_fp32_matmul_precision
 
     dev = _device(a.dry_run)
     n = 256 if a.dry_run else 8192
     x, y = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
     rates = {}
-    for mode in ("ieee", "tf32"):
-        if dev.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
+    for mode in ("ieee", "tf32"):  # what a run sets from [parallel] fp32_matmul_precision (CUDA only)
+        set_fp32_matmul_precision(mode)
         rates[mode] = 2 * n**3 / _timed(lambda: x @ y, dev, 5)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    cfg = load_config(None, {})
-    key = getattr(cfg.parallel, "fp32_matmul_precision", "(no key)")
+    set_fp32_matmul_precision("ieee")
+    key = load_config(None, {}).parallel.fp32_matmul_precision
     speed = rates["tf32"] / rates["ieee"]
     return {"result": f"fp32 {n}^3: IEEE {rates['ieee'] / 1e12:.3g}, TF32 {rates['tf32'] / 1e12:.3g} TFLOP/s "
                       f"({speed:.2f}x); [parallel] fp32_matmul_precision default {key!r}",

@@ -136,3 +136,17 @@ def test_pruned_search_finds_the_exhaustive_optimum():
                                             best = pred
     res = search(pb, top_k=3)
     assert res.top[0].step_time == pytest.approx(best.step_time, rel=1e-12)
+
+
+def test_search_prices_the_pinned_fp32_matmul_precision():
+    """A search (plan --fix, [parallel] auto) prices the fp32 matmul precision it is asked for; it
+    used to ignore the knob and always price TF32, and its per-layer cache would have reused one
+    setting's costs for the other."""
+    pb = make_problem(preset("llama3-8b"), 4096, 64, 8, "h100", precision="fp32")
+    fix = dict(tp=1, cp=1, pp=1, dp_shard=8, dp_replicate=1, zero=3, mb=1, ac="full")
+    tf32 = search(pb, top_k=1, fixed={**fix, "fp32_matmul_precision": "tf32"}).top[0]
+    ieee = search(pb, top_k=1, fixed={**fix, "fp32_matmul_precision": "ieee"}).top[0]
+    assert (tf32.layout.fp32_matmul_precision, ieee.layout.fp32_matmul_precision) == ("tf32", "ieee")
+    assert ieee.step_time > 3 * tf32.step_time  # 494.5 vs 67 TFLOP/s dense on an H100 SXM
+    base = Layout(fp32_matmul_precision="ieee")  # a config's setting reaches the search through base
+    assert search(pb, top_k=1, fixed=fix, base=base).top[0].step_time == pytest.approx(ieee.step_time)

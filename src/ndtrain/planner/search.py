@@ -69,7 +69,8 @@ class Evaluator:
         self.sized = 0
 
     def layer(self, lay: Layout) -> dict:
-        key = (lay.tp, lay.cp, lay.mb, lay.ac, lay.sp, lay.ep, lay.pairs_forward_backward, lay.compile)
+        key = (lay.tp, lay.cp, lay.mb, lay.ac, lay.sp, lay.ep, lay.pairs_forward_backward, lay.compile,
+               lay.fp32_matmul_precision)
         lc = self._layer.get(key)
         if lc is None:
             lc = self._layer[key] = layer_costs(self.pb, lay)
@@ -155,9 +156,10 @@ def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: l
     pbytes = 4 if pb.precision == "fp32" else 2
     acs = [a for a in PLANNED_AC if a in ac_options and fixed.get("ac", a) == a]
     knobs = {k: getattr(base or Layout(), k) for k in ("split", "layers_per_stage", "ac_every", "mp", "offload",
-                                                         "compile", "cp_attention")}
+                                                         "compile", "cp_attention", "fp32_matmul_precision")}
     if base is None:  # the runtime's mixed precision is the planned one (fp8: the fp8 rules apply)
         knobs["mp"] = pb.precision
+    knobs.update({k: v for k, v in fixed.items() if k in knobs})  # a pinned knob is priced as pinned
     heap: list = []
     by_mesh: dict = {}
     stats = {"considered": 0, "fitting": 0, "over": None, "over_lb": math.inf, "n": 0}
