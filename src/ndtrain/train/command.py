@@ -74,6 +74,11 @@ def _child_failure(exc) -> int:
 
 def main(argv: list[str], plan=None) -> int:
     """`plan`: the `[parallel] auto` planner (ndtrain.tools.auto hands it in; see trainer.plan_layout)."""
+    if _under_launcher():  # first: the sooner a worker ties its life to its launcher, the fewer orphans
+        from ndtrain.train.distributed import die_with_parent
+        from ndtrain.train.rundir import LAUNCHER_ENV
+
+        die_with_parent(int(os.environ.get(LAUNCHER_ENV, "0") or 0) or None)
     p = argparse.ArgumentParser(prog="ndtrain train", description="Train a model.",
                                 epilog="Any --section.key=value overrides the config file.")
     p.add_argument("--config", help="TOML config (default: built-in debug defaults)")
@@ -90,12 +95,7 @@ def main(argv: list[str], plan=None) -> int:
 
     check_installed(cfg.logging)
 
-    if _under_launcher():
-        from ndtrain.train.distributed import die_with_parent
-        from ndtrain.train.rundir import LAUNCHER_ENV
-
-        die_with_parent(int(os.environ.get(LAUNCHER_ENV, "0") or 0) or None)
-    elif args.nproc:
+    if args.nproc and not _under_launcher():
         return _launch(cfg, args, argv, plan)
     return _run(cfg, plan)
 
@@ -139,6 +139,9 @@ def _run(cfg, plan=None) -> int:
             os._exit(EXIT_PREEMPTED)
         return EXIT_PREEMPTED  # saved and stopped on a signal: nonzero so schedulers run it again
     _destroy_groups()
+    from ndtrain.train.job import closing_sample
+
+    closing_sample(cfg, summary)  # rank 0's own work, now that no peer can be waiting on it
     return 0
 
 
@@ -147,7 +150,9 @@ def _destroy_groups() -> None:
     interpreter is whole. Left to its finalisation, Gloo's worker threads still hold tensors and
     now and then abort the process ("terminate called without an active exception", SIGABRT;
     pytorch/pytorch#190489). Only on success: a teardown while a failed peer is mid-collective
-    could hang (torchtitan does the same)."""
+    could hang (torchtitan does the same). Every rank reaches it straight from its last
+    collective: work only one rank does (rank 0's sample) comes after it, so the barrier never
+    waits on it under the collective timeout."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

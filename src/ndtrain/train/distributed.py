@@ -49,24 +49,39 @@ def env_world_size() -> int:
 
 def setup(train_cfg) -> Runtime:
     """Initialise the process group if launched with WORLD_SIZE > 1 (torchrun) unless a caller
-    (a test harness) already did."""
+    (a test harness) already did. On CUDA the rank's GPU is bound first and named to the group
+    (`device_id`): NCCL then forms its communicator at init rather than at the first collective,
+    and `new_group` splits it instead of building each sub-group from scratch."""
     device_type, backend = choose_device(train_cfg.device, train_cfg.backend)
     world = env_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = bind_device(device_type, local_rank)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=train_cfg.timeout_s))
+        dist.init_process_group(backend, timeout=timedelta(seconds=train_cfg.timeout_s), **group_device(device))
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+    if device.type == "cpu":
         if "OMP_NUM_THREADS" not in os.environ:
             # Ranks sharing a host share its cores; oversubscription is slower than 1 thread each.
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
         keep_freed_memory()
     return Runtime(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
+
+
+def bind_device(device_type: str, local_rank: int) -> torch.device:
+    """This rank's device, made current before anything allocates on it (a process group, a
+    mesh, the model). local_rank modulo the visible GPUs: a scheduler that shows each process
+    only its own GPU (Slurm --gpus-per-task=1, CUDA_VISIBLE_DEVICES per rank) makes it index 0."""
+    if device_type != "cuda":
+        return torch.device(device_type)
+    index = local_rank % max(1, torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def group_device(device: torch.device) -> dict:
+    """init_process_group's device binding: NCCL only (Gloo's CPU ranks have nothing to bind)."""
+    return {"device_id": device} if device.type == "cuda" else {}
 
 
 def keep_freed_memory() -> bool:
@@ -90,19 +105,45 @@ def keep_freed_memory() -> bool:
 def die_with_parent(expected_parent: int | None = None) -> None:
     """Ask the kernel to SIGKILL this worker when the process that started it dies (a launcher
     killed with SIGKILL cannot stop its workers itself), so no orphan goes on writing into the
-    run directory. Linux only; elsewhere a no-op."""
+    run directory. Linux only; elsewhere a no-op.
+
+    The request only covers a parent alive when it is made, so a parent that died before it must
+    be noticed here: its orphans are re-parented (to PID 1 or a subreaper). `expected_parent` is
+    the launcher's pid when the launcher says so (`ndtrain train --nproc`); without it, only PID 1
+    of the host is taken for a sign of death. In a container PID 1 is the entrypoint, and that is
+    torchrun itself in both Kubernetes examples: every worker's parent is then PID 1, alive, and
+    if it dies the kernel ends the whole PID namespace anyway."""
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
-
     pr_set_pdeathsig = 1
     try:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
     except (OSError, AttributeError):
         return
-    # The parent may have died before the request: then it will never be delivered.
-    if os.getppid() == 1 or (expected_parent and os.getppid() != expected_parent):
+    parent = os.getppid()
+    if expected_parent:
+        gone = parent != expected_parent
+    else:
+        gone = parent == 1 and in_child_pid_namespace() is False
+    if gone:
+        launcher = f"launcher (pid {expected_parent})" if expected_parent else "launcher"
+        print(f"ndtrain train: worker pid {os.getpid()} (rank {os.environ.get('RANK', '?')}): its {launcher} "
+              f"exited before the worker could tie its life to it (its parent is now pid {parent}); "
+              f"exiting rather than training without it", file=sys.stderr, flush=True)
         os._exit(1)
+
+
+_INIT_PID_NS = 0xEFFFFFFC  # the host's PID namespace has this fixed inode (PROC_PID_INIT_INO, Linux >= 3.8)
+
+
+def in_child_pid_namespace() -> bool | None:
+    """True inside a PID namespace below the host's (a container, `unshare --pid`), whose PID 1
+    is an entrypoint, not the host's init. None when the kernel does not say."""
+    try:
+        link = os.readlink("/proc/self/ns/pid")  # "pid:[<inode>]"
+        return int(link.split("[", 1)[1].rstrip("]")) != _INIT_PID_NS
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def peer_table() -> list[tuple[str, int]]:
