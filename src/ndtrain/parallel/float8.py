@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
+import torch
 from torch import nn
 
+from ndtrain.errors import ConfigError
 from ndtrain.layout.fp8 import converts
 from ndtrain.model.init import canonical_name
 from ndtrain.model.linear import Linear
@@ -56,9 +59,41 @@ def float8_config(lay):
     return config
 
 
+FP8_CAPABILITY = (8, 9)  # float8 tensor cores (and torch._scaled_mm on CUDA): Ada, Hopper and newer
+
+
+def check_device(device: torch.device) -> None:
+    """Refuse fp8 on a CUDA GPU without float8 matmuls (A100 is 8.0): torch._scaled_mm would fail
+    inside the first step, deep in torchao, after the model was built. CPU runs keep torch's
+    CPU kernel (slow, for tests)."""
+    if device.type != "cuda":
+        return
+    capability = tuple(torch.cuda.get_device_capability(device))
+    if capability >= FP8_CAPABILITY:
+        return
+    name = torch.cuda.get_device_name(device)
+    exc = ConfigError("parallel.mixed_precision",
+                      f"'fp8' needs a GPU of compute capability {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer "
+                      f"(float8 matmuls: L4/L40, H100/H200, B200); {name} ({device}) is {capability[0]}."
+                      f"{capability[1]}: use 'bf16'")
+    # Every rank of a node has the same GPUs, so each node's local rank 0 speaks for it (an error
+    # marked all_ranks is printed by rank 0 only): one line per node, not one per GPU.
+    exc.all_ranks = os.environ.get("LOCAL_RANK", "0") != "0"
+    raise exc
+
+
+def _current_device() -> torch.device:
+    """The device this process trains on: distributed.setup made the rank's GPU current on a CUDA
+    run (which initialises CUDA); a CPU run leaves CUDA untouched, even on a GPU machine."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def apply_float8(model: nn.Module, lay) -> list[str]:
     """Swap the qualifying nn.Linear layers of `model` for Float8Linear, in place; returns their
     canonical names."""
+    check_device(_current_device())
     f8 = torchao_float8()
     converted: list[str] = []
 
