@@ -202,26 +202,45 @@ CATALOG: dict[str, Hardware] = {
         # H800: H100 compute with NVLink cut to 400 GB/s (DeepSeek-V3 reports 160 GB/s achieved,
         # i.e. 80% of one direction) and 8 x 400 Gb/s IB.
         _gpu("h800", "NVIDIA H800 SXM 80GB, NDR IB", 989, 1979, 79.6, 3.35, 400, 50, 700, "hopper", 132),
+        # The PCIe-slot cards (NVIDIA H100 and H200 NVL datasheets, dense = half the sparsity
+        # figures): H100 PCIe 1,513 / 3,026 TFLOP/s sparse bf16 / fp8, 80 GB HBM2e at 2.0 TB/s,
+        # 350 W, 114 SMs; H100 NVL 1,671 / 3,341, 94 GB HBM3 at 3.9 TB/s, 400 W, 132 SMs; H200 NVL
+        # 1,671 / 3,341, 141 GB HBM3e at 4.8 TB/s, up to 600 W. Their NVLink bridges join pairs
+        # (H200 NVL: up to 4) only, so collectives over a node's 8 GPUs run over PCIe Gen5 x16:
+        # 128 GB/s both directions. Scale-out as the SXM entries (`ndtrain plan --network`).
+        _gpu("h100-pcie", "NVIDIA H100 PCIe 80GB, NDR IB", 756, 1513, 79.6, 2.0, 128, 50, 350, "hopper", 114),
+        _gpu("h100-nvl", "NVIDIA H100 NVL 94GB, NDR IB", 835, 1671, 93.6, 3.9, 128, 50, 400, "hopper", 132),
+        _gpu("h200-nvl", "NVIDIA H200 NVL 141GB, NDR IB", 835, 1671, 140.4, 4.8, 128, 50, 600, "hopper", 132),
     ]
 }
 ALIASES = {"a100": "a100-80", "h100-sxm": "h100", "h100sxm": "h100", "a100-80gb": "a100-80",
-           "a100-40gb": "a100-40", "local": "this-machine", "cpu": "this-machine"}
+           "a100-40gb": "a100-40", "h100pcie": "h100-pcie", "h100nvl": "h100-nvl", "h200nvl": "h200-nvl",
+           "local": "this-machine", "cpu": "this-machine"}
 
-# CUDA device names (torch.cuda.get_device_name) -> catalog entries, most specific first.
-DEVICE_NAMES = (("H800", "h800"), ("H200", "h200"), ("GH200", "h200"), ("H100", "h100"), ("B200", "b200"),
-                ("A100", "a100"))
+# CUDA device names (torch.cuda.get_device_name, upper-cased) -> catalog entries, most specific
+# first; the planner and the trainer's MFU both read the catalog through catalog_name. A name
+# absent here (an L40S, an H20) is not in the catalog: MFU then measures its peak on the GPU.
+DEVICE_NAMES = (("H800 PCIE", "h100-pcie"),  # the export H100 PCIe: the same compute and memory
+                ("H800", "h800"), ("H200 NVL", "h200-nvl"), ("H200", "h200"),  # GH200 too
+                ("H100 NVL", "h100-nvl"), ("H100 PCIE", "h100-pcie"), ("H100 80GB HBM2E", "h100-pcie"),
+                ("H100", "h100"), ("B200", "b200"), ("A100", "a100"))
 
 
 def catalog_name(device_name: str, memory_bytes: float | None = None) -> str | None:
-    """The catalog entry of a CUDA device, e.g. 'NVIDIA H100 80GB HBM3' -> 'h100'; an A100 is the
-    80 GB entry unless its name or memory says 40 GB. None for a device not in the catalog."""
-    upper = device_name.upper()
+    """The catalog entry of a CUDA device, e.g. 'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA H100
+    PCIe' -> 'h100-pcie'. Where the name leaves the variant open, the memory decides: an A100 is
+    the 80 GB entry unless its name or memory says 40 GB; an H100 with ~94 GB and no 'SXM' in its
+    name is the NVL card. None for a device not in the catalog."""
+    upper = " ".join(device_name.upper().split())
     for key, name in DEVICE_NAMES:
-        if key in upper:
-            if name != "a100":
-                return name
+        if key not in upper:
+            continue
+        if name == "a100":
             small = "40GB" in upper.replace(" ", "") or (memory_bytes is not None and memory_bytes < 60 * GiB)
             return "a100-40" if small else "a100-80"
+        if name == "h100" and "SXM" not in upper and memory_bytes is not None and memory_bytes > 85 * GiB:
+            return "h100-nvl"
+        return name
     return None
 
 
