@@ -127,3 +127,61 @@ def test_attention_kernel_receives_unexpanded_kv():
     out = model(tokens)
     assert seen == [(cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads)] * cfg.n_layers
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_gqa_kv_reach_sdpa_unexpanded_and_match_the_expanded_reference(monkeypatch, masked):
+    """causal_sdpa hands SDPA K/V with their own h_kv heads and enable_gqa=True: no
+    repeat_interleave copy (4x the K/V memory and traffic at Llama 3 8B's 32/8 heads). The same
+    path runs on CPU and CUDA (the flex branch is checked in test_document_mask.py)."""
+    from ndtrain.model.llama import causal_sdpa, document_causal_mask
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    seen = []
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((q.shape[1], k.shape[1], v.shape[1], kwargs.get("enable_gqa", False)))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    g = torch.Generator().manual_seed(5)
+    b, h, h_kv, s, d = 2, 8, 2, 64, 16
+    q = torch.randn(b, h, s, d, generator=g, requires_grad=True)
+    k, v = (torch.randn(b, h_kv, s, d, generator=g, requires_grad=True) for _ in range(2))
+    doc = torch.randint(0, 3, (b, s), generator=g).sort(1).values if masked else None
+    out = causal_sdpa(q, k, v, doc)
+    assert seen == [(h, h_kv, h_kv, True)]
+    go = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad(out, (q, k, v), go)
+    # The reference: K/V expanded to every query head, as before.
+    ke, ve = k.repeat_interleave(h // h_kv, 1), v.repeat_interleave(h // h_kv, 1)
+    kw = {"attn_mask": document_causal_mask(doc)} if masked else {"is_causal": True}
+    ref = sdpa(q, ke, ve, **kw)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), go)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)  # the forward is the same sums
+    # dK/dV sum the h/h_kv query heads of a group in another order: fp32 reassociation of 4
+    # terms, bounded by a few ulps of the largest gradient (measured: <= 2.5e-7 of the max).
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, atol=8 * torch.finfo(torch.float32).eps * want.abs().max(), rtol=0)
+
+
+def test_gqa_expands_kv_where_no_fused_kernel_takes_them(monkeypatch):
+    """Where torch's checks say no fused kernel takes grouped K/V (fp32 on a CUDA torch whose
+    efficient kernel lacks GQA), K/V are expanded as before rather than left to the math kernel."""
+    from ndtrain.model import doc_attention
+    from ndtrain.model.llama import causal_sdpa
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    seen = []
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((k.shape[1], kwargs.get("enable_gqa", False)))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(doc_attention, "fused_gqa", lambda q, k: False)
+    g = torch.Generator().manual_seed(6)
+    q, k, v = torch.randn(1, 8, 16, 8, generator=g), torch.randn(1, 2, 16, 8, generator=g), torch.randn(1, 2, 16, 8, generator=g)
+    out = causal_sdpa(q, k, v)
+    assert seen == [(8, False)]
+    torch.testing.assert_close(out, sdpa(q, k, v, is_causal=True, enable_gqa=True), atol=0, rtol=0)

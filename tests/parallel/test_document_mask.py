@@ -209,3 +209,51 @@ def test_trainer_with_document_mask_matches_one_process_under_cp_and_tp(parity_b
     base = {**parity_base, "data": {"path": str(tmp_path / "short"), "seq_len": 64, "document_mask": True}}
     _, results = verify(base, ["cp=2", "tp=2"], steps=2, tol_loss=1e-5, tol_weight=1e-5)
     assert all(r.passed for r in results), format_table(results, 1e-5, 1e-5)
+
+
+# ---- the CUDA path (flex attention), made reachable on CPU ----------------------------------
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")  # eager flex: CUDA compiles it
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_flex_path_builds_one_block_mask_per_micro_batch(monkeypatch, ac):
+    """The 4-layer debug model through the CUDA branch (flex attention, eager on CPU), with
+    activation checkpointing: one `create_block_mask` per micro-batch, not one per layer and
+    again per recompute; K/V reach flex with their own heads (enable_gqa, no expanded copy);
+    loss and gradients equal each document run alone."""
+    import torch.nn.attention.flex_attention as fa
+
+    from ndtrain.model import doc_attention
+    from ndtrain.parallel.activation import apply_activation_checkpointing
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *a: None)  # torch: "no flex backward on CPU"
+    monkeypatch.setattr(doc_attention, "uses_flex", lambda device: True)  # the branch CUDA takes
+    kernel_saw = []
+
+    def eager_flex(q, k, v, **kwargs):  # in place of the compiled kernel (compiled=False)
+        kernel_saw.append((q.shape[1], k.shape[1], v.shape[1], kwargs.get("enable_gqa", False)))
+        return fa.flex_attention(q, k, v, **kwargs)
+
+    monkeypatch.setattr(doc_attention, "_compiled_flex", lambda: eager_flex)
+    built = []
+    create = fa.create_block_mask
+    monkeypatch.setattr(fa, "create_block_mask", lambda *a, **k: built.append(a[1:]) or create(*a, **k))
+
+    inputs, targets = packed_batch()
+    ref_loss, ref_grads = each_document_alone(inputs, targets)
+    model = debug_model()
+    apply_activation_checkpointing(model, ac)
+    total = 0.0
+    micro_batches = [slice(0, 2), slice(2, 3)]
+    for rows in micro_batches:
+        doc = document_ids(inputs[rows], EOS)
+        logits = model(inputs[rows], positions=document_positions(doc), doc_ids=doc)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets[rows].flatten(), reduction="sum")
+        loss.backward()
+        total += float(loss.detach())
+    assert len(built) == len(micro_batches), built
+    cfg = model.cfg
+    assert kernel_saw and set(kernel_saw) == {(cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads, True)}, set(kernel_saw)
+    torch.testing.assert_close(total, ref_loss, **TOL)
+    got = grads_of(model)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(got[name], g, **TOL, msg=name)

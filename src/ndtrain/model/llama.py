@@ -72,24 +72,30 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]
 
 
-def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids=None) -> torch.Tensor:
     """q: [b, h, s, d]; k, v: [b, h_kv, s, d], not expanded, so a kernel that moves K/V (context
-    parallel) moves h/h_kv times fewer bytes. Expanded here rather than with `enable_gqa=True`:
-    on CPU (torch 2.13) that path sums dK/dV in another order, so gradients would differ from the
-    expanded reference in the last bits. With `doc_ids` [b, s], attention is block-causal."""
+    parallel) moves h/h_kv times fewer bytes, and SDPA reads them as they are (`enable_gqa`): no
+    [b, h, s, d] copy of K and V per layer (4x their memory and traffic at Llama 3's 32/8 heads).
+    On CPU (torch 2.13) that sums dK/dV over each query group in another order than expanding did,
+    within fp32 reassociation (<= 2.5e-7 of the largest gradient, tests/model/test_model.py), so
+    CPU and CUDA share this path. With `doc_ids` [b, s] (or their doc_attention.DocumentMask),
+    attention is block-causal."""
+    from ndtrain.model import doc_attention
+
     if q.dtype == torch.bfloat16 and q.device.type == "cpu":
         # torch's CPU flash-attention kernel is slower in bf16 than in fp32 (its backward ~1.5x the
         # CPU time at head_dim 16, benchmarks/breakdown.py), which ate bf16's matmul gain: attend in
         # fp32 (more exact, too) and hand bf16 back.
         return causal_sdpa(q.float(), k.float(), v.float(), doc_ids).to(q.dtype)
-    k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+    if doc_ids is not None and (isinstance(doc_ids, doc_attention.DocumentMask) or doc_attention.uses_flex(q.device)):
+        # A dense [s, s] mask per row would not scale: flex attention skips masked blocks.
+        return doc_attention.flex_document_attention(q, k, v, doc_ids)
+    gqa = k.shape[1] != q.shape[1]
+    if gqa and not doc_attention.fused_gqa(q, k):  # the math kernel would expand, and more
+        k, v, gqa = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1]), False
     if doc_ids is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if q.is_cuda:  # a dense [s, s] mask per row would not scale: flex attention skips masked blocks
-        from ndtrain.model.doc_attention import flex_document_attention
-
-        return flex_document_attention(q, k, v, doc_ids)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(doc_ids))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(doc_ids), enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -128,6 +134,10 @@ class Block(nn.Module):
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        from ndtrain.model.doc_attention import DocumentMask
+
+        if isinstance(doc_ids, DocumentMask) and self.attention.sdpa is not causal_sdpa:
+            doc_ids = doc_ids.doc_ids  # another kernel (context parallel's) takes the plain ids
         # doc_ids by keyword: tensor parallel's input plan for attention lists (x, positions) only.
         h = x + self.attention(self.attention_norm(x), positions, doc_ids=doc_ids)
         return h + self.feed_forward(self.ffn_norm(h))
@@ -161,6 +171,13 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device)
+        from ndtrain.model import doc_attention
+
+        if (isinstance(doc_ids, torch.Tensor) and doc_attention.uses_flex(doc_ids.device)
+                and any(isinstance(m, Attention) and m.sdpa is causal_sdpa for m in self.layers.modules())):
+            # The flex block mask, once per micro-batch and outside the checkpointed blocks: every
+            # layer and every recompute reuses it (doc_attention.DocumentMask).
+            doc_ids = doc_attention.DocumentMask(doc_ids)
         for layer in self.layers.values():
             h = layer(h, positions, doc_ids)
         if self.norm is not None:

@@ -34,7 +34,7 @@ _SAVE_OPS = _ops(
     "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_cudnn_attention",
     "aten._scaled_dot_product_attention_math", "aten._scaled_dot_product_fused_attention_overrideable",
     # fp8's amax (tensorwise: max of |x|, rowwise: amax): a full read of the input for one number
-    # per tensor or row, and recomputing it could pick a different scale than the forward used.
+    # per tensor or row, so keeping it costs next to no memory.
     "aten.max", "aten.amax",
     # TP + SP's reduce-scatter after each row-parallel matmul: a recompute would repeat the
     # collective (a network round per layer) for an output 1/tp of the sequence.
