@@ -175,6 +175,13 @@ def measure_collectives(world: int, sizes=COLLECTIVE_SIZES, reps: int = 10) -> d
         return json.loads(Path(out).read_text())
 
 
+def _init_context() -> None:
+    """This process's CUDA context and cuBLAS workspace, before anything is timed."""
+    import torch
+
+    torch.ones(1, device="cuda") @ torch.ones(1, 1, device="cuda")
+
+
 def calibrate_gpu(quick: bool = False):
     """(catalog entry, raw measurements of this GPU node: the dict planner.profile_fit.build fits)."""
     import torch
@@ -189,16 +196,21 @@ def calibrate_gpu(quick: bool = False):
     hw = CATALOG[name]
     reps = 3 if quick else 10
     shapes = GEMM_SHAPES[::4] if quick else GEMM_SHAPES
-    torch.ones(1, device="cuda") @ torch.ones(1, 1, device="cuda")  # context + cuBLAS workspace
-    measured = {"device_name": props.name, "gpus": torch.cuda.device_count(),
+    world = torch.cuda.device_count()
+    got = None
+    if world >= 2:
+        # First, before this process allocates on GPU 0: a child's overhead is its GPU's used
+        # memory less its own reserved bytes, so this process's context and cached blocks (the
+        # GEMM and HBM buffers) were counted as NCCL's. Spawned children start without them.
+        torch.cuda.empty_cache()  # a no-op unless a caller already used CUDA in this process
+        got = measure_collectives(world, COLLECTIVE_SIZES[::2] if quick else COLLECTIVE_SIZES, reps)
+    _init_context()
+    measured = {"device_name": props.name, "gpus": world,
                 "calibrated": time.strftime("%Y-%m-%d"), "memory": measure_memory(layers=4 if quick else 16)}
     measured["gemm"] = measure_gemm(shapes, reps, fp8=bool(hw.peak_fp8) and hasattr(torch, "_scaled_mm"))
     measured["attention"] = measure_attention(seqs=(2048,) if quick else (2048, 8192), reps=reps)
     measured["hbm"] = measure_hbm(0.25 if quick else 1.0, reps)
-    world = torch.cuda.device_count()
-    if world >= 2:
-        sizes = COLLECTIVE_SIZES[::2] if quick else COLLECTIVE_SIZES
-        got = measure_collectives(world, sizes, reps)
+    if got is not None:
         measured["collectives"] = got["rows"]
         # with NCCL's communicator and buffers the memory outside the allocator is larger
         measured["memory"]["overhead_bytes"] = max(measured["memory"]["overhead_bytes"], got["overhead_bytes"])
