@@ -1,7 +1,7 @@
 """The floors of the package, read from its source with ast (nothing is imported):
 
     tools      commands and tools that drive the trainer or the planner      -> anything
-    train      the loop, optimizer, checkpoints, recovery, metrics           -> parallel, model, data, layout, config
+    train      the loop, optimizer, checkpoints, recovery, metrics           -> planner, parallel, model, data, layout, config
     planner    pure Python predictions                                       -> layout, model (torch-free parts)
     parallel   one file per dimension and the composer                       -> model, layout, config
     config     the job config                                                -> model, layout
@@ -29,7 +29,7 @@ ALLOWED = {
     "tools": None,  # anything
     "cli": None,  # dispatches by module name, imports nothing of the package at module level
     "__main__": None,
-    "train": {"train", "parallel", "model", "data", "layout", "config", "errors", "paths"},
+    "train": {"train", "planner", "parallel", "model", "data", "layout", "config", "errors", "paths"},
     "planner": {"planner", "layout", "model", "errors"},
     "parallel": {"parallel", "model", "layout", "config", "errors"},
     "config": {"config", "model", "layout", "errors"},

@@ -10,78 +10,185 @@ from pathlib import Path
 
 import torch
 
+from ndtrain.planner.hardware import CATALOG, catalog_name
 from ndtrain.train.trackers import open_trackers, scalars
 
-# Dense bf16 peak FLOP/s per device, by substring of the CUDA device name.
-GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "B200": 2250e12, "A100": 312e12,
-                 "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
-# Dense fp8 peak FLOP/s (fp8 tensor cores, fp32 accumulation); devices without fp8 are absent.
-GPU_PEAK_FP8 = {"H200": 1979e12, "H100": 1979e12, "H800": 1979e12, "B200": 4500e12, "L40S": 733e12}
 FP8 = torch.float8_e4m3fn  # the dtype that asks peak_flops for the fp8 peak
 
 
-def gpu_peak_flops(device: torch.device, table: dict = GPU_PEAK_BF16) -> float | None:
-    name = torch.cuda.get_device_name(device)
-    for key, peak in table.items():
-        if key in name:
-            return peak
-    return None
-
-
-def probe_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 512, reps: int = 8) -> float:
-    """Best-of-`reps` matmul throughput of this process with its current thread count. Ranks
-    probe concurrently, so on a shared host each sees its real share of the cores."""
-    if dtype == FP8:  # fp8 GEMMs run through _scaled_mm (what torchao's Float8Linear calls)
-        a = torch.randn(n, n).to(FP8)
-        b = torch.randn(n, n).to(FP8).t().contiguous().t()  # column-major, as _scaled_mm wants
-        one = torch.ones(())
+def _probe_rate(device: torch.device, dtype: torch.dtype, n: int, reps: int) -> float:
+    """Best-of-`reps` FLOP/s of an n x n x n matmul in `dtype` on `device` (fp8 through
+    torch._scaled_mm, what torchao's Float8Linear calls). One path for CPU and CUDA: on CUDA each
+    timing waits for the kernel (synchronize), on CPU that wait is a no-op."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    if dtype == FP8:
+        a = torch.randn(n, n, device=device).to(FP8)
+        b = torch.randn(n, n, device=device).to(FP8).t().contiguous().t()  # column-major, as _scaled_mm wants
+        one = torch.ones((), device=device)
 
         def mm():
             return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     else:
-        a = torch.randn(n, n, dtype=dtype)
-        b = torch.randn(n, n, dtype=dtype)
+        a = torch.randn(n, n, dtype=dtype, device=device)
+        b = torch.randn(n, n, dtype=dtype, device=device)
 
         def mm():
             return a @ b
     mm()  # warm-up: first call pays for allocation and kernel selection
+    sync()
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
         mm()
+        sync()
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
 
 
+def probe_matmul_flops(dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> float:
+    """Matmul throughput of this process on `device` (default the CPU). A CPU probe runs with the
+    process's thread count: ranks probe concurrently, so on a shared host each sees its share of
+    the cores. A GPU probe needs a shape that fills the chip (8192: ~1.4 ms at 790 TFLOP/s)."""
+    device = device or torch.device("cpu")
+    if device.type == "cuda":
+        return _probe_rate(device, dtype, n=8192, reps=5)
+    return _probe_rate(device, dtype, n=512, reps=8)
+
+
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     """(peak FLOP/s of one device for matmuls in `dtype`, where it came from); `FP8` asks for the
-    fp8 peak. A GPU missing from the catalog, and a CPU, are measured."""
+    fp8 peak. A CUDA device is looked up in the planner's catalog (the one table of datasheet
+    peaks, matched by name and memory to its variant); one missing there, and a CPU, are measured
+    on the device itself. On CUDA a non-fp8 run is measured against the bf16 peak, as MFU
+    conventionally is (an fp32 run on tensor cores runs TF32 or slower)."""
     if device.type == "cuda":
-        peak = gpu_peak_flops(device, GPU_PEAK_FP8 if dtype == FP8 else GPU_PEAK_BF16)
-        if peak is not None:
-            return peak, "catalog"
-        if dtype == FP8:
-            return probe_cuda_fp8(device), "measured"
-    return probe_matmul_flops(dtype), "measured"
+        props = torch.cuda.get_device_properties(device)
+        name = catalog_name(props.name, props.total_memory)
+        peak = 0.0 if name is None else (CATALOG[name].peak_fp8 if dtype == FP8 else CATALOG[name].peak_bf16)
+        if peak:
+            return peak, f"catalog {name}"
+        return probe_matmul_flops(FP8 if dtype == FP8 else torch.bfloat16, device), "measured"
+    return probe_matmul_flops(dtype, device), "measured"
 
 
-def probe_cuda_fp8(device: torch.device, n: int = 4096, reps: int = 5) -> float:
-    a = torch.randn(n, n, device=device).to(FP8)
-    b = torch.randn(n, n, device=device).to(FP8).t().contiguous().t()
-    one = torch.ones((), device=device)
-    torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    torch.cuda.synchronize(device)
-    return 2 * n**3 * reps / (time.perf_counter() - t0)
+def run_peaks(device: torch.device, dtype: torch.dtype, fp8: bool) -> tuple[float, str, float, str]:
+    """(peak, source, fp8 peak, its source) that a run's MFU divides by; the fp8 peak is 0 without
+    fp8. The fp8 peak is never below the bf16 one: an fp8 run's matmuls reach at least the bf16
+    rate (where fp8 is slower, e.g. the emulated CPU _scaled_mm, the bf16 work outpaces it), so a
+    lower "peak" would report MFU above 100%."""
+    peak, source = peak_flops(device, dtype)
+    if not fp8:
+        return peak, source, 0.0, ""
+    fp8_peak, fp8_source = peak_flops(device, FP8)
+    if fp8_peak < peak:
+        return peak, source, peak, f"the bf16 peak: fp8 measured {fp8_peak / 1e9:.3g} GFLOP/s, below it"
+    return peak, source, fp8_peak, fp8_source
+
+
+def mfu(flops_per_s: float, peak: float) -> float | None:
+    """Model FLOP/s over the peak; None above 1: no run outpaces a true peak, so the peak is wrong
+    (a misidentified device, a measured probe below what the run reaches) and the figure would mislead."""
+    ratio = flops_per_s / peak if peak > 0 else float("inf")
+    return ratio if ratio <= 1.0 else None
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak (each step reports its own). CPU: Linux's per-process high-water mark of
+    resident memory, which ru_maxrss reports, is reset by writing 5 to /proc/self/clear_refs; where
+    that is refused the CPU peak stays the process's."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def peak_memory_mb(device: torch.device) -> float:
+    """Peak since the last reset_peak_memory: the CUDA allocator's, or the process's resident set."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+# ---- per-rank busy time (the straggler monitor's input) --------------------------------------
+class CpuBusyTimer:
+    """The training thread's CPU time: time blocked in a collective waiting for a slow peer is not
+    CPU time, so the slow rank stands out though every rank's wall time is the same."""
+
+    def start(self) -> None:
+        self._t0 = time.thread_time()
+
+    def stop(self) -> float:
+        return time.thread_time() - self._t0
+
+    def close(self) -> None:
+        pass
+
+
+class CudaBusyTimer:
+    """GPU time of each rank's own compute, from CUDA events recorded on the current stream around
+    every forward of `modules` (the decoder blocks and the head; activation recompute included).
+    A step's wall time, and the GPU time from its start to its end, include waiting for the
+    slowest peer in the step's collectives and so are the same on every rank; inside a block the
+    stream runs only that rank's kernels (FSDP's pre-forward hook, registered first, has already
+    made the stream wait for its all-gather before the start event). Tensor-parallel blocks
+    include their in-block collectives. Events are read at `stop`, after the step's own
+    host-device sync: no extra sync per block."""
+
+    def __init__(self, modules, event=None):
+        self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self._pairs: list | None = None  # None: not timing (outside a step, e.g. validation)
+        self._open: dict[int, object] = {}
+        self._hooks = []
+        for m in modules:
+            self._hooks.append(m.register_forward_pre_hook(self._begin))
+            self._hooks.append(m.register_forward_hook(self._end))
+
+    @torch.compiler.disable  # host-side bookkeeping; compiled blocks run it eagerly around their graph
+    def _begin(self, module, args) -> None:
+        if self._pairs is not None:
+            self._open[id(module)] = ev = self._event()
+            ev.record()
+
+    @torch.compiler.disable
+    def _end(self, module, args, output) -> None:
+        start = self._open.pop(id(module), None)
+        if self._pairs is not None and start is not None:
+            end = self._event()
+            end.record()
+            self._pairs.append((start, end))
+
+    def start(self) -> None:
+        self._pairs, self._open = [], {}
+
+    def stop(self) -> float:
+        pairs, self._pairs = self._pairs or [], None
+        if pairs:
+            pairs[-1][1].synchronize()  # done already: the step read its loss back
+        return sum(a.elapsed_time(b) for a, b in pairs) / 1e3  # elapsed_time is in ms
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self._pairs = [], None
+
+
+def compute_modules(model_parts) -> list:
+    """What a CUDA busy timer brackets: every decoder block and the head of this rank's parts."""
+    found = []
+    for part in model_parts:
+        found += list(getattr(part, "layers", {}).values())
+        if getattr(part, "output", None) is not None:
+            found.append(part.output)
+    return found
+
+
+def busy_timer(device: torch.device, modules, event=None):
+    """The straggler monitor's clock for `device`: compute time, never wall time."""
+    return CudaBusyTimer(modules, event) if device.type == "cuda" else CpuBusyTimer()
 
 
 class MetricsLogger:
@@ -134,10 +241,13 @@ class MetricsLogger:
             self.info(f"step {row['step']}: validation loss {row['val_loss']:.4f}")
 
     def _show(self, row: dict) -> None:
-        mfu = f"MFU {100 * row['mfu']:.1f}%"
+        def pct(value, peak: str) -> str:  # None: above 100% (see mfu()), so that peak is wrong
+            return f"{100 * value:.1f}% of {peak} peak" if value is not None else f"n/a ({peak} peak is wrong: the run is above it)"
+
+        mfu_text = f"MFU {100 * row['mfu']:.1f}%" if row["mfu"] is not None else "MFU n/a (above 100%: the peak is wrong)"
         if "mfu_fp8" in row:  # fp8 runs: against both peaks, named
-            mfu = f"MFU {100 * row['mfu']:.1f}% of bf16 peak, {100 * row['mfu_fp8']:.1f}% of fp8 peak"
-        text = f"loss {row['loss']:.3f} | {row['tokens_per_s']:,.0f} tok/s | {mfu}"
+            mfu_text = f"MFU {pct(row['mfu'], 'bf16')}, {pct(row['mfu_fp8'], 'fp8')}"
+        text = f"loss {row['loss']:.3f} | {row['tokens_per_s']:,.0f} tok/s | {mfu_text}"
         if self.bar is not None:
             self.bar.set_postfix_str(text, refresh=False)
             self.bar.update(row["step"] - self.bar.n)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ndtrain.config import global_batch_at
 from ndtrain.errors import NdtrainError
-from ndtrain.train.metrics import peak_memory_mb
+from ndtrain.train.metrics import busy_timer, compute_modules, peak_memory_mb
 
 EXIT_HANG = 70  # a watchdog abort: nonzero, so torchrun restarts the group
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: the job was told to stop and saved; schedulers retry nonzero exits
@@ -140,11 +140,11 @@ class NonFiniteGuard:
 
 # ---- stragglers ----------------------------------------------------------------------------
 class StragglerMonitor:
-    """Per-rank busy time per step, compared every `window` steps. Busy time is the training
-    thread's CPU time on CPU (time blocked in a collective waiting for a slow peer is not busy,
-    so the slow rank stands out even though every rank's wall time is the same); on GPUs it is
-    wall time. A rank over the median by more than `threshold` in `persist` consecutive windows
-    is named."""
+    """Per-rank busy time per step, compared every `window` steps. Busy time is each rank's own
+    compute, never wall time (the step's collectives make wall time the same on every rank): the
+    training thread's CPU time on CPU, the GPU time of its blocks from CUDA events on CUDA
+    (metrics.busy_timer). A rank over the median by more than `threshold` in `persist`
+    consecutive windows is named."""
 
     def __init__(self, threshold: float, window: int, persist: int = 3):
         self.threshold, self.window, self.persist = threshold, max(1, window), persist
@@ -316,9 +316,8 @@ class Recovery:
         self.faults = FaultPlan.from_env(rank, log_path)
         ckpt.set_fault_hook(lambda point, step: self.faults.at_checkpoint(step, point))
         self.rollbacks = 0
-        self.cuda = trainer.rt.device.type == "cuda"
         self._consumed_before = 0
-        self._t0 = (0.0, 0.0)
+        self.busy = busy_timer(trainer.rt.device, compute_modules(trainer.model_parts))
 
     def _event(self, row: dict, text: str) -> None:
         self.trainer.logger.log({"step": self.trainer.step, **row})
@@ -336,13 +335,13 @@ class Recovery:
         self._consumed_before = consumed
         if self.watchdog:
             self.watchdog.arm(t.step + 1)
-        self._t0 = (time.thread_time(), time.perf_counter())
+        self.busy.start()
         self.faults.at_step(t.step + 1)
 
     def after_step(self, result) -> str:
         """'ok', 'rollback' (the trainer was rolled back: continue the loop) or 'stop' (preempted)."""
         t = self.trainer
-        busy = time.perf_counter() - self._t0[1] if self.cuda else time.thread_time() - self._t0[0]
+        busy = self.busy.stop()
         if self.watchdog:
             self.watchdog.disarm()
         action, window = self.guard.observe(result.skipped, self._consumed_before, t.loader.consumed_samples)
@@ -396,6 +395,7 @@ class Recovery:
             self.watchdog.close()
         self.faults.cancel()
         self.preemption.close()
+        self.busy.close()
 
 
 def _num(x: float):

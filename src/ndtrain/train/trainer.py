@@ -41,7 +41,7 @@ from ndtrain.parallel.grad_norm import (all_reduce_sum, clip_coefficient, local_
 from ndtrain.train import distributed, job
 from ndtrain.train.ckpt_state import DiLoCoState, ModelState, OptimizerState, RNGState, TrainProgress
 from ndtrain.train.distributed import env_world_size
-from ndtrain.train.metrics import FP8, MetricsLogger, peak_flops, peak_memory_mb
+from ndtrain.train.metrics import MetricsLogger, mfu, peak_memory_mb, reset_peak_memory, run_peaks
 from ndtrain.train.trackers import check_installed as check_trackers
 from ndtrain.train.optim import build_optimizer, lr_at, set_lr
 
@@ -159,9 +159,9 @@ class Trainer:
         # must not write the weights until it is done (the copy overlaps forward and backward).
         self.before_update = None
         dtype = torch.bfloat16 if low or self.autocast else torch.float32
-        self.peak_flops_per_rank, self.peak_source = peak_flops(self.rt.device, dtype)
         # fp8 runs report MFU against the bf16 peak (comparable with bf16 runs) and the fp8 peak.
-        fp8_peak, self.peak_fp8_source = peak_flops(self.rt.device, FP8) if self.fp8 else (0.0, "")
+        self.peak_flops_per_rank, self.peak_source, fp8_peak, self.peak_fp8_source = run_peaks(
+            self.rt.device, dtype, self.fp8)
         self.peak_flops_total, self.peak_fp8_total = all_reduce_sum([self.peak_flops_per_rank, fp8_peak],
                                                                     self.rt.device)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
@@ -275,6 +275,7 @@ class Trainer:
     def train_step(self) -> StepResult:
         cfg = self.cfg
         t0, cpu0 = time.perf_counter(), time.process_time()
+        reset_peak_memory(self.rt.device)  # each step's row reports that step's peak
         gb = global_batch_at(cfg, self.tokens_seen)
         problem = global_batch_problem(gb, self.dp_size)  # the layout's rule, for this step's batch
         if problem:
@@ -366,10 +367,10 @@ class Trainer:
     def metrics_row(self, r: StepResult) -> dict:
         tps = r.tokens / r.seconds
         return {"step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens_per_s": tps,
-                "mfu": self.flops_per_token * tps / self.peak_flops_total, "step_time_s": r.seconds,
+                "mfu": mfu(self.flops_per_token * tps, self.peak_flops_total), "step_time_s": r.seconds,
                 "tokens_seen": self.tokens_seen, "peak_memory_mb": peak_memory_mb(self.rt.device),
                 "skipped": r.skipped, **r.extra,
-                **({"mfu_fp8": self.flops_per_token * tps / self.peak_fp8_total} if self.fp8 else {})}
+                **({"mfu_fp8": mfu(self.flops_per_token * tps, self.peak_fp8_total)} if self.fp8 else {})}
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Unsharded fp32 copies of this rank's parameters (a collective under FSDP/TP)."""
