@@ -44,7 +44,7 @@ from ndtrain.parallel.diloco import checkpoint_restore, checkpoint_view
 from ndtrain.train.ckpt_failure import state_bytes, write_failure
 from ndtrain.train import ckpt_policy, ckpt_staging
 from ndtrain.train.ckpt_resume import any_rank, barrier, broadcast, choose, group_active
-from ndtrain.train.ckpt_digest import (collect_digests, has_digests, write_manifest_from,
+from ndtrain.train.ckpt_digest import (collect_digests, has_digests, verify_shared, write_manifest_from,
                                        write_own_digests)
 from ndtrain.train.ckpt_store import (FORMAT, MARKER, MODEL_KEYS, TRAIN_STATE, dcp_load, fsync_dir, list_checkpoints,
                                       model_mismatch, read_train_state, step_name, step_of, verify, write_marker)
@@ -164,6 +164,7 @@ class Checkpointer:
             self.wait()
             return self.root / name
         self.wait()  # one save in flight: its RAM copy and the directory names are reused
+        self._verify_for_retention()
         tmp = self.root / f".{name}.partial"
         if self.is_main:
             try:
@@ -265,9 +266,16 @@ class Checkpointer:
         ckpt_policy.retain(self.root, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every,
                            self._verdict, self._info)
 
+    def _verify_for_retention(self) -> None:
+        """Every rank: what the publish's retention will ask about and nobody has checked, hashed
+        now, shared over the ranks; once one fails, retention looks further back, so again."""
+        while todo := broadcast(ckpt_policy.unverified(self.root, self.cfg.checkpoint.keep_last, self.verdicts)
+                                if self.is_main else None):
+            self.verdicts.update(verify_shared(todo))
+
     def _verdict(self, ckpt: Path) -> str | None:
         key = str(ckpt)
-        if key not in self.verdicts:  # older than this process and not checked at resume
+        if key not in self.verdicts:  # not reached: _verify_for_retention checked it before the save
             self.verdicts[key] = verify(ckpt)
         return self.verdicts[key]
 

@@ -4,7 +4,9 @@ and recovery"):
 
 - Retention counts only checkpoints that verify: the newest `keep_last` intact ones stay, and
   every `keep_every`-th step; older ones are deleted. One that fails verification is never
-  counted and never deleted: it is moved to `corrupt/` with the reason in the log.
+  counted and never deleted: it is moved to `corrupt/` with the reason in the log. What the
+  process has not checked yet is hashed before each save by all ranks, each its share
+  (`unverified`), never by rank 0 alone inside a publish while the others wait in a collective.
 - One directory, one timeline. Resuming from a checkpoint older than the newest one there
   starts a new timeline: before training, the newer checkpoints (the abandoned timeline) move to
   `abandoned-<time>/`, so `resume=auto` after a later crash continues the new timeline. The move
@@ -99,6 +101,21 @@ def retain(root: Path, keep_last: int, keep_every: int, verdict, log) -> None:
         doomed = ckpt.with_name(f".{ckpt.name}.deleting")  # unmarked at once: never half-deleted yet listed
         os.replace(ckpt, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
+
+
+def unverified(root: Path, keep_last: int, verdicts: dict) -> list[Path]:
+    """The checkpoints `retain` would ask about that `verdicts` does not know: newest first, until
+    keep_last are known intact or (unchecked) assumed so. The checkpointer hashes these before a
+    save, every rank its share, so a publish never hashes on rank 0 alone while its peers wait."""
+    todo, good = [], 0
+    for ckpt in reversed(list_checkpoints(Path(root))):
+        if good >= keep_last:
+            break
+        if str(ckpt) not in verdicts:
+            todo.append(ckpt)
+        if verdicts.get(str(ckpt)) is None:
+            good += 1
+    return todo
 
 
 def new_timeline(parent: str | None = None) -> dict:

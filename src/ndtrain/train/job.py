@@ -5,6 +5,7 @@ and calls `run` with a way to build the Trainer (so this module does not import 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -17,6 +18,9 @@ from ndtrain.layout.flops import MFU_CONVENTION
 from ndtrain.model.config import num_params
 from ndtrain.train import distributed, recovery
 from ndtrain.train.checkpoint import list_checkpoints
+from ndtrain.train.ckpt_resume import group_active
+
+SAMPLE_DELAY_ENV = "NDTRAIN_TEST_SAMPLE_DELAY_S"  # tests only: seconds rank 0 sleeps before its sample
 
 
 def run(cfg: JobConfig, run_dir: Path, make_trainer: Callable[[], object]) -> dict:
@@ -26,7 +30,7 @@ def run(cfg: JobConfig, run_dir: Path, make_trainer: Callable[[], object]) -> di
     progress = {"step": None}
     interrupt = recovery.InterruptRecord()
     try:
-        return _loop(cfg, run_dir, progress, make_trainer)
+        summary = _loop(cfg, run_dir, progress, make_trainer)
     except KeyboardInterrupt:
         raise recovery.Interrupted(progress["step"]) from None
     except Exception as exc:
@@ -49,6 +53,38 @@ def run(cfg: JobConfig, run_dir: Path, make_trainer: Callable[[], object]) -> di
         raise
     finally:
         interrupt.close()
+    if not group_active():  # one process: nobody waits on this one, and the trainer is gone
+        closing_sample(cfg, summary)
+    return summary
+
+
+def closing_sample(cfg: JobConfig, summary: dict) -> None:
+    """Rank 0's sample of the final checkpoint, run when no other rank can be waiting on it: after
+    the process groups are torn down (command._run), or at once with no group. On the run's
+    device, with a KV cache, from a checkpoint this run has just hashed (not hashed again);
+    skipped in one line when the model does not fit. Sets summary["sample"]."""
+    request = summary.pop("sample_from", None)
+    if not request:
+        return
+    time.sleep(float(os.environ.get(SAMPLE_DELAY_ENV, "0") or 0))  # tests: a slow rank 0
+    from ndtrain.errors import NdtrainError
+    from ndtrain.train.generate import does_not_fit, generate_from_checkpoint, sample_device
+
+    t = cfg.train
+    device = sample_device(request["device"])
+    why = does_not_fit(cfg.model, device, len(t.sample_prompt.encode()) + t.sample_tokens)
+    if why is None:
+        try:
+            text = generate_from_checkpoint(request["checkpoint"], t.sample_prompt, t.sample_tokens, seed=t.seed,
+                                            device=device, verified=request["verified"])
+        except (NdtrainError, torch.OutOfMemoryError, MemoryError) as exc:
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        else:
+            print("---- sample ----\n" + text + "\n----------------", flush=True)
+            summary["sample"] = text
+            return
+    print(f"sample skipped: {why} (train.sample_tokens=0 turns it off; ndtrain generate --checkpoint "
+          f"{request['checkpoint']} --device cpu samples it elsewhere)", flush=True)
 
 
 def _loop(cfg: JobConfig, run_dir: Path, progress: dict, make_trainer) -> dict:
@@ -138,10 +174,9 @@ def _loop(cfg: JobConfig, run_dir: Path, progress: dict, make_trainer) -> dict:
                "preempted": preempted, "interrupted": interrupted,
                "stop_signal": guard.preemption.signal_name if preempted else ""}
     if rt.is_main and cfg.train.sample_tokens > 0 and path is not None and not (preempted or interrupted):
-        from ndtrain.train.generate import generate_from_checkpoint
-
-        text = generate_from_checkpoint(path, cfg.train.sample_prompt, cfg.train.sample_tokens, seed=cfg.train.seed)
-        log.info("---- sample ----\n" + text + "\n----------------")
-        summary["sample"] = text
+        # Only rank 0 samples, so not now: the other ranks would wait for it in a collective under
+        # the collective timeout. closing_sample runs once no rank can be waiting.
+        summary["sample_from"] = {"checkpoint": str(path), "device": str(rt.device),
+                                  "verified": ckpt.verdicts.get(str(path), "unknown") is None}
     trainer.close()
     return summary

@@ -1,0 +1,83 @@
+"""The end of a run: work only rank 0 does (the closing sample) never holds the other ranks in
+a collective. With a collective timeout of a few seconds and rank 0 slowed in its sampling, a
+world-2 run must exit 0 in one attempt (before: the teardown barrier timed out, torchrun
+restarted the group, the restart sampled again)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Rank 0's extra time in the sampling path (NDTRAIN_TEST_SAMPLE_DELAY_S), against the collective
+# timeout: twice the timeout, so that any collective spanning the sample must time out.
+TIMEOUT_S = 4
+DELAY_S = 2 * TIMEOUT_S
+
+
+@pytest.mark.timeout(300)
+def test_slow_rank0_sample_does_not_time_out_the_group(corpus_dir, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ndtrain", "train", "--nproc", "2", "--max-restarts", "1",
+           f"--data.path={corpus_dir}", "--data.seq_len=64", "--train.global_batch=8", "--train.micro_batch=4",
+           "--train.steps=3", "--train.val_interval=0", "--train.log_interval=1", "--train.sample_tokens=400",
+           f"--train.timeout_s={TIMEOUT_S}", "--checkpoint.interval_steps=0", "--logging.tensorboard=false",
+           "--logging.progress=off", f"--train.output_dir={out}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "NDTRAIN_TEST_SAMPLE_DELAY_S": str(DELAY_S)})
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    attempts = [r for r in rows if r.get("event") in ("start", "restart")]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["attempt"] for r in attempts] == [0], attempts  # one attempt: nothing restarted
+    assert "---- sample ----" in proc.stdout, proc.stdout[-2000:]
+
+
+def _train(base: dict) -> int:
+    from ckpt_helpers import cfg_of
+
+    from ndtrain.train.trainer import train
+
+    return train(cfg_of(base))["steps"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [1, 2])
+def test_retention_in_a_publish_never_hashes_on_one_rank(world, parity_base, tmp_path, monkeypatch):
+    """Retention counts only checkpoints that verify. One this process has not checked yet must
+    be hashed before the save, shared over the ranks (ckpt_digest.verify_shared), not by rank 0
+    inside the publish while the others wait for it in a collective."""
+    from ckpt_helpers import job
+
+    from ndtrain.parallel.launch import run_ranks
+    from ndtrain.train import checkpoint
+    from ndtrain.train.ckpt_store import list_checkpoints
+
+    run = tmp_path / "run"
+    _train(job(parity_base, run, train={"steps": 4}, checkpoint={"interval_steps": 1, "keep_last": 3}))
+    root = run / "checkpoints"
+    assert [c.name for c in list_checkpoints(root)] == ["step_00000002", "step_00000003", "step_00000004"]
+    shard = next((root / "step_00000002").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only its hash can tell
+    shard.write_bytes(bytes(data))
+    alone = tmp_path / "hashed-alone.txt"  # a file: forked ranks inherit the patch and append here
+    real = checkpoint.verify
+
+    def recording_verify(ckpt, *args, **kwargs):
+        with open(alone, "a") as f:
+            f.write(Path(ckpt).name + "\n")
+        return real(ckpt, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "verify", recording_verify)
+    # Resuming from step 3 verifies only step 3; step 4 leaves the timeline; step 2 is unchecked.
+    resumed = job(parity_base, run, train={"steps": 5},
+                  checkpoint={"interval_steps": 1, "keep_last": 3, "resume": str(root / "step_00000003")})
+    steps = run_ranks(world, _train, resumed, timeout_s=60) if world > 1 else [_train(resumed)]
+    assert steps == [5] * world
+    assert not alone.exists(), f"hashed by one rank inside a publish: {alone.read_text().split()}"
+    assert [c.name for c in list_checkpoints(root)] == ["step_00000003", "step_00000004", "step_00000005"]
+    assert [p.name.split("-")[0] for p in (root / "corrupt").iterdir()] == ["step_00000002"]
