@@ -22,7 +22,9 @@ from torch.overrides import TorchFunctionMode
 from ndtrain.config import load_config
 
 SRC = str(Path(__file__).resolve().parents[2] / "src" / "ndtrain")
-READS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy"}
+READS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy",
+         # hidden: CUDA's bincount reads its input's max to the host to size its output
+         "bincount"}
 # The one read left per MoE layer and micro-batch: capacity dropping gathers the kept
 # assignments with nonzero(), whose output size is data-dependent (README, Mixture of experts).
 GATHER = "nonzero"
@@ -87,3 +89,19 @@ def test_host_reads_per_step_do_not_grow_with_micro_batches(corpus_dir):
     assert moe_reads == 1, sorted(one.calls.items())
     # What is left per layer and micro-batch: capacity's gather of the kept assignments.
     assert eight.count({GATHER}) == layers * 8 and one.count({GATHER}) == layers
+
+
+def test_expert_parallel_regroup_reads_nothing_when_told_the_total():
+    """Expert parallel's exchange reads its split sizes to the host once per layer and micro-batch
+    (both directions in one read) and hands the received total to regroup_index, which read it
+    again otherwise."""
+    from ndtrain.parallel.expert import regroup_index
+
+    recv = torch.tensor([[2, 0, 1], [1, 3, 0]])  # [source rank, local expert] rows
+    with HostReads() as asked:
+        told = regroup_index(recv, 7)
+    with HostReads() as alone:
+        counted = regroup_index(recv)
+    # Source-major rows 0-6 = (src0: e0 e0 e2) (src1: e0 e1 e1 e1), laid out expert-major.
+    assert told.tolist() == counted.tolist() == [0, 1, 3, 4, 5, 6, 2]
+    assert asked.count() == 0 and alone.count() == 1

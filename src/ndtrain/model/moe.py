@@ -37,6 +37,12 @@ def _local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if hasattr(w, "to_local") else w
 
 
+def occurrences(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each of 0..n-1 occurs in the int64 `idx`: torch.bincount without its host sync
+    (on CUDA, bincount reads idx.max() to the host to size its output)."""
+    return torch.zeros(n, dtype=torch.long, device=idx.device).scatter_add_(0, idx, torch.ones_like(idx))
+
+
 def fused_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
     """Whether torch's grouped GEMM (torch 2.13) runs these operands: on CUDA bf16 only (its
     kernel and its meta rule refuse other dtypes); the CPU kernel takes fp32 and bf16."""
@@ -160,7 +166,7 @@ class MoE(nn.Module):
         slot_major = top_idx.view(batch, seq_len, k).transpose(1, 2).reshape(batch, k * seq_len)
         key = (torch.arange(batch, device=top_idx.device)[:, None] * n_exp + slot_major).flatten()
         order = torch.sort(key, stable=True).indices
-        counts = torch.bincount(key, minlength=batch * n_exp)
+        counts = occurrences(key, batch * n_exp)
         starts = counts.cumsum(0) - counts
         rank = torch.empty_like(key)
         rank[order] = torch.arange(key.numel(), device=key.device) - starts[key[order]]
@@ -180,7 +186,7 @@ class MoE(nn.Module):
         experts_of = flat_idx[assign]
         order = torch.sort(experts_of, stable=True).indices
         assign = assign[order]
-        counts = torch.bincount(experts_of, minlength=self.n_experts)
+        counts = occurrences(experts_of, self.n_experts)
         xs = x[assign // k]
         ys = self.exchange(xs, counts, self.experts) if self.exchange is not None else self.experts(xs, counts)
         # Back to (token, slot) order, dropped slots zero; summing over the k slots of a token in a
@@ -229,7 +235,7 @@ class MoE(nn.Module):
     @torch.no_grad()
     def _record(self, probs, top_idx, keep, aux, batch: int) -> None:
         row = torch.zeros(self.n_experts + 5, dtype=torch.float64, device=probs.device)
-        row[: self.n_experts] = torch.bincount(top_idx.flatten(), minlength=self.n_experts).double()
+        row[: self.n_experts] = occurrences(top_idx.flatten(), self.n_experts).double()
         extra = row[self.n_experts:]
         if keep is not None:  # a tensor copy, not float(): no host sync per layer and micro-batch
             extra[_DROPPED] = (~keep).sum()

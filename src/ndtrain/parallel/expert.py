@@ -61,15 +61,16 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad.contiguous(), in_splits, out_splits, ctx.group, ctx.meter), None, None, None, None
 
 
-def regroup_index(recv: torch.Tensor) -> torch.Tensor:
+def regroup_index(recv: torch.Tensor, total: int | None = None) -> torch.Tensor:
     """recv [sources, local experts] row counts of a buffer laid out source-major; returns the
-    gather index that lays the rows out expert-major (each local expert's rows contiguous)."""
+    gather index that lays the rows out expert-major (each local expert's rows contiguous).
+    `total` (the rows received, when the caller knows it) saves a host read of recv's sum."""
     flat = recv.flatten()
     starts = flat.cumsum(0) - flat
     by_expert = torch.arange(flat.numel(), device=recv.device).view(recv.shape).t().flatten()
     sizes, src_starts = flat[by_expert], starts[by_expert]
     dst_starts = sizes.cumsum(0) - sizes
-    total = int(flat.sum())
+    total = int(flat.sum()) if total is None else total
     return torch.repeat_interleave(src_starts - dst_starts, sizes, output_size=total) + \
         torch.arange(total, device=recv.device)
 
@@ -96,10 +97,11 @@ class ExpertExchange:
         recv = torch.empty_like(counts)
         dist.all_to_all_single(recv, counts.contiguous(), group=self.group)
         recv = recv.view(self.size, n_local)  # [source rank, local expert]
-        send_splits = counts.view(self.size, n_local).sum(1).tolist()
-        recv_splits = recv.sum(1).tolist()
+        # The all-to-all needs its split sizes on the host: one read for both (a sync per layer
+        # and micro-batch that uneven splits cannot avoid).
+        send_splits, recv_splits = torch.stack([counts.view(self.size, n_local).sum(1), recv.sum(1)]).tolist()
         rows = _AllToAll.apply(xs, recv_splits, send_splits, self.group, self.meter)
-        index = regroup_index(recv)
+        index = regroup_index(recv, sum(recv_splits))
         ys = experts(_ScaleGrad.apply(rows[index], float(self.size)), recv.sum(0))
         ys = _ScaleGrad.apply(ys, 1.0 / self.size)
         back = torch.empty_like(index)
