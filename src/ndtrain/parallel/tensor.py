@@ -8,11 +8,16 @@ head is column-parallel and its logits stay vocab-sharded for `loss_parallel`, s
 With sequence parallel the residual stream and norms are sharded along the sequence between the
 TP regions, turning each all-reduce into a reduce-scatter + all-gather pair of the same volume
 but 1/tp of the activation memory.
+
+The blocks compile (`[parallel] compile`) under TP because the first one is handed a plain
+tensor: see `_wait_embedding_output`.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -21,6 +26,31 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+
+
+class _Wait(torch.autograd.Function):
+    """Identity that waits for an async collective's result: a plain tensor forward, the gradient
+    passed straight back."""
+
+    @staticmethod
+    def forward(ctx, x: AsyncCollectiveTensor) -> torch.Tensor:
+        out = x.trigger_wait()
+        return out.view_as(out)  # a fresh alias: autograd's metadata must not land on the ACT's own tensor
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _wait_embedding_output(module: nn.Module, args, out):
+    """RowwiseParallel reduces the embedding's partial sums with `async_op=True` and `to_local()`
+    hands the first block an AsyncCollectiveTensor (ACT). A compiled block loses the gradient of
+    an ACT input in torch 2.13: AOTAutograd traces it as its waited inner tensor, which has no
+    autograd state (torch/_functorch/_aot_autograd/frontend_utils.py, process_inputs), so the
+    backward returns None and the embedding's Redistribute backward fails on a plain tensor
+    (AttributeError '_local_tensor'). Waiting here costs no overlap: the first block's norm reads
+    the tensor at once. tests/parallel/test_tp_compile.py flags the day torch fixes it."""
+    return _Wait.apply(out) if isinstance(out, AsyncCollectiveTensor) else out
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
@@ -32,6 +62,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool) ->
     }
     root_plan = {k: v for k, v in root_plan.items() if v is not None and getattr(model, k, None) is not None}
     parallelize_module(model, tp_mesh, root_plan)
+    if model.tok_embeddings is not None:  # after the plan's own output hook, which makes the ACT
+        model.tok_embeddings.register_forward_hook(_wait_embedding_output)
     for block in model.layers.values():
         plan = {
             "attention": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
