@@ -81,3 +81,53 @@ def test_retention_in_a_publish_never_hashes_on_one_rank(world, parity_base, tmp
     assert not alone.exists(), f"hashed by one rank inside a publish: {alone.read_text().split()}"
     assert [c.name for c in list_checkpoints(root)] == ["step_00000003", "step_00000004", "step_00000005"]
     assert [p.name.split("-")[0] for p in (root / "corrupt").iterdir()] == ["step_00000002"]
+
+
+def test_big_model_configs_do_not_sample():
+    from ndtrain.config import load_config
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    for name in ("llama3-8b-8gpu.toml", "llama3-70b-64gpu.toml"):
+        assert load_config(str(root / name), {}).train.sample_tokens == 0, name
+
+
+def test_a_sample_that_does_not_fit_is_skipped_in_one_line(capsys, monkeypatch):
+    """70B in fp32 on a host of 64 GiB: one line naming the need and the way out, nothing read."""
+    from ndtrain.config import load_config
+    from ndtrain.train import generate
+    from ndtrain.train.job import closing_sample
+
+    monkeypatch.setattr(generate, "_host_available", lambda: 64 * 2**30)
+
+    cfg = load_config(None, {"model": {"preset": "llama3-70b"}, "train": {"sample_tokens": 200}})
+    summary = {"sample_from": {"checkpoint": "/nonexistent/step_00000001", "device": "cpu", "verified": True}}
+    closing_sample(cfg, summary)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sample skipped: needs 26") and "GiB" in lines[0], lines
+    assert "sample" not in summary and "sample_from" not in summary
+
+
+@pytest.mark.timeout(120)
+def test_the_closing_sample_does_not_hash_the_checkpoint_it_just_published(parity_base, tmp_path, monkeypatch):
+    from ckpt_helpers import cfg_of, job
+
+    from ndtrain.train import ckpt_store, generate
+    from ndtrain.train.trainer import train
+
+    hashed = []
+    real_sha, real_load = ckpt_store.sha256, generate.load_model
+    monkeypatch.setattr(ckpt_store, "sha256", lambda p: hashed.append(Path(p).name) or real_sha(p))
+    per_load = []
+
+    def counting_load(*args, **kwargs):
+        before = len(hashed)
+        out = real_load(*args, **kwargs)
+        per_load.append(len(hashed) - before)
+        return out
+
+    monkeypatch.setattr(generate, "load_model", counting_load)
+    summary = train(cfg_of(job(parity_base, tmp_path / "run", train={"steps": 2, "sample_tokens": 30})))
+    assert summary["sample"].startswith("def ") and len(summary["sample"]) > len("def ")
+    assert per_load == [0], f"the sample hashed {per_load} files of the checkpoint this run had just hashed"
+    generate.load_model(summary["checkpoint"], "cpu", verified=False)  # the count sees hashing
+    assert per_load[-1] > 0

@@ -83,8 +83,8 @@ def closing_sample(cfg: JobConfig, summary: dict) -> None:
             print("---- sample ----\n" + text + "\n----------------", flush=True)
             summary["sample"] = text
             return
-    print(f"sample skipped: {why} (train.sample_tokens=0 turns it off; ndtrain generate --checkpoint "
-          f"{request['checkpoint']} --device cpu samples it elsewhere)", flush=True)
+    print(f"sample skipped: {why} (train.sample_tokens=0 turns it off; `ndtrain generate --checkpoint "
+          f"{request['checkpoint']}` samples it on a machine that holds it)", flush=True)
 
 
 def _loop(cfg: JobConfig, run_dir: Path, progress: dict, make_trainer) -> dict:
