@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 from ndtrain.config import load_config
 from ndtrain.errors import UsageError
@@ -31,6 +32,8 @@ def launch_local(nproc: int, max_restarts: int, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    from ndtrain.train.recovery import EXIT_PREEMPTED, Preemption
+
     # Restarted workers that reuse the agent's shared rendezvous store sometimes see stale
     # connections; a store per attempt makes restarts reliable.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
@@ -39,17 +42,56 @@ def launch_local(nproc: int, max_restarts: int, argv: list[str]) -> int:
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    # The stop signals are this process's (LauncherSignals); torchrun keeps the rest.
     args = ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-            "-m", "ndtrain", "train", *argv]
+            f"--signals-to-handle={','.join(s.name for s in TORCHRUN_KEEPS)}", "-m", "ndtrain", "train", *argv]
+    stops = LauncherSignals(SignalException)
     try:
         torchrun_main(args)
-    except SignalException as exc:  # Ctrl-C / SIGTERM to this process: forwarded to the workers
-        return 128 + int(exc.sigval)
+    except SignalException as exc:  # Ctrl-C / SIGTERM / SIGUSR1 to this process: forwarded to the workers
+        # What the workers exit with: 143 after their save, whichever stop signal it was.
+        return EXIT_PREEMPTED if exc.sigval in Preemption.SIGNALS else 128 + int(exc.sigval)
     except SystemExit as exc:  # torchrun exits via SystemExit on some paths
         return int(exc.code or 0)
     except ChildFailedError as exc:
         return _child_failure(exc)
+    finally:
+        stops.restore()
     return 0
+
+
+TORCHRUN_KEEPS = (signal.SIGQUIT,)
+
+
+class LauncherSignals:
+    """The `--nproc` launcher's Ctrl-C, SIGTERM, SIGUSR1 and SIGHUP. The first is raised as
+    torchrun's own SignalException, so torchrun does what it always does: forwards it to the
+    workers and waits for them up to its shutdown timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s),
+    then SIGKILLs them. Later ones are absorbed. torchrun's handler would raise again inside that
+    wait and exit with the workers still saving, and the kernel then kills them (their
+    PDEATHSIG). A scheduler signals every process of a job, often more than once. SIGUSR1 is
+    handled here too: torchrun leaves it alone by default, and its default action would kill this
+    process and so, through PDEATHSIG, the workers."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+
+    def __init__(self, exception_type):
+        self.exception_type = exception_type
+        self.first: signal.Signals | None = None
+        main = threading.current_thread() is threading.main_thread()  # Python's rule for handlers
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS} if main else {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.first is not None:
+            return  # the workers are already stopping
+        self.first = signal.Signals(signum)
+        raise self.exception_type(f"Process {os.getpid()} got signal: {self.first}", sigval=self.first)
+
+    def restore(self) -> None:
+        if self.first is not None:  # this process exits next, with the workers' code: keep absorbing
+            return
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 def _child_failure(exc) -> int:

@@ -178,14 +178,20 @@ class StragglerMonitor:
 # ---- preemption ----------------------------------------------------------------------------
 class Preemption:
     """SIGTERM/SIGUSR1 set a flag (a handler must not save: it could interrupt a collective).
-    At the next step boundary all ranks agree, save and exit with EXIT_PREEMPTED. A second
-    signal gets the default behaviour."""
+    At the next step boundary all ranks agree, save and exit with EXIT_PREEMPTED.
+
+    Later stop signals are absorbed, not left to the default action: a worker rarely gets just
+    one. Slurm signals every process of the step, torchrun forwards its own copy, and a scheduler
+    may repeat itself; the default action would kill the worker inside the save it asked for.
+    After a stop, `close` keeps absorbing them up to the exit. What bounds the grace period is
+    the launcher's SIGKILL (torchrun's --shutdown-timeout) and the scheduler's."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self):
         self.requested = False
         self.signal_name = ""  # the first stop signal this rank received
+        self.received = 0  # how many arrived (the later ones were absorbed)
         self.previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
@@ -193,8 +199,8 @@ class Preemption:
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
+        self.received += 1
         self.signal_name = self.signal_name or signal.Signals(signum).name
-        signal.signal(signum, signal.SIG_DFL)
 
     def agreed(self, device) -> bool:
         if not (dist.is_initialized() and dist.get_world_size() > 1):
@@ -204,6 +210,9 @@ class Preemption:
         return bool(t.item() > 0)
 
     def close(self) -> None:
+        if self.requested:  # saved (or saving) and about to exit 143: a late signal must not turn that into -15
+            hold_sigterm(self.SIGNALS)
+            return
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
@@ -216,10 +225,11 @@ class Interrupted(KeyboardInterrupt):
         self.step = step
 
 
-def hold_sigterm() -> None:
-    """From here on a SIGTERM does not end this process (it is about to end on its own)."""
+def hold_sigterm(signals=(signal.SIGTERM,)) -> None:
+    """From here on these signals do not end this process (it is about to end on its own)."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: None)
+        for sig in signals:
+            signal.signal(sig, lambda *_: None)
 
 
 class InterruptRecord:
