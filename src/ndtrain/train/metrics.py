@@ -93,21 +93,16 @@ def mfu(flops_per_s: float, peak: float) -> float | None:
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak (each step reports its own). CPU: Linux's per-process high-water mark of
-    resident memory, which ru_maxrss reports, is reset by writing 5 to /proc/self/clear_refs; where
-    that is refused the CPU peak stays the process's."""
+    """Start a new peak on CUDA, so each step reports its own. On CPU nothing is reset: the only
+    peak is the kernel's high-water mark of the process's resident memory (ru_maxrss). Linux can
+    reset it (/proc/self/clear_refs), but /usr/bin/time and the benchmarks' RUSAGE_CHILDREN read
+    that same counter, so the CPU figure stays the process's peak so far."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak since the last reset_peak_memory: the CUDA allocator's, or the process's resident set."""
+    """The CUDA allocator's peak since reset_peak_memory; on CPU the process's peak resident set."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
@@ -242,9 +237,11 @@ class MetricsLogger:
 
     def _show(self, row: dict) -> None:
         def pct(value, peak: str) -> str:  # None: above 100% (see mfu()), so that peak is wrong
-            return f"{100 * value:.1f}% of {peak} peak" if value is not None else f"n/a ({peak} peak is wrong: the run is above it)"
+            if value is None:
+                return f"n/a ({peak} peak is wrong: the run is above it)"
+            return f"{100 * value:.1f}% of {peak} peak"
 
-        mfu_text = f"MFU {100 * row['mfu']:.1f}%" if row["mfu"] is not None else "MFU n/a (above 100%: the peak is wrong)"
+        mfu_text = "MFU n/a (above 100%: the peak is wrong)" if row["mfu"] is None else f"MFU {100 * row['mfu']:.1f}%"
         if "mfu_fp8" in row:  # fp8 runs: against both peaks, named
             mfu_text = f"MFU {pct(row['mfu'], 'bf16')}, {pct(row['mfu_fp8'], 'fp8')}"
         text = f"loss {row['loss']:.3f} | {row['tokens_per_s']:,.0f} tok/s | {mfu_text}"
