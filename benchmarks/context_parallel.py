@@ -78,17 +78,20 @@ def point(data: str, seq: int, cp: int, mode: str, model: dict, steps: int) -> d
 
 
 # ---- the attention kernel alone, one rank -----------------------------------------------------
-def _timed(fn, dev, reps: int) -> float:
-    """Median seconds of `fn` after one warm-up call (the median: steady under a shared host)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        _sync(dev)
-        t0 = time.perf_counter()
+def _timed(fns: dict, dev, reps: int) -> dict:
+    """Median seconds of each of `fns`, called in turn (interleaved, so a shared host's drifting
+    load falls on every path alike), after a warm-up call each."""
+    times = {name: [] for name in fns}
+    for name, fn in fns.items():
         fn()
-        _sync(dev)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    for _ in range(reps):
+        for name, fn in fns.items():
+            _sync(dev)
+            t0 = time.perf_counter()
+            fn()
+            _sync(dev)
+            times[name].append(time.perf_counter() - t0)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def _sync(dev) -> None:
@@ -160,13 +163,13 @@ def _attention_rows(q, k, v, go, comm, portable: bool, reps: int) -> list[dict]:
              f"cp ({kernel_for(q, False).name})": lambda *t: context_attention(*t, comm)}
     if portable:
         paths["cp (portable)"] = lambda *t: context_attention(*t, comm, fused=False)
-    ref = run(sdpa)()
+    steps = {name: run(fn) for name, fn in paths.items()}
+    ref = steps["sdpa"]()
+    seconds = _timed(steps, dev, reps)
     rows = []
-    for name, fn in paths.items():
-        step = run(fn)
-        got = step()
-        diff = max(float((a.float() - r.float()).abs().max()) for a, r in zip(got, ref))
-        rows.append({"path": name, "ms": 1e3 * _timed(step, dev, reps), "mib": _memory(step, dev), "diff": diff})
+    for name, step in steps.items():
+        diff = max(float((a.float() - r.float()).abs().max()) for a, r in zip(step(), ref))
+        rows.append({"path": name, "ms": 1e3 * seconds[name], "mib": _memory(step, dev), "diff": diff})
     what = f"seq {seq}, {h} q / {h_kv} kv heads x {d}, {q.dtype}, {dev.type}"
     for r in rows:
         print(f"{what}  {r['path']:>16}: fwd+bwd {r['ms']:8.2f} ms  memory {r['mib']:9.1f} MiB  "
