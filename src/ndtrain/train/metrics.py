@@ -125,10 +125,10 @@ class CpuBusyTimer:
 
 class CudaBusyTimer:
     """GPU time of each rank's own compute, from CUDA events recorded on the current stream around
-    every forward of `modules` (the decoder blocks and the head; activation recompute included).
+    every forward of `modules` (the decoder blocks and the head).
     A step's wall time, and the GPU time from its start to its end, include waiting for the
     slowest peer in the step's collectives and so are the same on every rank; inside a block the
-    stream runs only that rank's kernels (FSDP's pre-forward hook, registered first, has already
+    stream runs only that rank's kernels (FSDP2's pre-forward hook, prepended to ours, has already
     made the stream wait for its all-gather before the start event). Tensor-parallel blocks
     include their in-block collectives. Events are read at `stop`, after the step's own
     host-device sync: no extra sync per block."""
