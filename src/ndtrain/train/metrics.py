@@ -129,9 +129,9 @@ class CudaBusyTimer:
     A step's wall time, and the GPU time from its start to its end, include waiting for the
     slowest peer in the step's collectives and so are the same on every rank; inside a block the
     stream runs only that rank's kernels (FSDP2's pre-forward hook, prepended to ours, has already
-    made the stream wait for its all-gather before the start event). Tensor-parallel blocks
-    include their in-block collectives. Events are read at `stop`, after the step's own
-    host-device sync: no extra sync per block."""
+    made the stream wait for its all-gather before the start event). Collectives inside a block
+    (TP, CP's ring, EP's all-to-alls) are timed with it. Events are read at `stop`, after the
+    step's own host-device sync: no extra sync per block."""
 
     def __init__(self, modules, event=None):
         self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
