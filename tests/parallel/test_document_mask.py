@@ -257,3 +257,66 @@ def test_flex_path_builds_one_block_mask_per_micro_batch(monkeypatch, ac):
     got = grads_of(model)
     for name, g in ref_grads.items():
         torch.testing.assert_close(got[name], g, **TOL, msg=name)
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")  # eager flex: CUDA compiles it
+def test_other_kernels_get_plain_ids(monkeypatch):
+    """A kernel swapped in for the default (context parallel's; here a spy) gets the plain
+    document ids on the flex branch too: with no default kernel left no block mask is built, and
+    beside a default one (the mask is built once for it) Block.forward hands the spy the ids."""
+    import torch.nn.attention.flex_attention as fa
+
+    from ndtrain.model import doc_attention
+
+    monkeypatch.setattr(doc_attention, "uses_flex", lambda device: True)
+    monkeypatch.setattr(doc_attention, "_compiled_flex", lambda: fa.flex_attention)
+    built, create = [], fa.create_block_mask
+    monkeypatch.setattr(fa, "create_block_mask", lambda *a, **k: built.append(1) or create(*a, **k))
+    got = []
+
+    def kernel(q, k, v, doc_ids=None):
+        got.append(type(doc_ids))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    inputs, _ = packed_batch()
+    doc = document_ids(inputs, EOS)
+    for keep_default in (0, 1):
+        model = debug_model()
+        for i, block in enumerate(model.layers.values()):
+            if i >= keep_default:
+                block.attention.sdpa = kernel
+        built.clear(), got.clear()
+        with torch.no_grad():  # flex backward is refused on CPU; the arguments are what counts
+            model(inputs, positions=document_positions(doc), doc_ids=doc)
+        assert got == [torch.Tensor] * (len(model.layers) - keep_default)
+        assert len(built) == keep_default
+
+
+@pytest.mark.slow  # a cold inductor compile of flex attention: ~70 s on a loaded 2-core host
+@pytest.mark.timeout(600)
+def test_compiled_blocks_take_the_document_mask_without_recompiling(monkeypatch):
+    """Blocks compiled as `compile = true` does, on the flex branch (forward only: flex has no CPU
+    backward): each micro-batch brings a new DocumentMask (new ids, new mask_mod closure), and
+    dynamo still runs one graph for every layer and micro-batch, with no graph break, and the
+    dense path's numbers."""
+    from torch._dynamo.utils import counters
+
+    from ndtrain.model import doc_attention
+
+    inputs, _ = packed_batch()
+    reference = debug_model()
+    model = debug_model()
+    for block in model.layers.values():
+        block.compile()
+    monkeypatch.setattr(doc_attention, "uses_flex", lambda device: True)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        for rows in (slice(0, 2), slice(1, 3), slice(0, 2)):
+            doc = document_ids(inputs[rows], EOS)
+            got = model(inputs[rows], positions=document_positions(doc), doc_ids=doc)
+            with monkeypatch.context() as m:
+                m.setattr(doc_attention, "uses_flex", lambda device: False)
+                want = reference(inputs[rows], positions=document_positions(doc), doc_ids=doc)
+            torch.testing.assert_close(got, want, **TOL)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters)

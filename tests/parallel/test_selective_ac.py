@@ -156,7 +156,7 @@ def _tp_rank(tokens):
     import torch.distributed as dist
 
     from ndtrain.config import load_config
-    from ndtrain.model.init import materialize
+    from ndtrain.model.init import canonical_name, materialize
     from ndtrain.model.llama import build_model
     from ndtrain.parallel import dims as pdims
     from ndtrain.parallel.compose import parallelize
@@ -173,6 +173,7 @@ def _tp_rank(tokens):
             loss.backward()
         dist.barrier()
         out[ac] = {str(op): n for op, n in counter.n.items()}
+        out[ac + "_grads"] = {canonical_name(n): p.grad.full_tensor() for n, p in model.named_parameters()}
     return out
 
 
@@ -186,3 +187,8 @@ def test_selective_ac_does_not_recompute_tp_reduce_scatter():
         rs = "_c10d_functional.reduce_scatter_tensor.default"
         assert sel.get(rs, 0) == none.get(rs, 0), (sel.get(rs), none.get(rs))
         assert sel["aten.rsqrt.default"] > none.get("aten.rsqrt.default", 0)  # the recompute ran
+        # The cached reduce-scatter outputs are the forward's own: the same gradients (to fp32
+        # rounding; the recompute runs the same kernels on the same inputs).
+        assert rank["selective_grads"].keys() == rank["none_grads"].keys()
+        for name, g in rank["none_grads"].items():
+            torch.testing.assert_close(rank["selective_grads"][name], g, msg=name)
