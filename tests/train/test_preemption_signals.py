@@ -176,3 +176,46 @@ deliver(signal.SIGTERM)
 print(first)
 """)
     assert done.returncode == 0 and done.stdout.split() == ["SIGUSR1"], (done.returncode, done.stderr)
+
+
+# ---- the Slurm example's stop path, against stand-ins for srun, scancel and scontrol -----------
+SBATCH = Path(__file__).resolve().parents[2] / "examples" / "slurm" / "train.sbatch"
+
+
+def _stub(path: Path, body: str) -> None:
+    path.write_text("#!/bin/bash\n" + body)
+    path.chmod(0o755)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="bash and /proc")
+@pytest.mark.timeout(60)
+def test_the_sbatch_trap_signals_the_step_once_and_waits_for_its_save(tmp_path):
+    """The time-limit warning (USR1) and then a preemption (TERM) reach the batch script 0.2 s
+    apart. It must deliver TERM to the step through `scancel --signal` (a signal, not srun's
+    termination, which SIGKILLs after KillWait), once, and requeue only after srun exited."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir()
+    # srun: a step that takes 1 s to save after its TERM, then exits 143 as the workers do.
+    _stub(bin_dir / "srun", f'echo $$ > {tmp_path}/srun.pid\ntrap \'sleep 1; echo saved >> {log}; exit 143\' TERM\n'
+                            f'echo started >> {log}\nwhile :; do sleep 0.05; done\n')
+    _stub(bin_dir / "scancel", f'echo "scancel $*" >> {log}\nkill -TERM "$(cat {tmp_path}/srun.pid)"\n')
+    _stub(bin_dir / "scontrol", f'[ "$1" = show ] && echo node1 && exit 0\necho "scontrol $*" >> {log}\n')
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NAME": "ndtrain", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]",
+           "SLURM_CPUS_PER_TASK": "8", "RUN_DIR": str(tmp_path / "run")}
+    proc = subprocess.Popen(["bash", str(SBATCH)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 30
+        while not (log.exists() and "started" in log.read_text()):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert log.read_text().splitlines() == ["started", "scancel --signal=TERM 4242", "saved", "scontrol requeue 4242"], out
