@@ -152,7 +152,8 @@ class Pipeline:
         if not self.has_last:
             return 0.0
         # Metadata inference on a schedule's first step calls the loss once more: keep the last m.
-        return float(sum(_value(t) for t in self._loss_sums[-m:]))
+        # Summed on the device and read once: a read per micro-batch is a host sync each on a GPU.
+        return float(torch.stack([_full(t).reshape(()) for t in self._loss_sums[-m:]]).double().sum())
 
     def _instrument(self, stage) -> None:
         fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
@@ -205,10 +206,8 @@ class Pipeline:
         stage._compute_outputs = compute_outputs
 
 
-def _value(t: torch.Tensor) -> float:
-    if hasattr(t, "full_tensor"):
-        t = t.full_tensor()
-    return float(t)
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def build_pipeline(cfg, dims, mesh, device: torch.device, positions: torch.Tensor | None = None) -> Pipeline:
