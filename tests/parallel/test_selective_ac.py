@@ -109,6 +109,7 @@ def test_selective_ac_keeps_every_matmul_of_the_model():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")  # eager flex: CUDA compiles it
 def test_selective_ac_saves_flex_attention(monkeypatch):
     """Flex attention (document masking on CUDA) run eagerly on CPU is not re-run in the
     recompute. torch refuses flex backward on CPU at the API level only; its eager (reference)
