@@ -197,8 +197,10 @@ def test_fp8_mfu_names_both_peaks(parity_base, capsys):
     assert "mfu_fp8" not in rows["bf16"]
     fp8 = rows["fp8"]
     assert 0 < fp8["mfu"] and 0 < fp8["mfu_fp8"]
-    # On this CPU the measured fp8 (_scaled_mm) peak is below the bf16 one; on GPUs it is above.
-    assert fp8["mfu_fp8"] != fp8["mfu"]
+    # The fp8 peak a run divides by is never below its bf16 one (on a CPU _scaled_mm is emulated
+    # and measures slower than bf16: counting against it printed "185.8% of fp8 peak"), so the
+    # fp8 MFU is at most the bf16 one, and no MFU is above 100%.
+    assert fp8["mfu_fp8"] <= fp8["mfu"] <= 1
     log = MetricsLogger(None, False, 1, "off", False)  # the progress line, without files
     log.enabled = True
     log._show({**fp8, "last": True})
