@@ -24,7 +24,7 @@ def test_slow_rank0_sample_does_not_time_out_the_group(corpus_dir, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "ndtrain", "train", "--nproc", "2", "--max-restarts", "1",
            f"--data.path={corpus_dir}", "--data.seq_len=64", "--train.global_batch=8", "--train.micro_batch=4",
-           "--train.steps=3", "--train.val_interval=0", "--train.log_interval=1", "--train.sample_tokens=400",
+           "--train.steps=3", "--train.val_interval=0", "--train.log_interval=1", "--train.sample_tokens=200",
            f"--train.timeout_s={TIMEOUT_S}", "--checkpoint.interval_steps=0", "--logging.tensorboard=false",
            "--logging.progress=off", f"--train.output_dir={out}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280,
