@@ -176,7 +176,7 @@ class Hardware:
 # A cold torch.compile of one decoder block's forward and backward on a GPU host. An estimate, not
 # measured here (no GPU): vLLM reports 19-67 s to compile whole Llama 3 models' forward (1B and
 # 8B, H100 and L4; the dynamo trace ~5 s, inductor and Triton the rest); a training block adds its
-# backward graph. benchmarks/gpu.sh measures it (first step, compile on vs off).
+# backward graph. benchmarks/gpu_check.sh measures it (the train-eager/train-compiled warm-up).
 GPU_COMPILE_S = 60.0
 
 
