@@ -100,7 +100,8 @@ def does_not_fit(cfg: ModelConfig, device: torch.device, tokens: int) -> str | N
     return None
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu", verified: bool = False) -> tuple[Transformer, object]:
+def load_model(path: str | Path, device: str | torch.device = "cpu",
+               verified: bool = False) -> tuple[Transformer, object]:
     """The checkpoint's model on `device`, read straight into the device's tensors (one copy).
     `verified`: the caller has just hashed this checkpoint (it published it), so only the
     manifest and sizes are checked, not every byte again."""
