@@ -108,6 +108,41 @@ def test_selective_ac_keeps_every_matmul_of_the_model():
     assert diff[torch.ops.aten.rsqrt.default] > 0, diff  # RMSNorm was recomputed
 
 
+@pytest.mark.timeout(120)
+def test_selective_ac_with_torchao_fp8_recomputes_no_amax():
+    """The debug model through the composer with `mixed_precision = "fp8"` (torchao's
+    Float8Linear, bf16 autocast as one process trains): its amaxes are not recomputed (before:
+    56 per backward, two per converted linear) and the gradients are those of no checkpointing.
+    On CPU torchao runs the fp8 GEMM as an `mm` (on CUDA `_scaled_mm`), also not recomputed."""
+    pytest.importorskip("torchao")
+    from ndtrain.config import load_config
+    from ndtrain.model.init import canonical_name, materialize
+    from ndtrain.model.llama import build_model
+    from ndtrain.parallel import dims as pdims
+    from ndtrain.parallel.compose import parallelize
+
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(5))
+    runs = {}
+    for ac in ("selective", "none"):
+        cfg = load_config(None, {"model": {"preset": "debug"}, "data": {"seq_len": 64},
+                                 "parallel": {"dp_shard": 1, "mixed_precision": "fp8", "activation_checkpoint": ac}})
+        dims = pdims.resolve(cfg.parallel, 1, cfg.model, 64, data=cfg.data)
+        model = materialize(parallelize(build_model(cfg.model, "meta"), dims, None), 0, "cpu")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(tokens).float().square().mean()
+        with _CountOps() as counter:
+            loss.backward()
+        runs[ac] = counter.n, {canonical_name(n): p.grad for n, p in model.named_parameters()}
+    (sel, sel_grads), (none, none_grads) = runs["selective"], runs["none"]
+    aten = torch.ops.aten
+    assert none[aten.max.default] > 0  # fp8 really ran: its backward takes amaxes of its own
+    for op in (aten.max.default, aten.amax.default, aten.mm.default, aten._scaled_mm.default):
+        assert sel[op] == none[op], (op, sel[op], none[op])
+    assert sel[aten.abs.default] > none[aten.abs.default]  # the recompute ran (the casts' |x|)
+    for name, g in none_grads.items():  # the same kernels on the same inputs: the same numbers
+        torch.testing.assert_close(sel_grads[name], g, atol=0, rtol=0, msg=name)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")  # eager flex: CUDA compiles it
 def test_selective_ac_saves_flex_attention(monkeypatch):
