@@ -70,3 +70,31 @@ def test_every_table_names_where_it_ran():
         if not any(HOST.match(line) for line in stretch):
             missing.append(f"line {start + 1}: {lines[start][:70]}")
     assert not missing, "tables with no 'Host: CPU [flags] ... torch ... date' line:\n" + "\n".join(missing)
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's heading ids: lower case, punctuation dropped, spaces to '-', repeats numbered."""
+    seen: dict[str, int] = {}
+    for line in path.read_text().splitlines():
+        if line.startswith("#"):
+            slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            if n:
+                seen[f"{slug}-{n}"] = 1
+    return set(seen)
+
+
+def test_links_into_the_benchmark_pages_name_headings_that_exist():
+    # Runs moved between the two pages; a link to a moved section would land at the page's top.
+    root = DOC.parents[1]
+    pages = {name: _anchors(root / "docs" / name) for name in ("benchmarks.md", "benchmarks-history.md")}
+    broken, checked = [], 0
+    for md in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for target, anchor in re.findall(r"\]\((?:docs/)?(benchmarks(?:-history)?\.md)?#([^)\s]+)\)", md.read_text()):
+            page = target or (md.name if md.name in pages else None)
+            checked += bool(page)
+            if page and anchor not in pages[page]:
+                broken.append(f"{md.name}: {target}#{anchor}")
+    assert checked > 20, "the pages' own links were not found"  # today's table links each section
+    assert not broken, broken
