@@ -178,13 +178,10 @@ class StragglerMonitor:
 # ---- preemption ----------------------------------------------------------------------------
 class Preemption:
     """SIGTERM/SIGUSR1 set a flag (a handler must not save: it could interrupt a collective).
-    At the next step boundary all ranks agree, save and exit with EXIT_PREEMPTED.
-
-    Later stop signals are absorbed, not left to the default action: a worker rarely gets just
-    one. Slurm signals every process of the step, torchrun forwards its own copy, and a scheduler
-    may repeat itself; the default action would kill the worker inside the save it asked for.
-    After a stop, `close` keeps absorbing them up to the exit. What bounds the grace period is
-    the launcher's SIGKILL (torchrun's --shutdown-timeout) and the scheduler's."""
+    At the next step boundary all ranks agree, save and exit with EXIT_PREEMPTED. Later ones are
+    absorbed up to the exit (Slurm signals every process, torchrun forwards its own copy: the
+    default action would kill the worker mid-save); the launcher's and the scheduler's SIGKILL
+    bound the grace period (docs/launch.md)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -210,9 +207,8 @@ class Preemption:
         return bool(t.item() > 0)
 
     def close(self) -> None:
-        if self.requested:  # saved (or saving) and about to exit 143: a late signal must not turn that into -15
-            hold_sigterm(self.SIGNALS)
-            return
+        if self.requested:  # about to exit 143: a late signal must not turn that into -15
+            return hold_sigterm(self.SIGNALS)
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
