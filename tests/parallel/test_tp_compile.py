@@ -27,9 +27,9 @@ from ndtrain.parallel.launch import run_ranks
 TOL = 1e-5
 
 
-def _loss_and_grads(sp: bool, backend: str | None, moe: bool):
-    """One forward + backward of a tiny TP model on this rank's tp=2 mesh; blocks compiled with
-    `backend` as parallel/compose.py compiles them (None: eager)."""
+def _loss_and_grads(sp: bool, backend: str | None, moe: bool = False, ac: str = "none", layers: int = 2):
+    """One forward + backward of a tiny TP model on this rank's tp=2 mesh; blocks checkpointed
+    (`ac`) and compiled with `backend` in parallel/compose.py's order (None: eager)."""
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
@@ -37,13 +37,15 @@ def _loss_and_grads(sp: bool, backend: str | None, moe: bool):
     from ndtrain.model.config import ModelConfig
     from ndtrain.model.init import materialize
     from ndtrain.model.llama import build_model
+    from ndtrain.parallel.activation import apply_activation_checkpointing
     from ndtrain.parallel.tensor import apply_tensor_parallel
 
-    kw = dict(n_experts=4, n_active_experts=2, n_shared_experts=1, expert_ffn_dim=64, moe_dense_layers=1) if moe else {}
-    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=64, **kw)
+    kw = dict(n_experts=4, n_active_experts=2, n_shared_experts=1, expert_ffn_dim=64) if moe else {}
+    cfg = ModelConfig(dim=64, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=64, **kw)
     model = build_model(cfg)  # on meta, sharded, then initialised as the trainer does
     apply_tensor_parallel(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), sp)
     materialize(model, seed=0)
+    apply_activation_checkpointing(model, ac)
     if backend:
         for block in model.layers.values():
             block.compile(backend=backend)
@@ -61,9 +63,9 @@ def _loss_and_grads(sp: bool, backend: str | None, moe: bool):
 
 def _compare(cases, backend):
     out = []
-    for sp, moe in cases:
-        eager, compiled = _loss_and_grads(sp, None, moe), _loss_and_grads(sp, backend, moe)
-        out.append({"case": f"sp={int(sp)} moe={int(moe)}", "eager": eager, "compiled": compiled})
+    for case in cases:
+        eager, compiled = _loss_and_grads(backend=None, **case), _loss_and_grads(backend=backend, **case)
+        out.append({"case": str(case), "eager": eager, "compiled": compiled})
     return out
 
 
@@ -81,11 +83,41 @@ def _check(results):
 
 @pytest.mark.timeout(240)
 def test_tp_blocks_compile_and_match_eager_through_aot_autograd():
-    """tp=2, sequence parallel on and off: compiled blocks give the eager loss and every
-    parameter's gradient, the embedding's included. The `aot_eager` backend runs
+    """tp=2 with sequence parallel (the default): compiled blocks give the eager loss and every
+    parameter's gradient, the embedding's included. Two blocks: the first takes the embedding's
+    output, the second a compiled block's. The `aot_eager` backend runs
     the AOTAutograd front end where the ACT input lost its gradient, without inductor's code
-    generation (seconds instead of a minute per graph on 2 cores); the slow test uses inductor."""
-    _check(run_ranks(2, _compare, [(True, False), (False, False)], "aot_eager")[0])
+    generation (seconds instead of a minute per graph on 2 cores); the slow test runs inductor,
+    sequence parallel off, and the layouts around TP through the trainer."""
+    _check(run_ranks(2, _compare, [{"sp": True}], "aot_eager")[0])
+
+
+# What still fails, refused by layout/rules.py (tensor_parallel). One launch for both; each test
+# turns XPASS - a failure under strict - the day its cause is fixed, so the refusal can go.
+KNOWN = {"moe": {"sp": True, "moe": True, "layers": 1}, "full_ac": {"sp": True, "ac": "full", "layers": 1}}
+
+
+@pytest.fixture(scope="module")
+def known_failures():
+    return dict(zip(KNOWN, run_ranks(2, _compare, list(KNOWN.values()), "aot_eager")[0]))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="model/moe.py's _local uses hasattr(w, 'to_local'), which Dynamo answers False for a "
+                          "DTensor parameter: the router's aten.mm gets mixed Tensor and DTensor "
+                          "(hasattr(type(w), 'to_local') traces)")
+def test_compiled_tp_moe_blocks(known_failures):
+    _check([known_failures["moe"]])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="torch 2.13: a compiled, fully checkpointed TP block saves the DTensor weights' "
+                          "DeviceMesh (an opaque object) among the tensors for backward; AOTAutograd's "
+                          "save_from_forward asserts (expected all tensors_saved_with_vc_check to be Tensors)")
+def test_compiled_tp_blocks_under_full_checkpointing(known_failures):
+    _check([known_failures["full_ac"]])
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
@@ -112,3 +144,40 @@ def test_torch_compile_keeps_the_gradient_of_an_async_collective_input():
     (gw,) = torch.autograd.grad(out, [w], allow_unused=True)
     assert gw is not None, "the compiled function returned no gradient for its AsyncCollectiveTensor input"
     torch.testing.assert_close(gw, scale.detach())
+
+
+# ---- the rule and the planner: allowed and priced exactly where the runtime builds it ----------
+def test_compile_with_tp_is_allowed_where_it_builds():
+    from ndtrain.config import load_config
+    from ndtrain.errors import ConfigError
+    from ndtrain.parallel.dims import resolve
+
+    for parallel in ({"tp": 2, "compile": True}, {"tp": 2, "compile": True, "activation_checkpoint": "selective"},
+                     {"tp": 2, "dp_shard": 2, "compile": True, "sequence_parallel": False}):
+        cfg = load_config(None, {"parallel": parallel})  # explicit degrees: checked without a world
+        assert cfg.parallel.compile
+    cfg = load_config(None, {"parallel": {"tp": -1, "dp_shard": 1, "compile": True}})
+    assert resolve(cfg.parallel, 2, cfg.model).tp == 2
+    refused = [({"model": {"preset": "debug-moe"}, "parallel": {"tp": 2, "compile": True}}, "MoE blocks"),
+               ({"parallel": {"tp": 2, "compile": True, "activation_checkpoint": "full"}}, "fully checkpointed"),
+               ({"parallel": {"tp": 2, "compile": True, "activation_checkpoint": "every_n"}}, "fully checkpointed")]
+    for overrides, why in refused:
+        with pytest.raises(ConfigError, match=f"parallel.compile.*{why}"):
+            load_config(None, overrides)
+
+
+def test_planner_prices_compile_for_tp_where_the_runtime_allows_it():
+    """compile_auto (planner/compile_choice.py) decides for TP layouts now; where the rules refuse
+    the compiled form it has no decision, so it never picks what the runtime would not build."""
+    from ndtrain.layout import parse_layout
+    from ndtrain.model.config import preset
+    from ndtrain.planner.compile_choice import compile_choice
+    from ndtrain.planner.problem import make_problem
+
+    pb = make_problem(preset("llama3-8b"), 4096, 64, 8, "h200", precision="bf16")
+    d = compile_choice(pb, parse_layout("tp=8,dp_shard=1,mb=1", 8), 10**6)
+    assert d is not None and d["compiled_step_s"] < d["eager_step_s"] and d["compile"]
+    assert compile_choice(pb, parse_layout("tp=8,dp_shard=1,mb=1,ac=selective", 8), 10**6) is not None
+    assert compile_choice(pb, parse_layout("tp=8,dp_shard=1,mb=1,ac=full", 8), 10**6) is None
+    moe = make_problem(preset("mixtral-8x7b"), 4096, 64, 8, "h200", precision="bf16")
+    assert compile_choice(moe, parse_layout("tp=8,dp_shard=1,mb=1", 8), 10**6) is None

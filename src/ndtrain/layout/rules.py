@@ -100,10 +100,18 @@ def tensor_parallel(c: Context):
             yield "parallel.tp", f"model.ffn_dim={m.ffn_dim} is not divisible by tp={tp}"
         if m.vocab_size % tp:
             yield "parallel.tp", f"model.vocab_size={m.vocab_size} is not divisible by tp={tp} (vocab-parallel head)"
-        if c.lay.compile:
-            # torch 2.13's compiled blocks lose DTensor's local tensor on the TP path
-            # (AttributeError '_local_tensor' inside the graph); FSDP, CP and EP blocks compile.
-            yield "parallel.compile", "torch.compile of tensor-parallel blocks fails in torch 2.13; set compile=false or tp=1"
+        if c.lay.compile and m.is_moe:
+            # Dense TP blocks compile (parallel/tensor.py). In MoE blocks Dynamo answers
+            # hasattr(<DTensor weight>, "to_local") False, so model/moe.py's _local keeps the
+            # router weight a DTensor and aten.mm gets mixed Tensor and DTensor.
+            yield "parallel.compile", ("torch.compile of tensor-parallel MoE blocks fails in torch 2.13 (the router's "
+                                       "aten.mm gets a DTensor weight); set compile=false or tp=1")
+        if c.lay.compile and c.lay.ac in ("full", "every_n"):
+            # torch 2.13: the compiled recompute saves the DTensor weights' DeviceMesh (an opaque
+            # object) among the backward's tensors; AOTAutograd's save_from_forward asserts.
+            yield "parallel.compile", ("torch.compile of fully checkpointed tensor-parallel blocks fails in torch 2.13 "
+                                       "(AOTAutograd saves a DeviceMesh among the backward's tensors); set "
+                                       "activation_checkpoint to selective or none, compile=false, or tp=1")
 
 
 def context_parallel(c: Context):
