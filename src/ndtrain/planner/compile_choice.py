@@ -13,6 +13,11 @@ elementwise kernels (kappa_fused against kappa_eager); on CPU ranks the fraction
 compiled blocks measured saving there (hardware.py: cpu_compile_saving). Where the planner
 cannot price it (no compile time known, as on uncalibrated CPU ranks; a layout the compile rules
 refuse; a recompute policy it does not model) there is no decision and compile stays as set.
+
+Tensor-parallel layouts are priced like any other: the saving is the blocks' local compute
+(layer.py), their TP collectives cost the same compiled or not. Which TP layouts compile is the
+rules' answer alone (layout/rules.py, tensor_parallel: not MoE blocks, not full checkpointing),
+so compile_auto never picks a compiled layout the runtime would refuse.
 """
 
 from __future__ import annotations
