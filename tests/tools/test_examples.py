@@ -75,7 +75,10 @@ def test_slurm_grace_period_survives_torchrun():
     # signal's lead so torchrun and the requeue finish before Slurm's hard kill.
     assert TORCHRUN_DEFAULT_SHUTDOWN_S * 4 <= shutdown < lead
     assert re.search(r"^trap stop_and_requeue USR1 TERM", text, re.M)
-    assert "kill -TERM \"$SRUN_PID\"" in text and "requeue" in directives
+    # The trap signals the step's processes through Slurm (scancel --signal), which leaves them
+    # the grace period; `kill -TERM $SRUN_PID` made srun end the step, bounded by KillWait (30 s).
+    assert 'scancel --signal=TERM "$SLURM_JOB_ID"' in text and not re.search(r"^\s*kill -TERM", text, re.M)
+    assert "requeue" in directives
 
 
 def test_slurm_cpus_node_loss_log_dir_and_rendezvous():
