@@ -181,3 +181,22 @@ def test_planner_prices_compile_for_tp_where_the_runtime_allows_it():
     assert compile_choice(pb, parse_layout("tp=8,dp_shard=1,mb=1,ac=full", 8), 10**6) is None
     moe = make_problem(preset("mixtral-8x7b"), 4096, 64, 8, "h200", precision="bf16")
     assert compile_choice(moe, parse_layout("tp=8,dp_shard=1,mb=1", 8), 10**6) is None
+
+
+# ---- inductor, through the trainer ------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("layout", ["tp=2,compile=true", "tp=2,sp=0,compile=true,ac=selective",
+                                    "dp_shard=2,tp=2,compile=true"])
+def test_inductor_compiled_tp_matches_eager_tp(parity_base, layout):
+    """3 AdamW steps of the debug model, compiled (inductor) and eager in the same layout, each
+    against one process. One launch per layout: compiled blocks are cold-compiled per process
+    (tens of seconds on 2 cores), hence slow."""
+    from ndtrain.tools.verify import verify
+
+    tol = 1e-5  # tests/conftest.py's parity_base: lr and eps bound fp32 reduction-order noise to ~1e-6
+    eager_layout = layout.replace(",compile=true", "")
+    _, (eager, compiled) = verify(parity_base, [eager_layout, layout], steps=3, tol_loss=tol, tol_weight=tol)
+    for r in (eager, compiled):
+        assert r.passed and max(r.d_loss, r.d_weight, r.d_grad_norm) <= tol, (
+            f"{r.layout}: Δloss {r.d_loss:.1e} Δweight {r.d_weight:.1e} grad-norm {r.d_grad_norm:.1e}")
