@@ -73,6 +73,10 @@ class ParallelConfig:
     # fp32 | bf16 (bf16 params/compute, fp32 gradient reduction) | fp8 (bf16, and the qualifying
     # Linear layers' matmuls in float8 through torchao; see docs/fp8.md)
     mixed_precision: str = "fp32"
+    # Unless `mixed_precision` is given, `ndtrain train` on CPU ranks trains in bf16 where the host
+    # has bf16 matmuls in hardware and the planner, from the host probe's rates, predicts bf16 at
+    # least 1.5x faster than fp32 (tools/auto.py; the planner's start-up line says why).
+    mixed_precision_auto: bool = True
     fp8_recipe: str = "tensorwise"  # tensorwise | rowwise: torchao's Float8LinearConfig scaling recipe
     cpu_offload: bool = False
     activation_checkpoint: str = "none"  # none | full | every_n | selective
@@ -83,7 +87,11 @@ class ParallelConfig:
     compile_auto: bool = True
     # The Linear layers' fp32 matmuls on CPU: "onednn" (faster than MKL's on the AMD host measured,
     # docs/benchmarks.md) or "blas" (torch's own choice). GPUs and other dtypes are unaffected.
+    # "onednn" is the default where nothing chooses (a Trainer without the planner glue).
     cpu_matmul: str = "onednn"
+    # Unless `cpu_matmul` is given, `ndtrain train` takes the host probe's choice: oneDNN only
+    # where its fp32 linears measured faster than the BLAS on this host (planner/host_cache.py).
+    cpu_matmul_auto: bool = True
     # How CUDA runs fp32 matmuls: "tf32" on the tensor cores (inputs rounded to a 10-bit mantissa,
     # fp32 accumulation; ~7x the IEEE rate on A100/H100, as Megatron-LM and torchtitan train) or
     # "ieee" on the CUDA cores. CPU ranks have no TF32: their fp32 stays IEEE whichever is set.
@@ -346,6 +354,9 @@ def load_config(path: str | None = None, overrides: list[str] | dict | None = No
         cfg.parallel.dp_auto = False  # the user chose the data-parallel flavour (a stored config says)
     if "compile_auto" not in given and "compile" in given:
         cfg.parallel.compile_auto = False  # the user (or a stored config) said whether to compile
+    for key in ("mixed_precision", "cpu_matmul"):  # an explicit value wins over the host probe
+        if f"{key}_auto" not in given and key in given:
+            setattr(cfg.parallel, f"{key}_auto", False)
     if cfg.parallel.zero in (1, 2) and (zero_stage_only or "parallel" not in raw):
         cfg.parallel.reshard_after_forward = False  # ZeRO-1/2 never reshard: parameters stay gathered
     validate(cfg)

@@ -72,6 +72,20 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]
 
 
+# The dtype bf16 CPU attention runs in, "fp32" or "bf16": whichever the host probe measured
+# faster (train/host_probe.py). A per-process kernel choice like torch's own backend flags,
+# set by the runtime before the model runs (set_cpu_bf16_attention); fp32 unless told.
+CPU_BF16_ATTENTION = {"dtype": "fp32"}
+
+
+def set_cpu_bf16_attention(dtype: str) -> str:
+    """bf16 CPU attention attends in `dtype` ("fp32" | "bf16") from now on; returns the previous."""
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"bf16 CPU attention runs in fp32 or bf16, got {dtype!r}")
+    previous, CPU_BF16_ATTENTION["dtype"] = CPU_BF16_ATTENTION["dtype"], dtype
+    return previous
+
+
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids=None) -> torch.Tensor:
     """q: [b, h, s, d]; k, v: [b, h_kv, s, d], not expanded, so a kernel that moves K/V (context
     parallel) moves h/h_kv times fewer bytes, and SDPA reads them as they are (`enable_gqa`): no
@@ -82,10 +96,10 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids=None)
     attention is block-causal."""
     from ndtrain.model import doc_attention
 
-    if q.dtype == torch.bfloat16 and q.device.type == "cpu":
-        # torch's CPU flash-attention kernel is slower in bf16 than in fp32 (its backward ~1.5x the
-        # CPU time at head_dim 16, benchmarks/breakdown.py), which ate bf16's matmul gain: attend in
-        # fp32 (more exact, too) and hand bf16 back.
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and CPU_BF16_ATTENTION["dtype"] == "fp32":
+        # torch's CPU flash-attention kernel can be slower in bf16 than in fp32 (on the AMD host its
+        # backward took ~1.5x the CPU time at head_dim 16, benchmarks/breakdown.py), which ate bf16's
+        # matmul gain: attend in fp32 (more exact, too) and hand bf16 back, where the host probe found that faster.
         return causal_sdpa(q.float(), k.float(), v.float(), doc_ids).to(q.dtype)
     if doc_ids is not None and (isinstance(doc_ids, doc_attention.DocumentMask) or doc_attention.uses_flex(q.device)):
         # A dense [s, s] mask per row would not scale: flex attention skips masked blocks.

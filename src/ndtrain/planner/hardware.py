@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ndtrain.errors import NdtrainError
+from ndtrain.planner import host_cache
 
 GiB = 1024**3
 
@@ -103,6 +104,9 @@ class Hardware:
     # CPU ranks: the fraction of a decoder layer's forward + backward that compiled blocks save,
     # {precision: fraction} (GPUs price compile as fused elementwise kernels: kappa_fused)
     cpu_compile_saving: dict = field(default_factory=dict, compare=False, hash=False)
+    # CPU ranks: False where `ndtrain calibrate` did not measure this host (the host probe's
+    # compute rates or the defaults; host and collective costs unmeasured)
+    calibrated: bool = True
 
     def peak(self, precision: str, fp32_matmul: str = "tf32") -> float:
         """Dense matmul FLOP/s in `precision`. fp32 on a GPU runs as `fp32_matmul` says
@@ -247,11 +251,21 @@ def catalog_name(device_name: str, memory_bytes: float | None = None) -> str | N
 DEFAULT_PROFILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ndtrain" / "hardware.json"
 
 
+def probe_dir() -> Path:
+    """The host probe's cache: beside the calibration profile (read per call: tests move both)."""
+    return Path(DEFAULT_PROFILE).parent
+
+
+def host_probe() -> dict | None:  # this host's cached probe (planner/host_cache.py); None: never ran
+    return host_cache.load(probe_dir())
+
+
 def this_machine(profile: str | os.PathLike | None = None) -> Hardware:
     """The calibrated local machine (one "device" = one single-threaded process, as the trainer
-    runs on CPU); conservative defaults when `ndtrain calibrate` has not been run."""
-    path = Path(profile) if profile else DEFAULT_PROFILE
-    data: dict = {}
+    runs on CPU). Uncalibrated: the host probe's rates (MFU's too), else conservative defaults."""
+    path, data = Path(profile) if profile else DEFAULT_PROFILE, {}
+    if not profile and not path.exists() and (probe := host_probe()) is not None:
+        return from_profile(host_cache.as_profile(probe), "host probe")
     if path.exists():
         try:
             data = json.loads(path.read_text())
@@ -307,9 +321,10 @@ def from_profile(data: dict, source: str = "") -> Hardware:
     matmul = data.get("matmul", {})
     mem = data.get("memory", {})
     colls = data.get("collectives", {})
-    # Defaults: a few GFLOP/s per core and a slow loopback; chosen to under-promise.
-    fp32 = matmul.get("fp32_1thread", 20e9)
-    bf16 = matmul.get("bf16_1thread", fp32 / 4)
+    # Where neither calibration nor the host probe measured: a few GFLOP/s per core and a slow
+    # loopback, chosen to under-promise. The probe alone (host_cache.as_profile) measures compute only.
+    fp32, probe_only = matmul.get("fp32_1thread", 20e9), bool(data.get("host_probe"))
+    bf16, calibrated = matmul.get("bf16_1thread", fp32 / 4), bool(data) and not probe_only
     # A Gloo collective inside training (cores busy with compute, FSDP's copies in and out) reached
     # 0.24-0.33 GB/s on the 2-core host of docs/benchmarks.md, against 0.6-1.35 GB/s in an idle
     # loop: the default is the in-situ figure, as pessimistic as the compute default.
@@ -340,7 +355,8 @@ def from_profile(data: dict, source: str = "") -> Hardware:
     attn = data.get("attention", {})
     return Hardware(
         name="this-machine",
-        description=data.get("description", "this machine (uncalibrated defaults)" if not data else "this machine"),
+        description=data.get("description", "this machine (uncalibrated: host probe)" if probe_only else
+                             "this machine (uncalibrated defaults)" if not data else "this machine"),
         peak_bf16=bf16, peak_fp8=0.0, peak_fp32=fp32,
         hbm_bytes=mem.get("bytes_per_device", mem.get("total_bytes", 8 * GiB) / 4),
         hbm_bw=mem.get("copy_bw", 5e9), nvlink_bw=2 * fits["all_gather"]["beta"] / NVLINK_EFF,
@@ -361,8 +377,9 @@ def from_profile(data: dict, source: str = "") -> Hardware:
         optimizer_s_per_param=float(data.get("optimizer_s_per_param", 0.0)),
         pp_action_s=float(data.get("pp_action_s", UNMEASURED_PP_ACTION_S)),
         collectives_by_world=by_world,
-        compile_s=float(data.get("compile_s", UNMEASURED_CPU_COMPILE["compile_s"])) if data else 0.0,
-        cpu_compile_saving=dict(data.get("compile_saving", UNMEASURED_CPU_COMPILE["saving"])) if data else {},
+        compile_s=float(data.get("compile_s", UNMEASURED_CPU_COMPILE["compile_s"])) if calibrated else 0.0,
+        cpu_compile_saving=dict(data.get("compile_saving", UNMEASURED_CPU_COMPILE["saving"])) if calibrated else {},
+        calibrated=calibrated,
     )
 
 

@@ -14,6 +14,9 @@ schedule, v, pipeline micro-batches, stage split, recompute and the micro-batch.
 
 from __future__ import annotations
 
+import os
+import sys
+
 from ndtrain.config import JobConfig
 from ndtrain.errors import NdtrainError
 
@@ -48,7 +51,13 @@ def apply_auto_layout(cfg: JobConfig, world_size: int, hardware_profile=None) ->
     alone (apply_dp_choice). Then, with `compile_auto` on, whether to compile the blocks
     (apply_compile_choice): its decision is the returned dict's "compile" entry (the only one
     when no layout was chosen)."""
+    host = apply_host_choices(cfg, world_size, hardware_profile)
     choice = _layout_choice(cfg, world_size, hardware_profile)
+    if choice is not None:
+        choice["uncalibrated"] = _uncalibrated(cfg, hardware_profile)
+        if host is not None:  # printed with the layout: what the host probe chose, and why
+            choice["host"] = host
+            choice["description"] += _host_text(host)
     compiled = apply_compile_choice(cfg, world_size, hardware_profile) if cfg.parallel.compile_auto else None
     if compiled is None:
         return choice
@@ -59,6 +68,123 @@ def apply_auto_layout(cfg: JobConfig, world_size: int, hardware_profile=None) ->
         choice["predicted_tokens_per_s"] = cfg.train.global_batch * cfg.data.seq_len / compiled["compiled_step_s"]
         choice["description"] += f"; compiled {compiled['compiled_step_s']:.3f} s/step"
     return {**choice, "compile": compiled}
+
+
+# How far an uncalibrated CPU plan's step time may be off the measured one, as seen (issue 29):
+# 5.2x with the old defaults on an AMX host; with the probe's rates (CPU time, so a busy host does
+# not slow them), 1.84 s predicted against 1.6 s of CPU and 3.4-4.7 s of wall time per step on the
+# AMD host of docs/benchmarks.md, whose other tenants took most of its two cores.
+UNCALIBRATED_ERROR = "off by up to ~2x, more on a host busy with other work"
+
+
+def _uncalibrated(cfg: JobConfig, hardware_profile=None) -> str:
+    """'' where the plan priced calibrated (or catalog) hardware; else what the printed
+    prediction is worth, for the line that sets it beside the measured step."""
+    from ndtrain.planner.api import _hardware
+
+    try:
+        hw = _hardware(_planned_for(cfg, hardware_profile))
+    except NdtrainError:
+        return ""
+    if hw.calibrated:
+        return ""
+    what = "the host probe's compute rates" if "host probe" in hw.description else "default rates"
+    return (f"uncalibrated: {what}, host and collective costs assumed, {UNCALIBRATED_ERROR}; "
+            f"`ndtrain calibrate` measures them")
+
+
+def _on_cpu(cfg: JobConfig) -> bool:
+    import torch
+
+    return cfg.train.device == "cpu" or not torch.cuda.is_available()
+
+
+def plan_and_probe(cfg: JobConfig, world_size: int, hardware_profile=None) -> dict | None:
+    """`ndtrain train`'s planner: on CPU, the host probe first (cached: it runs once per host),
+    measured in the process that launches the ranks (or the only one), never in a worker: every
+    rank then reads the same file and decides alike. Workers started by another launcher
+    without a cached probe keep the static defaults, all alike."""
+    if _on_cpu(cfg) and "RANK" not in os.environ and not cfg.parallel.auto_hardware:
+        from ndtrain.train.host_probe import ensure
+
+        ensure()
+    return apply_auto_layout(cfg, world_size, hardware_profile)
+
+
+def apply_host_choices(cfg: JobConfig, world_size: int, hardware_profile=None) -> dict | None:
+    """CPU ranks: the defaults that depend on the host, from its cached probe (never measured
+    here; see plan_and_probe): the bf16 attention dtype, `cpu_matmul` (unless given), the
+    precision (unless given: bf16 where the CPU has bf16 matmuls and the planner predicts bf16
+    BF16_SPEEDUP faster), and a one-line warning when fp8 runs where it is emulated. None where
+    no probe is cached or the run is not on CPU."""
+    from ndtrain.planner.hardware import host_probe
+
+    probe = host_probe() if _on_cpu(cfg) and not cfg.parallel.auto_hardware else None
+    if probe is None:
+        return None
+    from ndtrain.model.llama import set_cpu_bf16_attention
+    from ndtrain.planner.host_cache import bf16_attention, summary
+
+    chosen, p = probe["decisions"], cfg.parallel
+    attend_in = bf16_attention(chosen, cfg.model.head_dim)
+    set_cpu_bf16_attention(attend_in)
+    if p.cpu_matmul_auto:
+        p.cpu_matmul = chosen["cpu_matmul"]
+    out = {"probe": summary(probe), "cpu_matmul": p.cpu_matmul, "bf16_attention": attend_in}
+    if p.mixed_precision_auto:
+        out["precision"] = _precision_choice(cfg, world_size, hardware_profile, chosen["native_bf16"])
+        p.mixed_precision = out["precision"]["precision"]
+    if p.mixed_precision == "fp8" and chosen["fp8_emulated"] and os.environ.get("RANK", "0") == "0" \
+            and not os.environ.get(FP8_WARNED_ENV):
+        os.environ[FP8_WARNED_ENV] = "1"  # once: in this process, and in the workers a launcher starts
+        print(f"warning: fp8 matmuls are emulated on this CPU (torch._scaled_mm at {100 * chosen['fp8_ratio']:.2g}% of "
+              f"bf16's rate, host probe): an fp8 run is far slower than bf16; mixed_precision = \"bf16\" trains "
+              f"the same model at bf16's speed", file=sys.stderr, flush=True)
+    return out
+
+
+FP8_WARNED_ENV = "NDTRAIN_FP8_WARNED"
+
+# bf16 by default only where the planner predicts at least this speed-up over fp32: below it the
+# exactness of fp32 is worth more than the time (issue 29; docs/benchmarks.md has the figures).
+BF16_SPEEDUP = 1.5
+
+
+def _precision_choice(cfg: JobConfig, world_size: int, hardware_profile, native_bf16: bool) -> dict:
+    """{"precision", "speedup" (predicted fp32 / bf16 step time, or None), "description"}."""
+    if not native_bf16:
+        return {"precision": "fp32", "speedup": None,
+                "description": "precision fp32: this CPU has no bf16 matmuls (avx512_bf16 / amx_bf16)"}
+    steps = {mp: _predicted_step(cfg, world_size, hardware_profile, mp) for mp in ("fp32", "bf16")}
+    if None in steps.values():
+        return {"precision": "fp32", "speedup": None,
+                "description": "precision fp32: the planner cannot price this layout in both precisions"}
+    speedup = steps["fp32"] / steps["bf16"]
+    pick = "bf16" if speedup >= BF16_SPEEDUP else "fp32"
+    return {"precision": pick, "speedup": speedup,
+            "description": f"precision {pick}: the planner predicts bf16 {speedup:.2f}x fp32 on this host "
+                           f"({steps['fp32']:.3f} vs {steps['bf16']:.3f} s/step; bf16 from {BF16_SPEEDUP}x)"}
+
+
+def _predicted_step(cfg: JobConfig, world_size: int, hardware_profile, precision: str) -> float | None:
+    """The step the run would take in `precision`: the layout the planner would choose for it
+    (auto or the defaults' data-parallel flavour), else the configured one."""
+    import copy
+
+    from ndtrain.layout import from_config, resolve
+    from ndtrain.planner.api import predict_step_time
+
+    trial = copy.deepcopy(cfg)
+    trial.parallel.mixed_precision = precision
+    try:
+        choice = _layout_choice(trial, world_size, hardware_profile)
+        if choice is not None:
+            return choice["predicted_step_time"]
+        lay = resolve(from_config(trial.parallel, trial.train, trial.data), world_size)
+        return predict_step_time(trial.model, lay.as_dict(), trial.data.seq_len, trial.train.global_batch,
+                                 _planned_for(trial, hardware_profile), world=world_size, precision=precision)
+    except NdtrainError:
+        return None
 
 
 def _layout_choice(cfg: JobConfig, world_size: int, hardware_profile=None) -> dict | None:
@@ -139,7 +265,14 @@ def apply_compile_choice(cfg: JobConfig, world_size: int, hardware_profile=None)
 def describe(choice: dict) -> str:
     return (f"{choice['layout'].short()} (as text: {choice['layout'].text()}): predicted "
             f"{choice['predicted_step_time']:.3f} s/step, {choice['predicted_tokens_per_s']:,.0f} tokens/s "
-            f"on {choice['hardware']}")
+            f"on {choice['hardware']}") + _host_text(choice.get("host"))
+
+
+def _host_text(host: dict | None) -> str:
+    if not host:
+        return ""
+    return (f"; host probe: cpu_matmul {host['cpu_matmul']}, bf16 attends in {host['bf16_attention']}"
+            + (f"; {host['precision']['description']}" if "precision" in host else ""))
 
 
 def train_main(argv: list[str]) -> int:
@@ -147,4 +280,4 @@ def train_main(argv: list[str]) -> int:
     (train/ sits below the planner glue and never imports it)."""
     from ndtrain.train.command import main
 
-    return main(argv, plan=apply_auto_layout)
+    return main(argv, plan=plan_and_probe)

@@ -168,8 +168,9 @@ def _loop(cfg: JobConfig, run_dir: Path, progress: dict, make_trainer) -> dict:
         guard.close()
     if "predicted_step_time" in chosen and len(step_times) > 3:
         measured = statistics.median(step_times[3:])  # the first steps pay for warm-up
+        note = chosen.get("uncalibrated")  # said in the same line: how far an uncalibrated plan may be off
         log.info(f"planned layout: measured {measured:.3f} s/step vs predicted "
-                 f"{chosen['predicted_step_time']:.3f} s/step")
+                 f"{chosen['predicted_step_time']:.3f} s/step" + (f" ({note})" if note else ""))
     summary = {"run_dir": str(run_dir), "steps": trainer.step, "val_loss": last_val, "checkpoint": str(path),
                "preempted": preempted, "interrupted": interrupted,
                "stop_signal": guard.preemption.signal_name if preempted else ""}

@@ -48,11 +48,17 @@ def _probe_rate(device: torch.device, dtype: torch.dtype, n: int, reps: int) -> 
 def probe_matmul_flops(dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> float:
     """Matmul throughput of this process on `device` (default the CPU). A CPU probe runs with the
     process's thread count: ranks probe concurrently, so on a shared host each sees its share of
-    the cores. A GPU probe needs a shape that fills the chip (8192: ~1.4 ms at 790 TFLOP/s)."""
+    the cores. A GPU probe needs a shape that fills the chip (8192: ~1.4 ms at 790 TFLOP/s).
+    On CPU the cached host probe's figures come first (train/host_probe.py): the same the planner's
+    uncalibrated model uses, so MFU and the plan divide by one measurement; measured here only
+    where the probe never ran on this host."""
     device = device or torch.device("cpu")
     if device.type == "cuda":
         return _probe_rate(device, dtype, n=8192, reps=5)
-    return _probe_rate(device, dtype, n=512, reps=8)
+    from ndtrain.train.host_probe import cpu_peak
+
+    peak = cpu_peak(dtype)
+    return peak if peak is not None else _probe_rate(device, dtype, n=512, reps=8)
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
@@ -60,7 +66,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     fp8 peak. A CUDA device is looked up in the planner's catalog (the one table of datasheet
     peaks, matched by name and memory to its variant); one missing there, and a CPU, are measured
     on the device itself. On CUDA a non-fp8 run is measured against the bf16 peak, as MFU
-    conventionally is (an fp32 run on tensor cores runs TF32 or slower)."""
+    conventionally is (an fp32 run on tensor cores runs TF32 or slower). A CPU's is the host
+    probe's (probe_matmul_flops)."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         name = catalog_name(props.name, props.total_memory)

@@ -1,0 +1,169 @@
+"""The host probe: one short measurement of this CPU's kernels, run once per host and cached
+(planner/host_cache.py says where and under which key; `ndtrain calibrate` refreshes it).
+
+It times, single-threaded as each CPU rank runs, what the model runs: a Linear's forward and
+backward in fp32 through the BLAS and through oneDNN (model/linear.py's two kernels) and in bf16,
+one small fp8 `torch._scaled_mm` beside bf16 at the same shape (small, and capped in time: where
+fp8 is emulated one call of 256^3 took 1.1 s), and the model's causal attention forward and
+backward in fp32 and in bf16 (attending in bf16, and in fp32 as bf16 runs did). A second or two
+in all on a quiet host. Its figures are the planner's uncalibrated CPU model and the runtime's
+MFU peak (one measurement of the same thing), and its decisions (host_cache.decide) the CPU
+defaults `[parallel] cpu_matmul_auto` and `mixed_precision_auto` resolve.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ndtrain.planner import host_cache
+from ndtrain.planner.hardware import host_probe, probe_dir
+
+# A linear of a small model's training shape (tokens x in -> out): the rate the planner multiplies
+# by (its mm_eff stays 1 uncalibrated), not a large square matmul's, which small models never reach.
+LINEAR = (1024, 512, 512)
+SMALL_N = 128  # fp8 vs bf16: 4 MFLOP, ~0.14 s per call where fp8 is emulated at 0.03 GFLOP/s
+# Causal attention: batch 4, seq 256 and heads x head_dim 256, at two head dims: which dtype is faster
+# depends on it (here bf16 lost at 16 and 32 and won at 64 and more), so the choice is per model.
+ATTENTION_SEQ, ATTENTION_HEAD_DIMS = 256, host_cache.ATTENTION_HEAD_DIMS
+MIN_TIME = 0.05  # seconds per measurement (at least 3 calls); the best call is kept
+FP8_CAP = 0.5  # seconds: an emulated fp8 stops after its first timed call
+
+
+def _best(fn, min_time: float = MIN_TIME, cap: float | None = None) -> float:
+    """CPU seconds of fn's fastest call after one warm-up. CPU time of this thread (one thread:
+    torch runs the kernels on it), not wall time: on a host shared with other work the wall time
+    of a call stretches by however long the thread waited for a core (2x and more on the 2-core
+    host of docs/benchmarks.md with other tenants), its CPU time far less. `cap`: stop once this
+    much time was spent, after one timed call."""
+    fn()
+    best, begin, calls = float("inf"), time.perf_counter(), 0
+    while calls < 3 or time.perf_counter() - begin < min_time:
+        start = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - start)
+        calls += 1
+        if cap is not None and time.perf_counter() - begin > cap:
+            break
+    return best
+
+
+def _linear_rate(dtype: torch.dtype, kernel: str) -> float:
+    from ndtrain.model.linear import Linear
+
+    n, k, m = LINEAR
+    layer = Linear(k, m, bias=False).to(dtype)
+    layer.cpu_kernel = kernel
+    x = torch.randn(n, k, dtype=dtype, requires_grad=True)
+
+    def step():
+        layer(x).sum().backward()
+
+    return 3 * 2 * n * k * m / _best(step)  # forward, input and weight gradients
+
+
+def _small_rates() -> tuple[float, float]:
+    n = SMALL_N
+    a, b = torch.randn(n, n).to(torch.bfloat16), torch.randn(n, n).to(torch.bfloat16)
+    bf16 = 2 * n**3 / _best(lambda: a @ b)
+    if not hasattr(torch, "_scaled_mm"):
+        return bf16, 0.0
+    fp8 = torch.float8_e4m3fn
+    a8, b8 = torch.randn(n, n).to(fp8), torch.randn(n, n).to(fp8).t().contiguous().t()  # column-major b
+    one = torch.ones(())
+    try:
+        t = _best(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), cap=FP8_CAP)
+    except (RuntimeError, NotImplementedError):  # no CPU fp8 kernel in this build
+        return bf16, 0.0
+    return bf16, 2 * n**3 / t
+
+
+def _attention_rate(dtype: torch.dtype, attend_in: str, d: int) -> float:
+    from ndtrain.model import llama
+
+    b, h, s = 4, max(1, 256 // d), ATTENTION_SEQ
+    q, k, v = (torch.randn(b, h, s, d, dtype=dtype, requires_grad=True) for _ in range(3))
+    previous = llama.set_cpu_bf16_attention(attend_in)
+    try:
+        t = _best(lambda: llama.causal_sdpa(q, k, v).sum().backward())
+    finally:
+        llama.set_cpu_bf16_attention(previous)
+    return 3 * 4 * b * s * s * h * d * 0.5 / t  # as the time model counts it: fwd + bwd, causal half
+
+
+def _block_seconds(dtype: torch.dtype, kernel: str, attend_in: str) -> float:
+    """One decoder block of `tiny`'s shape (make train's model) forward + backward on 4 x 256
+    tokens: what a bf16 layer gains over fp32 as a whole, norms, RoPE, casts and attention
+    included, which the matmul rates alone overstate (~1.4x here against 2.4x at the matmul)."""
+    from ndtrain.model import llama
+    from ndtrain.model.config import preset
+    from ndtrain.model.linear import set_cpu_kernel
+
+    cfg = preset("tiny")
+    block = llama.Block(cfg, 0).to(dtype)
+    set_cpu_kernel(block, kernel)
+    x = torch.randn(4, 256, cfg.dim, dtype=dtype, requires_grad=True)
+    positions = torch.arange(256)
+    previous = llama.set_cpu_bf16_attention(attend_in)
+    try:
+        return _best(lambda: block(x, positions).sum().backward())
+    finally:
+        llama.set_cpu_bf16_attention(previous)
+
+
+def measure() -> dict:
+    """This host's probe: {"key", "rates" (FLOP/s), "decisions", ...}; a few seconds."""
+    key = host_cache.host_key()
+    start = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(host_cache.PROBE_THREADS)
+    try:
+        rates = {"fp32_blas": _linear_rate(torch.float32, "blas"),
+                 "fp32_onednn": _linear_rate(torch.float32, "onednn"),
+                 "bf16": _linear_rate(torch.bfloat16, "blas")}  # bf16 always runs oneDNN: no kernel choice
+        rates["bf16_small"], rates["fp8_small"] = _small_rates()
+        for d in ATTENTION_HEAD_DIMS:
+            rates[f"attn_fp32_d{d}"] = _attention_rate(torch.float32, "fp32", d)
+            rates[f"attn_bf16_native_d{d}"] = _attention_rate(torch.bfloat16, "bf16", d)
+            rates[f"attn_bf16_in_fp32_d{d}"] = _attention_rate(torch.bfloat16, "fp32", d)
+    finally:
+        torch.set_num_threads(threads)
+        decisions = host_cache.decide({**rates, "fp32": 0.0}, key["flags"])
+        rates["fp32"] = rates["fp32_onednn" if decisions["cpu_matmul"] == "onednn" else "fp32_blas"]
+        from ndtrain.model.config import preset
+
+        head_dim = preset("tiny").head_dim
+        rates["block_bf16_speedup"] = (_block_seconds(torch.float32, decisions["cpu_matmul"], "fp32") / _block_seconds(
+            torch.bfloat16, "blas", host_cache.bf16_attention(decisions, head_dim)))
+    decisions = host_cache.decide(rates, key["flags"])
+    return {"key": key, "rates": rates, "decisions": decisions, "small_n": SMALL_N, "attention_seq": ATTENTION_SEQ,
+            "linear": list(LINEAR), "seconds": time.perf_counter() - start,
+            "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def ensure(refresh: bool = False) -> dict:
+    """This host's probe from the cache, measured (and cached) where it never ran or `refresh`."""
+    cached = None if refresh else host_probe()
+    if cached is not None:
+        return cached
+    probe = measure()
+    host_cache.write(probe, probe_dir())
+    return probe
+
+
+def cpu_peak(dtype: torch.dtype) -> float | None:
+    """One CPU rank's matmul peak in `dtype` from the cached probe (its single-threaded rate times
+    the threads this rank has, no more than its share of the cores when ranks outnumber them);
+    None where the probe never ran on this host (the caller measures then)."""
+    probe = host_probe()
+    if probe is None:
+        return None
+    rate = probe["rates"]["bf16" if dtype in (torch.bfloat16, torch.float8_e4m3fn) else "fp32"]
+    if dtype == torch.float8_e4m3fn:  # fp8 over bf16 at the probe's small shape
+        rate *= probe["decisions"]["fp8_ratio"]
+    import os
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return rate * min(torch.get_num_threads(), max(probe["key"]["cores"] / local, 1e-9))
