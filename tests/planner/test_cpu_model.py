@@ -158,3 +158,38 @@ def test_pipeline_actions_cost_cpu_ranks_not_gpus(tmp_path):
         pytest.approx(m * 3 * 3 * cpu.pp_action_s)
     gpu = CATALOG["h100"]
     assert pp_comm(gpu, "1F1B", 1) == pp_comm(dataclasses.replace(gpu, pp_action_s=1.0), "1F1B", 1)
+
+
+def _probed(tmp_path, monkeypatch, fp32: float, bf16: float, block: float):
+    """this_machine() on a host with no calibration profile and a cached probe of these rates."""
+    from ndtrain.planner import hardware, host_cache
+
+    monkeypatch.setattr(hardware, "DEFAULT_PROFILE", tmp_path / "hardware.json")
+    rates = {"fp32": fp32, "fp32_blas": fp32, "fp32_onednn": fp32, "bf16": bf16, "block_bf16_speedup": block,
+             **{f"attn_{k}_d{d}": 2e10 for k in ("fp32", "bf16_native", "bf16_in_fp32") for d in (32, 128)}}
+    decisions = {"cpu_matmul": "blas", "bf16_attention": {"32": "fp32", "128": "fp32"}}
+    host_cache.write({"key": host_cache.host_key(), "rates": rates, "decisions": decisions, "attention_seq": 256},
+                     tmp_path)
+    return this_machine()
+
+
+def test_an_uncalibrated_host_is_priced_from_its_probe(tmp_path, monkeypatch):
+    """Issue 29: the uncalibrated defaults (20 GFLOP/s fp32, bf16 a quarter of it) predicted
+    4.640 s/step for `make train` where an AMX host measured 0.894. With the probe cached, its
+    rates price the compute, and bf16's GEMMs reach what its whole block measured over fp32."""
+    cfg = preset("tiny", vocab_size=256)
+    lay = {"dp_replicate": 2, "dp_shard": 1, "mb": 8}
+    slow = _probed(tmp_path, monkeypatch, 70e9, 150e9, 1.5)
+    assert (slow.peak("fp32"), slow.peak("bf16"), slow.calibrated) == (70e9, 150e9, False)
+    assert slow.cpu_mm_eff("bf16") == pytest.approx(1.5 / (150 / 70))  # the block's speed-up, not the matmul's
+    fast = _probed(tmp_path, monkeypatch, 140e9, 300e9, 1.5)
+    t = [predict(cfg, lay, 256, 16, h, world=2, precision="fp32").time for h in (slow, fast)]
+    # twice the matmul rate: the GEMMs' time halves, attention (same rate) and host costs do not
+    assert t[0]["compute"] / 2 < t[1]["compute"] < 0.8 * t[0]["compute"]
+    # the precision rule's input: bf16 over fp32 predicted from the block's speed-up (1.5x here)
+    # stays under it (matmuls are most, not all, of a step); an AMX host's 10x matmuls do not
+    def bf16_speedup(hw):
+        return (predict(cfg, lay, 256, 16, hw, world=2, precision="fp32").step_time
+                / predict(cfg, lay, 256, 16, hw, world=2, precision="bf16").step_time)
+    assert bf16_speedup(slow) < 1.5
+    assert bf16_speedup(_probed(tmp_path, monkeypatch, 140e9, 1452e9, 4.0)) > 1.5

@@ -116,7 +116,7 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], reps:
 
 def measure_attention(dtype_name: str, seqs=(256, 1024), min_time: float = 0.15) -> dict:
     """Causal attention forward + backward at head dim 64 through the model's own `causal_sdpa`
-    (on CPU it attends bf16 inputs in fp32), in FLOP/s as the time model counts them
+    (bf16 inputs attend in the dtype the host probe chose), in FLOP/s as the time model counts them
     (3 x 4 b s^2 h d x 1/2: the causal half), keyed by sequence length."""
     import torch
 
@@ -265,8 +265,18 @@ def _cores() -> int:
 def calibrate(worlds=(2, 4, 8), sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), reps: int = 8, matmul_sizes=(256, 512, 1024),
               min_time: float = 0.15, attention_seqs=(256, 1024), overhead_reps: int = 15, tp_degrees=(2, 4)) -> dict:
     start = time.perf_counter()
+    from ndtrain.model.llama import set_cpu_bf16_attention
+    from ndtrain.planner.host_cache import bf16_attention
+    from ndtrain.train.host_probe import ensure
+
+    probe = ensure(refresh=True)  # the host probe is refreshed with the calibration, and cached with it
     matmul = {f"{d}_{t}thread": measure_matmul(d, t, matmul_sizes, min_time) for d in ("fp32", "bf16") for t in (1, 2)}
-    attention = {d: measure_attention(d, attention_seqs, min_time) for d in ("fp32", "bf16")}
+    # bf16 attention as a run on this host attends (measure_attention's head dim is 64)
+    previous = set_cpu_bf16_attention(bf16_attention(probe["decisions"], 64))
+    try:
+        attention = {d: measure_attention(d, attention_seqs, min_time) for d in ("fp32", "bf16")}
+    finally:
+        set_cpu_bf16_attention(previous)
     samples = measure_collectives(worlds, sizes, reps, tp_degrees)
     cores = _cores()
     plain = plain_host(overhead_reps)
@@ -304,6 +314,7 @@ def calibrate(worlds=(2, 4, 8), sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), reps
         "host_s": {"layer": layer, "head": head, "measured": plain, "measured_bf16": plain_bf16},
         "tp_host": tp_fits, "dp_in_situ": dp_fits,
         "optimizer_s_per_param": optimizer_seconds_per_param(),
+        "probe": {"rates": probe["rates"], "decisions": probe["decisions"]},  # for the record; its cache is read
     }
     prof["mm_eff"] = fit_mm_eff(prof)
     prof["mm_eff_bf16"] = fit_mm_eff(prof, "bf16")
@@ -335,6 +346,10 @@ def main(argv: list[str]) -> int:
     tmp.write_text(json.dumps(prof, indent=1))
     os.replace(tmp, out)
     print(f"wrote {out} ({prof['seconds']:.1f} s)")
+    from ndtrain.planner.hardware import host_probe
+    from ndtrain.planner.host_cache import summary
+
+    print("  " + summary(host_probe()))
     for name, flops in prof["matmul"].items():
         print(f"  matmul {name:<12} {flops / 1e9:8.1f} GFLOP/s")
     print(f"  copy bandwidth        {prof['memory']['copy_bw'] / 1e9:8.2f} GB/s")
