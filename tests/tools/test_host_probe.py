@@ -119,7 +119,7 @@ PEERS = {"model": {"dim": 256, "n_layers": 6, "n_heads": 16, "n_kv_heads": 16, "
 
 def test_host_choices_and_an_explicit_value_wins(cache, capsys):
     from ndtrain.model import llama
-    from ndtrain.tools.auto import apply_auto_layout
+    from ndtrain.tools.auto import apply_auto_layout, plan_and_probe
 
     before = llama.CPU_BF16_ATTENTION["dtype"]
     try:
@@ -128,6 +128,9 @@ def test_host_choices_and_an_explicit_value_wins(cache, capsys):
         cfg = load_config(None, PEERS)
         choice = apply_auto_layout(cfg, 2)
         assert cfg.parallel.cpu_matmul == "blas" and cfg.parallel.mixed_precision == "bf16"
+        assert choice["host"]["bf16_attention"] == "bf16"
+        assert llama.CPU_BF16_ATTENTION["dtype"] == before  # planning alone sets no kernel
+        plan_and_probe(load_config(None, PEERS), 2)  # `ndtrain train`'s planner: this process trains
         assert llama.CPU_BF16_ATTENTION["dtype"] == "bf16"
         assert choice["host"]["precision"]["speedup"] >= 1.5 and "precision bf16" in choice["description"]
         given = load_config(None, {**PEERS, "parallel": {"cpu_matmul": "onednn", "mixed_precision": "fp32"}})

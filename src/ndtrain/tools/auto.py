@@ -108,7 +108,16 @@ def plan_and_probe(cfg: JobConfig, world_size: int, hardware_profile=None) -> di
         from ndtrain.train.host_probe import ensure
 
         ensure()
-    return apply_auto_layout(cfg, world_size, hardware_profile)
+    choice = apply_auto_layout(cfg, world_size, hardware_profile)
+    from ndtrain.planner.hardware import host_probe
+
+    probe = host_probe() if _on_cpu(cfg) and not cfg.parallel.auto_hardware else None
+    if probe is not None:  # the process's attention kernel: set only where this process will train
+        from ndtrain.model.llama import set_cpu_bf16_attention
+        from ndtrain.planner.host_cache import bf16_attention
+
+        set_cpu_bf16_attention(bf16_attention(probe["decisions"], cfg.model.head_dim))
+    return choice
 
 
 def apply_host_choices(cfg: JobConfig, world_size: int, hardware_profile=None) -> dict | None:
@@ -122,12 +131,10 @@ def apply_host_choices(cfg: JobConfig, world_size: int, hardware_profile=None) -
     probe = host_probe() if _on_cpu(cfg) and not cfg.parallel.auto_hardware else None
     if probe is None:
         return None
-    from ndtrain.model.llama import set_cpu_bf16_attention
     from ndtrain.planner.host_cache import bf16_attention, summary
 
     chosen, p = probe["decisions"], cfg.parallel
-    attend_in = bf16_attention(chosen, cfg.model.head_dim)
-    set_cpu_bf16_attention(attend_in)
+    attend_in = bf16_attention(chosen, cfg.model.head_dim)  # set by plan_and_probe, for a process that trains
     if p.cpu_matmul_auto:
         p.cpu_matmul = chosen["cpu_matmul"]
     out = {"probe": summary(probe), "cpu_matmul": p.cpu_matmul, "bf16_attention": attend_in}
