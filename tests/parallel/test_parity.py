@@ -70,15 +70,3 @@ def test_compiled_blocks_match_eager(parity_base):
                                       "dp_replicate=2,dp_shard=1,compile=true"], steps=3,
                         tol_loss=FP32_TOL, tol_weight=FP32_TOL)
     _check(results, FP32_TOL)
-
-
-def test_compile_with_tp_is_refused_up_front(parity_base):
-    from ndtrain.config import load_config
-    from ndtrain.errors import ConfigError
-    from ndtrain.parallel.dims import resolve
-
-    with pytest.raises(ConfigError, match="parallel.compile"):
-        cfg = load_config(None, {"parallel": {"tp": 2, "compile": True}})  # explicit degrees: no world needed
-    cfg = load_config(None, {"parallel": {"tp": -1, "dp_shard": 1, "compile": True}})
-    with pytest.raises(ConfigError, match="parallel.compile"):
-        resolve(cfg.parallel, 2, cfg.model)

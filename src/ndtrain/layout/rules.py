@@ -100,12 +100,6 @@ def tensor_parallel(c: Context):
             yield "parallel.tp", f"model.ffn_dim={m.ffn_dim} is not divisible by tp={tp}"
         if m.vocab_size % tp:
             yield "parallel.tp", f"model.vocab_size={m.vocab_size} is not divisible by tp={tp} (vocab-parallel head)"
-        if c.lay.compile and m.is_moe:
-            # Dense TP blocks compile (parallel/tensor.py). In MoE blocks Dynamo answers
-            # hasattr(<DTensor weight>, "to_local") False, so model/moe.py's _local keeps the
-            # router weight a DTensor and aten.mm gets mixed Tensor and DTensor.
-            yield "parallel.compile", ("torch.compile of tensor-parallel MoE blocks fails in torch 2.13 (the router's "
-                                       "aten.mm gets a DTensor weight); set compile=false or tp=1")
         if c.lay.compile and c.lay.ac in ("full", "every_n"):
             # torch 2.13: the compiled recompute saves the DTensor weights' DeviceMesh (an opaque
             # object) among the backward's tensors; AOTAutograd's save_from_forward asserts.

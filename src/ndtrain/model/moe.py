@@ -34,7 +34,9 @@ _DROPPED, _ENTROPY, _TOKENS, _AUX, _SEQS = range(5)
 
 def _local(w: torch.Tensor) -> torch.Tensor:
     """The locally held part of a (possibly DTensor) weight; the model never imports DTensor."""
-    return w.to_local() if hasattr(w, "to_local") else w
+    # On the type, not the instance: under torch.compile Dynamo answers hasattr(<DTensor
+    # parameter>, "to_local") False, and the router's mm then mixed a DTensor with a Tensor.
+    return w.to_local() if hasattr(type(w), "to_local") else w
 
 
 def occurrences(idx: torch.Tensor, n: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ refuse; a recompute policy it does not model) there is no decision and compile s
 
 Tensor-parallel layouts are priced like any other: the saving is the blocks' local compute
 (layer.py), their TP collectives cost the same compiled or not. Which TP layouts compile is the
-rules' answer alone (layout/rules.py, tensor_parallel: not MoE blocks, not full checkpointing),
+rules' answer alone (layout/rules.py, tensor_parallel: not full checkpointing),
 so compile_auto never picks a compiled layout the runtime would refuse.
 """
 
