@@ -103,6 +103,10 @@ def run_steps(cfg: JobConfig, steps: int) -> dict:
         norms.append(r.grad_norm)
     weights = trainer.full_weights()
     trainer.close()
+    if cfg.parallel.compile:
+        # The next layout in this process compiles afresh: with TP, a graph cached for one layout's
+        # local shapes was reused for the next one's ("shape '[64, 32]' is invalid", torch 2.13).
+        torch._dynamo.reset()
     return {"losses": torch.tensor(losses, dtype=torch.float64), "grad_norms": torch.tensor(norms, dtype=torch.float64),
             "weights": weights}
 
