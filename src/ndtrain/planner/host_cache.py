@@ -39,6 +39,11 @@ PLANNER_HEAD_DIM = 32  # the attention rate the planner prices: the small models
 FP8_EMULATED_BELOW = 0.01
 
 
+# What the planner and the runtime read from a probe (host_probe.py measures these and more)
+REQUIRED_RATES = ("fp32", "bf16", "fp32_blas", "fp32_onednn", "block_bf16_speedup",
+                  *(f"attn_{k}_d{d}" for k in ("fp32", "bf16_native", "bf16_in_fp32") for d in ATTENTION_HEAD_DIMS))
+
+
 def _cpuinfo(text: str | None = None) -> tuple[str, set[str]]:
     if text is None:
         try:
@@ -91,7 +96,10 @@ def load(directory: Path, key: dict | None = None) -> dict | None:
         data = json.loads(cache_path(key, directory).read_text())
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) and data.get("key") == key and "rates" in data else None
+    if not (isinstance(data, dict) and data.get("key") == key and isinstance(data.get("decisions"), dict)
+            and isinstance(data.get("rates"), dict) and all(k in data["rates"] for k in REQUIRED_RATES)):
+        return None  # another host's, or a file this probe did not write whole: probe again
+    return data
 
 
 def write(data: dict, directory: Path) -> Path:
