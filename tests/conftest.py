@@ -68,7 +68,8 @@ class Fp8Speed:
     def describe(self) -> str:
         if self.forced:
             return f"fp8 matmul forced {self.forced} ({FP8_FORCE_ENV})"
-        return f"fp8 matmul {self.fp8_gflops:.3g} GFLOP/s vs bf16 {self.bf16_gflops:.3g} ({'slow' if self.slow else 'fast'})"
+        kind = "slow" if self.slow else "fast"
+        return f"fp8 matmul {self.fp8_gflops:.3g} GFLOP/s vs bf16 {self.bf16_gflops:.3g} ({kind})"
 
 
 def probe_fp8_speed(n: int = 128) -> Fp8Speed:
@@ -101,6 +102,25 @@ def probe_fp8_speed(n: int = 128) -> Fp8Speed:
 @pytest.fixture(scope="session")
 def fp8_speed() -> Fp8Speed:
     return probe_fp8_speed()
+
+
+@pytest.fixture
+def fp8_cheap_peak(fp8_speed, monkeypatch) -> Fp8Speed:
+    """`fp8_speed`; where fp8 is slow, the trainer's fp8 peak probe (train/metrics.py: 9 calls of
+    a 512^3 `_scaled_mm`, ~80 s at 0.03 GFLOP/s, in every fp8 Trainer) is skipped. There the probe
+    yields the bf16 peak anyway (fp8 measures below it), which is what this returns, so only tests
+    that do not read MFU use it (test_fp8_mfu_names_both_peaks runs the real probe)."""
+    if fp8_speed.slow:
+        from ndtrain.train import trainer
+
+        real = trainer.run_peaks
+
+        def bf16_peak_for_fp8(device, dtype, fp8):
+            peak, source, _, _ = real(device, dtype, False)
+            return peak, source, (peak if fp8 else 0.0), ("the bf16 peak (fp8 emulated here)" if fp8 else "")
+
+        monkeypatch.setattr(trainer, "run_peaks", bf16_peak_for_fp8)  # forked ranks inherit it
+    return fp8_speed
 
 
 # ---- per-file time against its budget (tests/budgets.toml), printed at the end of a run ----------
@@ -138,7 +158,8 @@ def _host_slowdown(ref: dict) -> tuple[float, str]:
     finally:
         torch.set_num_threads(threads)
     scale = max(1.0, op_us / ref["op_us"], ref["matmul_gflops"] / gflops)
-    return scale, f"small op {op_us:.1f} us (ref {ref['op_us']}), fp32 matmul {gflops:.0f} GFLOP/s (ref {ref['matmul_gflops']})"
+    return scale, (f"small op {op_us:.1f} us (ref {ref['op_us']}), "
+                   f"fp32 matmul {gflops:.0f} GFLOP/s (ref {ref['matmul_gflops']})")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

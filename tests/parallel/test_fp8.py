@@ -6,8 +6,8 @@ How the curves are compared (docs/fp8.md, "Accuracy"). fp8 and bf16 runs start f
 weights and see the same batches; e4m3 keeps 3 mantissa bits (unit roundoff u = 2^-4), so each
 fp8 GEMM's output carries a relative error of order u against bf16's 2^-8, and two trajectories
 that differ by per-GEMM rounding drift apart as the steps compound it: after 30 steps the
-runs decorrelate enough that single steps differ by up to 0.35 in loss even between two *bf16*
-runs on different oneDNN kernels (a loss spike that one run takes a step later). A single-step
+runs decorrelate enough that single steps differ by up to 0.30 in loss even between two *bf16*
+runs on different oneDNN kernels (a loss spike one run takes a step later; fp8: 0.35). A single-step
 maximum is therefore noise; the tests bound robust statistics instead, each at 3x the worst
 seen over 6 seeds x 3 kernels (ONEDNN_MAX_CPU_ISA default / AVX512_CORE / AVX2, fp8 and bf16 on
 every pair of them) x both recipes:
@@ -17,9 +17,10 @@ Short runs keep the trajectories correlated, so 12 steps bound far tighter than 
 median 0.0017 against 0.0067) and still catch what matters: lost weight gradients (median
 >= 0.27) and an operand scale off by 2x fail them on every seed tried, and at SMALL so does a
 scale off by 1.25x (test_curve_check_catches_broken_fp8 keeps two of them as a test); after 30
-steps only the gross defects stand out of the noise, so the 30-step runs are slow-suite extras. A layer left in bf16 or put in fp8 that should not be is caught by counting the fp8
-GEMMs, which the one-process test does; a precision change within fp8's own rounding (e5m2
-operands, fp8-rounded outputs) is not visible in a curve at all, so no curve bound claims it.
+steps only the gross defects stand out of the noise, so the 30-step runs are slow-suite extras.
+A layer left in bf16 or put in fp8 that should not be is caught by counting the fp8 GEMMs,
+which the one-process test does; a precision change within fp8's own rounding (e5m2 operands,
+fp8-rounded outputs) is not visible in a curve at all, so no curve bound claims it.
 
 Where fp8 matmul is emulated (conftest's `fp8_speed` probe: one small `_scaled_mm`, timed), the
 default tests run a smaller model for the same 12 steps and the 30-step runs stay slow."""
@@ -91,23 +92,9 @@ def _check_curves(fp8: torch.Tensor, bf16: torch.Tensor, label: str, curve: Curv
 
 
 @pytest.fixture
-def curve(fp8_speed, monkeypatch) -> Curve:
-    """The default curve tests' size for this host. Where fp8 is emulated, the trainer's fp8 peak
-    probe (train/metrics.py: 9 calls of a 512^3 `_scaled_mm`, ~80 s at 0.03 GFLOP/s) is skipped:
-    there it returns the bf16 peak anyway (fp8 measures below it), which is what this returns, and
-    these tests do not read MFU (test_fp8_mfu_names_both_peaks runs the real probe)."""
-    if not fp8_speed.slow:
-        return FULL
-    from ndtrain.train import trainer
-
-    real = trainer.run_peaks
-
-    def bf16_peak_for_fp8(device, dtype, fp8):
-        peak, source, _, _ = real(device, dtype, False)
-        return peak, source, (peak if fp8 else 0.0), ("the bf16 peak (fp8 emulated here)" if fp8 else "")
-
-    monkeypatch.setattr(trainer, "run_peaks", bf16_peak_for_fp8)  # forked ranks inherit it
-    return SMALL
+def curve(fp8_cheap_peak) -> Curve:
+    """The default curve tests' size for this host (conftest's fp8 probe)."""
+    return SMALL if fp8_cheap_peak.slow else FULL
 
 
 # ---- the rule ----------------------------------------------------------------------------------
@@ -215,7 +202,8 @@ def one_process_curves(parity_base, recipe: str, curve: Curve, broken=None) -> t
         torch._scaled_mm = scaled_mm
     if not broken:
         # 7 converted Linears per layer x 3 GEMMs (output, input grad, weight grad) per step, all fp8.
-        assert len(calls) == curve.n_layers * 7 * 3 * curve.steps and all(a.itemsize == b.itemsize == 1 for a, b in calls)
+        assert len(calls) == curve.n_layers * 7 * 3 * curve.steps
+        assert all(a.itemsize == b.itemsize == 1 for a, b in calls)
     return fp8, bf16
 
 
