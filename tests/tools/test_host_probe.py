@@ -119,62 +119,75 @@ PEERS = {"model": {"dim": 256, "n_layers": 6, "n_heads": 16, "n_kv_heads": 16, "
 
 
 def test_host_choices_and_an_explicit_value_wins(cache, capsys):
-    from ndtrain.model import llama
     from ndtrain.tools.auto import apply_auto_layout, plan_and_probe
 
-    before = llama.CPU_BF16_ATTENTION["dtype"]
-    try:
-        # an AMX host: bf16 ~10x fp32, its attention faster in bf16, oneDNN no faster than the BLAS
-        cache(probe(SPR, fp32=140e9, bf16=1452e9, onednn=0.95, attn_bf16=1.6, block=4.0))
-        cfg = load_config(None, PEERS)
-        choice = apply_auto_layout(cfg, 2)
-        assert cfg.parallel.cpu_matmul == "blas" and cfg.parallel.mixed_precision == "bf16"
-        assert choice["host"]["bf16_attention"] == "bf16"
-        assert llama.CPU_BF16_ATTENTION["dtype"] == before  # planning alone sets no kernel
-        plan_and_probe(load_config(None, PEERS), 2)  # `ndtrain train`'s planner: this process trains
-        assert llama.CPU_BF16_ATTENTION["dtype"] == "bf16"
-        assert choice["host"]["precision"]["speedup"] >= 1.5 and "precision bf16" in choice["description"]
-        given = load_config(None, {**PEERS, "parallel": {"cpu_matmul": "onednn", "mixed_precision": "fp32"}})
-        apply_auto_layout(given, 2)
-        assert (given.parallel.cpu_matmul, given.parallel.mixed_precision) == ("onednn", "fp32")
-        # the AMD host: bf16 matmuls 2.2x fp32's, but a whole bf16 block only 1.4x; the planner
-        # predicts under 1.5x and fp32 stays
-        cache(probe(AMD))
-        cfg = load_config(None, PEERS)
-        choice = apply_auto_layout(cfg, 2)
-        assert cfg.parallel.mixed_precision == "fp32" and choice["host"]["precision"]["speedup"] < 1.5
-        # a stored config (a checkpoint's) decides again, as compile_auto does
-        from ndtrain.config import from_dict, to_dict
+    # an AMX host: bf16 ~10x fp32, its attention faster in bf16, oneDNN no faster than the BLAS
+    cache(probe(SPR, fp32=140e9, bf16=1452e9, onednn=0.95, attn_bf16=1.6, block=4.0))
+    cfg = load_config(None, PEERS)
+    choice = apply_auto_layout(cfg, 2)
+    assert cfg.parallel.cpu_matmul == "blas" and cfg.parallel.mixed_precision == "bf16"
+    assert choice["host"]["bf16_attention"] == "bf16"
+    # `ndtrain train`'s planner hands the kernel choice to the Trainer, which sets it per model
+    assert plan_and_probe(load_config(None, PEERS), 2)["host"]["bf16_attention"] == "bf16"
+    assert choice["host"]["precision"]["speedup"] >= 1.5 and "precision bf16" in choice["description"]
+    given = load_config(None, {**PEERS, "parallel": {"cpu_matmul": "onednn", "mixed_precision": "fp32"}})
+    apply_auto_layout(given, 2)
+    assert (given.parallel.cpu_matmul, given.parallel.mixed_precision) == ("onednn", "fp32")
+    # the AMD host: bf16 matmuls 2.2x fp32's, but a whole bf16 block only 1.4x; the planner
+    # predicts under 1.5x and fp32 stays
+    cache(probe(AMD))
+    cfg = load_config(None, PEERS)
+    choice = apply_auto_layout(cfg, 2)
+    assert cfg.parallel.mixed_precision == "fp32" and choice["host"]["precision"]["speedup"] < 1.5
+    # a stored config (a checkpoint's) decides again, as compile_auto does
+    from ndtrain.config import from_dict, to_dict
 
-        assert from_dict(to_dict(cfg)).parallel.mixed_precision_auto
-        # fp8 chosen where it is emulated: one line, once
-        cache(probe(SPR, fp32=140e9, bf16=1452e9, fp8=0.03e9))
-        capsys.readouterr()
-        apply_auto_layout(load_config(None, {**PEERS, "parallel": {"mixed_precision": "fp8"}}), 2)
-        apply_auto_layout(load_config(None, {**PEERS, "parallel": {"mixed_precision": "fp8"}}), 2)
-        err = [line for line in capsys.readouterr().err.splitlines() if "fp8" in line]
-        assert len(err) == 1 and "emulated" in err[0] and "bf16" in err[0]
-    finally:
-        llama.set_cpu_bf16_attention(before)
+    assert from_dict(to_dict(cfg)).parallel.mixed_precision_auto
+    # fp8 chosen where it is emulated: one line, once
+    cache(probe(SPR, fp32=140e9, bf16=1452e9, fp8=0.03e9))
+    capsys.readouterr()
+    apply_auto_layout(load_config(None, {**PEERS, "parallel": {"mixed_precision": "fp8"}}), 2)
+    apply_auto_layout(load_config(None, {**PEERS, "parallel": {"mixed_precision": "fp8"}}), 2)
+    err = [line for line in capsys.readouterr().err.splitlines() if "fp8" in line]
+    assert len(err) == 1 and "emulated" in err[0] and "bf16" in err[0]
 
 
 def test_bf16_attention_switch_changes_only_the_kernel_dtype():
     """Attending in bf16 or in fp32 computes the same attention: within bf16's rounding of the
     output (unit roundoff 2^-8 relative, on values of order 1: 2e-2 absolute covers a few ulps)."""
     from ndtrain.model import llama
+    from ndtrain.model.config import preset
+    from ndtrain.model.llama import build_model
 
     q, k, v = (torch.randn(2, 4, 32, 16, dtype=torch.bfloat16) for _ in range(3))
-    before = llama.set_cpu_bf16_attention("bf16")
-    try:
-        native = llama.causal_sdpa(q, k, v)
-        llama.set_cpu_bf16_attention("fp32")
-        in_fp32 = llama.causal_sdpa(q, k, v)
-    finally:
-        llama.set_cpu_bf16_attention(before)
+    native = llama.causal_sdpa(q, k, v, bf16_attends_in="bf16")
+    in_fp32 = llama.causal_sdpa(q, k, v)  # the default: fp32
     assert native.dtype == in_fp32.dtype == torch.bfloat16
     assert (native.float() - in_fp32.float()).abs().max() < 2e-2
+    # A per-model choice, not a process-wide one: one model's kernel changes, another's does not.
+    a, b = build_model(preset("debug"), "cpu"), build_model(preset("debug"), "cpu")
+    llama.set_cpu_bf16_attention(a, "bf16")
+    kernels = lambda m: {mod.sdpa for mod in m.modules() if isinstance(mod, llama.Attention)}  # noqa: E731
+    assert all(k.keywords == {"bf16_attends_in": "bf16"} for k in kernels(a)) and kernels(b) == {llama.causal_sdpa}
+    assert all(llama.plain_kernel(k) for k in kernels(a))  # still the model's own kernel
+    llama.set_cpu_bf16_attention(a, "fp32")
+    assert kernels(a) == {llama.causal_sdpa}
     with pytest.raises(ValueError, match="fp32 or bf16"):
-        llama.set_cpu_bf16_attention("fp16")
+        llama.set_cpu_bf16_attention(a, "fp16")
+
+
+def test_the_trainer_sets_the_chosen_attention_kernel_on_its_model():
+    """The probe's bf16 attention choice reaches the model the Trainer builds (and only it)."""
+    from ndtrain.model import llama
+    from ndtrain.train.trainer import Trainer
+
+    cfg = load_config(None, {"parallel": {"mixed_precision": "bf16"}, "logging": {"tensorboard": False, "progress": "off"},
+                             "train": {"device": "cpu", "sample_tokens": 0}})
+    trainer = Trainer(cfg, run_dir=None, log=False, plan=lambda c, w: {"host": {"bf16_attention": "bf16"}})
+    kernels = {m.sdpa for m in trainer.model.modules() if isinstance(m, llama.Attention)}
+    trainer.close()
+    assert kernels and all(getattr(k, "keywords", None) == {"bf16_attends_in": "bf16"} for k in kernels)
+    assert trainer.train_step  # built and usable
 
 
 @pytest.mark.timeout(120)

@@ -15,6 +15,8 @@ It knows nothing about parallelism. Three choices keep it composable with every 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -72,21 +74,31 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]
 
 
-# The dtype bf16 CPU attention runs in, "fp32" or "bf16": whichever the host probe measured
-# faster (train/host_probe.py). A per-process kernel choice like torch's own backend flags,
-# set by the runtime before the model runs (set_cpu_bf16_attention); fp32 unless told.
-CPU_BF16_ATTENTION = {"dtype": "fp32"}
+# The dtypes bf16 CPU attention may run in: whichever the host probe measured faster
+# (train/host_probe.py), chosen per model by the runtime (set_cpu_bf16_attention).
+CPU_BF16_ATTENTION = ("fp32", "bf16")
 
 
-def set_cpu_bf16_attention(dtype: str) -> str:
-    """bf16 CPU attention attends in `dtype` ("fp32" | "bf16") from now on; returns the previous."""
-    if dtype not in ("fp32", "bf16"):
+def plain_kernel(sdpa) -> bool:
+    """`Attention.sdpa` is the model's own kernel (causal_sdpa, with or without its CPU bf16
+    choice bound), not one a parallelism or the sampler put in its place."""
+    return getattr(sdpa, "func", sdpa) is causal_sdpa
+
+
+def set_cpu_bf16_attention(model: nn.Module, dtype: str) -> None:
+    """Every Attention of `model` that runs the model's own kernel attends bf16 CPU inputs in
+    `dtype` ("fp32" | "bf16"): a per-model kernel choice, like linear.set_cpu_kernel, made by the
+    runtime from the host probe (train/host_probe.py), which found either faster depending on
+    the host and head size. fp32 unless told."""
+    if dtype not in CPU_BF16_ATTENTION:
         raise ValueError(f"bf16 CPU attention runs in fp32 or bf16, got {dtype!r}")
-    previous, CPU_BF16_ATTENTION["dtype"] = CPU_BF16_ATTENTION["dtype"], dtype
-    return previous
+    for module in model.modules():
+        if isinstance(module, Attention) and plain_kernel(module.sdpa):
+            module.sdpa = causal_sdpa if dtype == "fp32" else functools.partial(causal_sdpa, bf16_attends_in=dtype)
 
 
-def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids=None) -> torch.Tensor:
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids=None,
+                bf16_attends_in: str = "fp32") -> torch.Tensor:
     """q: [b, h, s, d]; k, v: [b, h_kv, s, d], not expanded, so a kernel that moves K/V (context
     parallel) moves h/h_kv times fewer bytes, and SDPA reads them as they are (`enable_gqa`): no
     [b, h, s, d] copy of K and V per layer (4x their memory and traffic at Llama 3's 32/8 heads).
@@ -96,7 +108,7 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids=None)
     attention is block-causal."""
     from ndtrain.model import doc_attention
 
-    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and CPU_BF16_ATTENTION["dtype"] == "fp32":
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and bf16_attends_in == "fp32":
         # torch's CPU flash-attention kernel can be slower in bf16 than in fp32 (on the AMD host its
         # backward took ~1.5x the CPU time at head_dim 16, benchmarks/breakdown.py), which ate bf16's
         # matmul gain: attend in fp32 (more exact, too) and hand bf16 back, where the host probe found that faster.
@@ -150,7 +162,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         from ndtrain.model.doc_attention import DocumentMask
 
-        if isinstance(doc_ids, DocumentMask) and self.attention.sdpa is not causal_sdpa:
+        if isinstance(doc_ids, DocumentMask) and not plain_kernel(self.attention.sdpa):
             doc_ids = doc_ids.doc_ids  # another kernel (context parallel's) takes the plain ids
         # doc_ids by keyword: tensor parallel's input plan for attention lists (x, positions) only.
         h = x + self.attention(self.attention_norm(x), positions, doc_ids=doc_ids)
@@ -188,7 +200,7 @@ class Transformer(nn.Module):
         from ndtrain.model import doc_attention
 
         if (isinstance(doc_ids, torch.Tensor) and doc_attention.uses_flex(doc_ids.device)
-                and any(isinstance(m, Attention) and m.sdpa is causal_sdpa for m in self.layers.modules())):
+                and any(isinstance(m, Attention) and plain_kernel(m.sdpa) for m in self.layers.modules())):
             # The flex block mask, once per micro-batch and outside the checkpointed blocks: every
             # layer and every recompute reuses it (doc_attention.DocumentMask).
             doc_ids = doc_attention.DocumentMask(doc_ids)

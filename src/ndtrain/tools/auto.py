@@ -60,9 +60,9 @@ def apply_auto_layout(cfg: JobConfig, world_size: int, hardware_profile=None) ->
             choice["description"] += _host_text(host)
     compiled = apply_compile_choice(cfg, world_size, hardware_profile) if cfg.parallel.compile_auto else None
     if compiled is None:
-        return choice
-    if choice is None:
-        return {"compile": compiled}
+        return choice if choice is not None or host is None else {"host": host}
+    if choice is None:  # the host's choices reach the Trainer (its bf16 attention kernel) either way
+        return {"compile": compiled, **({"host": host} if host is not None else {})}
     if compiled["compile"]:  # the step the run will take is the compiled one
         choice["predicted_step_time"] = compiled["compiled_step_s"]
         choice["predicted_tokens_per_s"] = cfg.train.global_batch * cfg.data.seq_len / compiled["compiled_step_s"]
@@ -108,16 +108,7 @@ def plan_and_probe(cfg: JobConfig, world_size: int, hardware_profile=None) -> di
         from ndtrain.train.host_probe import ensure
 
         ensure()
-    choice = apply_auto_layout(cfg, world_size, hardware_profile)
-    from ndtrain.planner.hardware import host_probe
-
-    probe = host_probe() if _on_cpu(cfg) and not cfg.parallel.auto_hardware else None
-    if probe is not None:  # the process's attention kernel: set only where this process will train
-        from ndtrain.model.llama import set_cpu_bf16_attention
-        from ndtrain.planner.host_cache import bf16_attention
-
-        set_cpu_bf16_attention(bf16_attention(probe["decisions"], cfg.model.head_dim))
-    return choice
+    return apply_auto_layout(cfg, world_size, hardware_profile)
 
 
 def apply_host_choices(cfg: JobConfig, world_size: int, hardware_profile=None) -> dict | None:
@@ -134,7 +125,7 @@ def apply_host_choices(cfg: JobConfig, world_size: int, hardware_profile=None) -
     from ndtrain.planner.host_cache import bf16_attention, summary
 
     chosen, p = probe["decisions"], cfg.parallel
-    attend_in = bf16_attention(chosen, cfg.model.head_dim)  # set by plan_and_probe, for a process that trains
+    attend_in = bf16_attention(chosen, cfg.model.head_dim)  # the Trainer sets it on its model's attention
     if p.cpu_matmul_auto:
         p.cpu_matmul = chosen["cpu_matmul"]
     out = {"probe": summary(probe), "cpu_matmul": p.cpu_matmul, "bf16_attention": attend_in}

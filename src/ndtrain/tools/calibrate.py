@@ -114,7 +114,7 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], reps:
         Path(out).write_text(json.dumps(results))
 
 
-def measure_attention(dtype_name: str, seqs=(256, 1024), min_time: float = 0.15) -> dict:
+def measure_attention(dtype_name: str, seqs=(256, 1024), min_time: float = 0.15, bf16_attends_in: str = "fp32") -> dict:
     """Causal attention forward + backward at head dim 64 through the model's own `causal_sdpa`
     (bf16 inputs attend in the dtype the host probe chose), in FLOP/s as the time model counts them
     (3 x 4 b s^2 h d x 1/2: the causal half), keyed by sequence length."""
@@ -132,7 +132,7 @@ def measure_attention(dtype_name: str, seqs=(256, 1024), min_time: float = 0.15)
             q, k, v = (torch.randn(b, h, seq, d, dtype=dtype, requires_grad=True) for _ in range(3))
 
             def step():
-                causal_sdpa(q, k, v).sum().backward()
+                causal_sdpa(q, k, v, bf16_attends_in=bf16_attends_in).sum().backward()
 
             step()
             times, begin = [], time.perf_counter()
@@ -265,18 +265,14 @@ def _cores() -> int:
 def calibrate(worlds=(2, 4, 8), sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), reps: int = 8, matmul_sizes=(256, 512, 1024),
               min_time: float = 0.15, attention_seqs=(256, 1024), overhead_reps: int = 15, tp_degrees=(2, 4)) -> dict:
     start = time.perf_counter()
-    from ndtrain.model.llama import set_cpu_bf16_attention
     from ndtrain.planner.host_cache import bf16_attention
     from ndtrain.train.host_probe import ensure
 
     probe = ensure(refresh=True)  # the host probe is refreshed with the calibration, and cached with it
     matmul = {f"{d}_{t}thread": measure_matmul(d, t, matmul_sizes, min_time) for d in ("fp32", "bf16") for t in (1, 2)}
     # bf16 attention as a run on this host attends (measure_attention's head dim is 64)
-    previous = set_cpu_bf16_attention(bf16_attention(probe["decisions"], 64))
-    try:
-        attention = {d: measure_attention(d, attention_seqs, min_time) for d in ("fp32", "bf16")}
-    finally:
-        set_cpu_bf16_attention(previous)
+    attend_in = bf16_attention(probe["decisions"], 64)
+    attention = {d: measure_attention(d, attention_seqs, min_time, attend_in) for d in ("fp32", "bf16")}
     samples = measure_collectives(worlds, sizes, reps, tp_degrees)
     cores = _cores()
     plain = plain_host(overhead_reps)

@@ -108,16 +108,11 @@ def _attention_rates(d: int) -> tuple[float, float, float]:
         q, k, v = (torch.randn(b, h, s, d, dtype=dtype, requires_grad=True) for _ in range(3))
 
         def step():
-            llama.set_cpu_bf16_attention(attend_in)
-            llama.causal_sdpa(q, k, v).sum().backward()
+            llama.causal_sdpa(q, k, v, bf16_attends_in=attend_in).sum().backward()
         return step
 
-    previous = llama.CPU_BF16_ATTENTION["dtype"]
-    try:
-        times = _alternating([call(torch.float32, "fp32"), call(torch.bfloat16, "bf16"), call(torch.bfloat16, "fp32")],
-                             rounds=4)
-    finally:
-        llama.set_cpu_bf16_attention(previous)
+    times = _alternating([call(torch.float32, "fp32"), call(torch.bfloat16, "bf16"), call(torch.bfloat16, "fp32")],
+                         rounds=4)
     flops = 3 * 4 * b * s * s * h * d * 0.5  # as the time model counts it: fwd + bwd, causal half
     return tuple(flops / t for t in times)
 
@@ -138,13 +133,10 @@ def _block_speedup(kernel: str, attend_in: str, rounds: int = 6) -> float:
     for dtype in (torch.float32, torch.bfloat16):
         block = llama.Block(cfg, 0).to(dtype)
         set_cpu_kernel(block, kernel)
+        llama.set_cpu_bf16_attention(block, attend_in)  # fp32 inputs never read it
         x = torch.randn(4, 256, cfg.dim, dtype=dtype, requires_grad=True)
         calls.append(lambda b=block, x=x: b(x, positions).sum().backward())
-    previous = llama.set_cpu_bf16_attention(attend_in)  # fp32 inputs never read it
-    try:
-        fp32, bf16 = _alternating(calls, rounds)
-    finally:
-        llama.set_cpu_bf16_attention(previous)
+    fp32, bf16 = _alternating(calls, rounds)
     return fp32 / bf16
 
 

@@ -32,7 +32,7 @@ from ndtrain.layout.flops import flops_per_token
 from ndtrain.layout.rules import global_batch_problem
 from ndtrain.model.init import canonical_name, materialize
 from ndtrain.model.moe import end_step as moe_end_step, moe_layers, set_aux_scale
-from ndtrain.model.llama import build_model
+from ndtrain.model.llama import build_model, set_cpu_bf16_attention
 from ndtrain.parallel import dims as pdims
 from ndtrain.parallel.compose import parallelize
 from ndtrain.parallel.data_parallel import accumulation, reshard
@@ -65,12 +65,14 @@ def split_micro(n: int, micro: int) -> list[tuple[int, int]]:
 
 
 def plan_layout(cfg: JobConfig, world_size: int, plan=None) -> dict | None:
-    """`[parallel] auto` (or `dp_auto`, the defaults' data-parallel choice, and `compile_auto`):
+    """`[parallel] auto` (or `dp_auto`, the defaults' data-parallel choice, `compile_auto`, and the
+    host probe's CPU defaults, `cpu_matmul_auto` and `mixed_precision_auto`):
     `plan(cfg, world_size)` (the planner glue, ndtrain.tools.auto, handed down by the command
     because the planner sits above the trainer) overwrites cfg's layout keys for this world and
     returns its choice; None when none is on. Without a planner, dp_auto and compile_auto keep
     the static defaults."""
-    defaults_choose = cfg.parallel.dp_auto or cfg.parallel.compile_auto
+    p = cfg.parallel
+    defaults_choose = p.dp_auto or p.compile_auto or p.cpu_matmul_auto or p.mixed_precision_auto
     if not cfg.parallel.auto and not (defaults_choose and plan is not None):
         return None
     if plan is None:
@@ -127,6 +129,10 @@ class Trainer:
             self.model = parallelize(self.model, self.dims, self.mesh)
             materialize(self.model, cfg.train.seed, self.rt.device)
             self.model_parts = [self.model]
+        attend_in = ((self.auto_choice or {}).get("host") or {}).get("bf16_attention")
+        if attend_in:  # the host probe's bf16 CPU attention kernel (tools/auto.apply_host_choices)
+            for part in self.model_parts:
+                set_cpu_bf16_attention(part, attend_in)
         self.fsdp = isinstance(self.model, FSDPModule)  # plain replication has torch's DDP instead
         self.params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
         # MoE routing statistics are summed over the ranks that saw different tokens (dp x cp).
