@@ -163,7 +163,7 @@ def test_a_run_long_enough_compiles_and_trains_as_eager(parity_base, tmp_path):
     assert cfg.parallel.compile and torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
     cfg, eager = run("eager", 1e9)
     assert not cfg.parallel.compile
-    assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-5)
+    assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-5)  # fp32: inductor reorders sums, 1e-5 as parity_base
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])

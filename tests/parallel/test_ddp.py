@@ -107,4 +107,4 @@ def test_checkpoints_cross_between_the_ddp_reducer_and_zero3(corpus_dir, tmp_pat
                  f"--checkpoint.resume={tmp_path / 'z3' / 'checkpoints' / 'step_00000006'}")
     assert sorted(mid) == [4, 5, 6] and sorted(end) == [7, 8]
     for step, loss in {**mid, **end}.items():
-        assert loss == pytest.approx(ref[step], abs=1e-5), step
+        assert loss == pytest.approx(ref[step], abs=1e-5), step  # fp32 reduction order (conftest's parity_base)

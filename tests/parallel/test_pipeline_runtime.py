@@ -56,7 +56,7 @@ def test_checkpoint_reshards_pp_to_world1_and_timeline(parity_base, tmp_path):
                                                          "pp_schedule": "Interleaved1F1B"}})
     ranks = run_ranks(2, _pp_rank, pp_cfg, 2, looped_cfg)
     assert sorted(s for r in ranks for s in r["stages"]) == [0, 1, 2, 3] and ranks[0]["stages"] == [0, 3]
-    for r in ranks:
+    for r in ranks:  # fp32: reduction order only, 1e-5 as derived in conftest's parity_base docstring
         assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) <= 1e-5
         assert abs(r["val"] - ref_val) <= 1e-5
         assert max(abs(a - b) for a, b in zip(r["looped"], ref_losses + [ref_val])) <= 1e-5

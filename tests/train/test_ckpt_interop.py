@@ -50,6 +50,8 @@ def test_export_matches_hf_llama_and_import_round_trips(parity_base, tmp_path):
     with torch.no_grad():
         ours = _ours(summary["checkpoint"])(tokens)
     theirs = _hf_logits(out, tokens)
+    # fp32, two implementations of one model: ~1e-7 relative per op over 4 layers on logits of ~1-10
+    # (as derived in tests/model/test_generate.py); 1e-4 absolute is ~100x that.
     assert (ours - theirs).abs().max() <= 1e-4, (ours - theirs).abs().max()
 
     # Import that HF directory back: same weights bit for bit, same logits.

@@ -27,6 +27,7 @@ def test_grad_accumulation_is_token_exact(parity_base):
     four = run_steps(_cfg(parity_base, global_batch=4, micro_batch=1), steps=3)
     uneven = run_steps(_cfg(parity_base, global_batch=4, micro_batch=3), steps=3)  # 3 + 1
     for other in (four, uneven):
+        # fp32, accumulated micro-batches vs one batch: reduction order only (conftest's parity_base docstring).
         assert torch.allclose(one["losses"], other["losses"], rtol=0, atol=1e-5)
         for name, w in one["weights"].items():
             assert (w - other["weights"][name]).abs().max() <= 1e-5, name
