@@ -194,6 +194,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             origin = "" if key in files else " (default)"
             tw.write_line(f"{'OVER BUDGET ' if late else ''}{spent:7.1f} s / {budget:6.1f} s{origin}  {path}",
                           yellow=late, bold=late)
+    total, suite = sum(per_file.values()), scale * table["suite"]["total_s"]
+    tw.write_line(f"{total:7.1f} s / {suite:6.1f} s  all {len(per_file)} file(s) run "
+                  "(the budget is the whole default suite's)", yellow=judge and total > suite)
     if over:
         tw.write_line(f"{over} file(s) over budget: split them or move their long tests to slow (make test-slow)",
                       yellow=True)
