@@ -14,6 +14,39 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def _reference_host_cache() -> Path:
+    """The suite's own cache directory (XDG_CACHE_HOME, inherited by every process a test starts),
+    holding a host probe with fixed rates under this host's key: the probe's choices (cpu_matmul,
+    bf16's attention dtype, the precision) and the uncalibrated planner's rates are then the same
+    on every host and in every test order, instead of this machine's ~/.cache (a probe cached
+    by whichever earlier run made it, or a calibration profile). The rates are a reference
+    host's, the AMD EPYC's of docs/benchmarks.md: oneDNN 1.15x the BLAS, bf16 attention slower
+    than attending in fp32, a bf16 block 1.4x an fp32 one, fp8 ~15% of bf16. Tests of the probe
+    itself (tests/tools/test_host_probe.py) move the cache again, to directories of their own."""
+    import tempfile
+
+    from ndtrain.planner import host_cache
+
+    root = Path(tempfile.mkdtemp(prefix="ndtrain-test-cache-"))
+    os.environ["XDG_CACHE_HOME"] = str(root)
+    rates = {"fp32_blas": 60e9, "fp32_onednn": 69e9, "fp32": 69e9, "bf16": 150e9, "bf16_small": 130e9,
+             "fp8_small": 20e9, "block_bf16_speedup": 1.4}
+    for d in host_cache.ATTENTION_HEAD_DIMS:
+        rates.update({f"attn_fp32_d{d}": 15e9, f"attn_bf16_in_fp32_d{d}": 16e9, f"attn_bf16_native_d{d}": 12.8e9})
+    key = host_cache.host_key()
+    host_cache.write({"key": key, "rates": rates, "decisions": host_cache.decide(rates, key["flags"]),
+                      "small_n": 128, "attention_seq": 256, "reference": "tests/conftest.py"}, root / "ndtrain")
+    return root
+
+
+if not os.environ.get("NDTRAIN_TEST_REAL_CACHE"):  # =1: the suite on this host's own probe and profile
+    import atexit
+    import shutil
+
+    REFERENCE_CACHE = _reference_host_cache()  # before any test imports ndtrain's hardware module
+    atexit.register(shutil.rmtree, REFERENCE_CACHE, True)
+
+
 @pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory):
     """~400 KB of the Python standard library, byte-tokenized: real text, prepared once."""

@@ -60,9 +60,9 @@ def apply_auto_layout(cfg: JobConfig, world_size: int, hardware_profile=None) ->
             choice["description"] += _host_text(host)
     compiled = apply_compile_choice(cfg, world_size, hardware_profile) if cfg.parallel.compile_auto else None
     if compiled is None:
-        return choice if choice is not None or host is None else {"host": host}
-    if choice is None:  # the host's choices reach the Trainer (its bf16 attention kernel) either way
-        return {"compile": compiled, **({"host": host} if host is not None else {})}
+        return choice
+    if choice is None:
+        return {"compile": compiled}
     if compiled["compile"]:  # the step the run will take is the compiled one
         choice["predicted_step_time"] = compiled["compiled_step_s"]
         choice["predicted_tokens_per_s"] = cfg.train.global_batch * cfg.data.seq_len / compiled["compiled_step_s"]
@@ -108,7 +108,17 @@ def plan_and_probe(cfg: JobConfig, world_size: int, hardware_profile=None) -> di
         from ndtrain.train.host_probe import ensure
 
         ensure()
-    return apply_auto_layout(cfg, world_size, hardware_profile)
+    choice = apply_auto_layout(cfg, world_size, hardware_profile)
+    from ndtrain.planner.hardware import host_probe
+
+    probe = host_probe() if _on_cpu(cfg) and not cfg.parallel.auto_hardware else None
+    if probe is None or (choice and "host" in choice):
+        return choice
+    # The bf16 attention kernel reaches the Trainer, which sets it on its model, with or without a
+    # layout choice to print it beside.
+    from ndtrain.planner.host_cache import bf16_attention
+
+    return {**(choice or {}), "host": {"bf16_attention": bf16_attention(probe["decisions"], cfg.model.head_dim)}}
 
 
 def apply_host_choices(cfg: JobConfig, world_size: int, hardware_profile=None) -> dict | None:
