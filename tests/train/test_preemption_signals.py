@@ -107,9 +107,11 @@ def test_two_sigterms_save_once_exit_143_and_resume_exactly(corpus_dir, tmp_path
 
 
 # ---- the same, one process at a time (the default suite) ---------------------------------------
-def _python(code: str) -> subprocess.CompletedProcess:
-    """In a process of its own: before the fix a second SIGTERM kills the process it lands in."""
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, env=_env())
+def _python(code: str, worker: bool = True) -> subprocess.CompletedProcess:
+    """In a process of its own (a launcher's worker: LOCAL_RANK set): before the fix a second
+    SIGTERM kills the process it lands in."""
+    env = {**_env(), "LOCAL_RANK": "0"} if worker else _env()
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, env=env)
 
 
 @pytest.mark.timeout(60)

@@ -21,7 +21,9 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
 
 def _under_launcher() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+    from ndtrain.train.distributed import under_launcher
+
+    return under_launcher()
 
 
 def launch_local(nproc: int, max_restarts: int, argv: list[str]) -> int:
@@ -173,6 +175,9 @@ def _run(cfg, plan=None) -> int:
             os._exit(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
     if summary.get("preempted"):
+        from ndtrain.train.recovery import Preemption, hold_sigterm
+
+        hold_sigterm(Preemption.SIGNALS)  # this process exits next, with 143: later stop signals are absorbed
         if rank0:
             print(f"ndtrain train: stopped by {summary.get('stop_signal') or 'a signal'} at step {summary['steps']}; "
                   f"saved {ckpt}; {again}", file=sys.stderr, flush=True)

@@ -41,6 +41,11 @@ def choose_device(device: str, backend: str) -> tuple[str, str]:
     return device, backend
 
 
+def under_launcher() -> bool:
+    """This process is a worker that torchrun (or `ndtrain train --nproc`) started."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
 def env_world_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ndtrain.config import global_batch_at
 from ndtrain.errors import NdtrainError
+from ndtrain.train.distributed import under_launcher
 from ndtrain.train.metrics import busy_timer, compute_modules, peak_memory_mb
 
 EXIT_HANG = 70  # a watchdog abort: nonzero, so torchrun restarts the group
@@ -207,7 +208,10 @@ class Preemption:
         return bool(t.item() > 0)
 
     def close(self) -> None:
-        if self.requested:  # about to exit 143: a late signal must not turn that into -15
+        # A stopped worker exits next, with 143: a late signal must not turn that into -15. A
+        # process that goes on (trainer.train called in-process) gets its handlers back; the CLI
+        # holds them itself up to its exit (command._run).
+        if self.requested and under_launcher():
             return hold_sigterm(self.SIGNALS)
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
