@@ -43,8 +43,9 @@ import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 print("| stage | result | a pass means | verdict |")
 print("|---|---|---|---|")
+cell = lambda text: str(text).replace("|", "\\|")  # a | in a result would split its cell
 for r in rows:
-    print(f"| {r['stage']} | {r['result']} | {r['pass_means']} | {r['verdict']} |")
+    print(f"| {r['stage']} | {cell(r['result'])} | {cell(r['pass_means'])} | {r['verdict']} |")
 bad = [r["stage"] for r in rows if r["verdict"] == "FAIL"]
 print(f"{len(rows)} stages: {sum(r['verdict'] == 'pass' for r in rows)} pass, {len(bad)} FAIL"
       + (f" ({', '.join(bad)})" if bad else "") + f", {sum(r['verdict'] == 'skip' for r in rows)} skipped, "

@@ -22,7 +22,7 @@ STAGES = ["env", "calibrate", "train-eager", "train-compiled", "fp8", "cp-attent
 def _table(stdout: str) -> dict[str, list[str]]:
     rows = {}
     for line in stdout.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
         if line.startswith("| ") and cells[0] in STAGES:
             rows[cells[0]] = cells
     return rows
