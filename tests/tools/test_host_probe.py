@@ -176,13 +176,13 @@ def test_bf16_attention_switch_changes_only_the_kernel_dtype():
         llama.set_cpu_bf16_attention(a, "fp16")
 
 
-def test_the_trainer_sets_the_chosen_attention_kernel_on_its_model():
+def test_the_trainer_sets_the_chosen_attention_kernel_on_its_model(parity_base):
     """The probe's bf16 attention choice reaches the model the Trainer builds (and only it)."""
     from ndtrain.model import llama
     from ndtrain.train.trainer import Trainer
 
-    cfg = load_config(None, {"parallel": {"mixed_precision": "bf16"}, "logging": {"tensorboard": False, "progress": "off"},
-                             "train": {"device": "cpu", "sample_tokens": 0}})
+    cfg = load_config(None, {**parity_base, "parallel": {"mixed_precision": "bf16"},
+                             "train": {**parity_base["train"], "device": "cpu", "sample_tokens": 0}})
     trainer = Trainer(cfg, run_dir=None, log=False, plan=lambda c, w: {"host": {"bf16_attention": "bf16"}})
     kernels = {m.sdpa for m in trainer.model.modules() if isinstance(m, llama.Attention)}
     trainer.close()
