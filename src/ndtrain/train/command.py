@@ -230,10 +230,18 @@ def _launch(cfg, args, argv: list[str], plan=None) -> int:
         if not cfg.train.output_dir:
             forwarded.append(f"--train.output_dir={run_dir}")
         os.environ[rundir.LAUNCHER_ENV] = str(os.getpid())  # the workers' parent and the lock's holder
-        return launch_local(args.nproc, args.max_restarts, forwarded)
+        code = launch_local(args.nproc, args.max_restarts, forwarded)
     finally:
         os.environ.pop(rundir.LAUNCHER_ENV, None)
         lock.release()
+    if code > 128:  # stopped by a signal: exit now, its handler still absorbing. Python's own
+        # finalisation puts the default handlers back, and a scheduler's next copy of the signal
+        # landing then (on a quiet host the workers save and exit within the 0.2 s between two
+        # rounds) killed this process with -15 instead of the workers' 143.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _drop_flag(argv: list[str], flag: str) -> list[str]:
