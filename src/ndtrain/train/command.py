@@ -21,6 +21,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
 
 def _under_launcher() -> bool:
+    # distributed.py imports torch: deferred, so `ndtrain train` with bad input fails before that cost.
     from ndtrain.train.distributed import under_launcher
 
     return under_launcher()
