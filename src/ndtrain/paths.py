@@ -50,6 +50,16 @@ def check_creatable(path: Path, key: str) -> None:
         raise error(f"cannot create {path}: {exc.strerror} ({parent})") from None
 
 
+def component_problem(name: str) -> str | None:
+    """Why `name` cannot be one entry of a directory (None: it can). What ndtrain derives a path
+    from (a run's name, a mix component's name) must keep that path inside its parent."""
+    if not name:
+        return "must not be empty"
+    if "/" in name or "\\" in name or "\0" in name or name in (".", ".."):
+        return f"must be a plain name, not a path (no '/', not '.' or '..'), got {name!r}"
+    return None
+
+
 def check_output_file(path: Path, key: str) -> None:
     """`path` can be written as a file: not a directory, and its directory exists or can be made."""
     path = Path(path)

@@ -10,6 +10,7 @@ copies) are built once here."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
 import shutil
@@ -519,6 +520,64 @@ def _bad_recorded_lr(w, d) -> None:
     state["config"]["optimizer"]["lr"] = -1.0
     (dst / "train_state.json").write_text(json.dumps(state))
     write_manifest(dst)
+
+
+# ---- issue 33, classes 1, 5, 6: a run writes only its own files, never through a link, and what
+# ndtrain derives from a name stays inside its parent --------------------------------------------
+def _link(rel, target, hard=False):
+    """case_dir/rel made a link to case_dir/target, which holds the user's bytes."""
+    def prep(w, d):
+        (d / target).parent.mkdir(parents=True, exist_ok=True)
+        if not (d / target).exists():
+            (d / target).write_text("the user's own bytes\n")
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.link(d / target, d / rel) if hard else (d / rel).symlink_to(d / target)
+    return prep
+
+
+def _copy_run(w, d):
+    shutil.copytree(w["run"], d / "out")
+
+
+def _no_output_dir(w, d, *more):
+    return [a for a in T(w, d) if not a.startswith("--train.output_dir")] + list(more)
+
+
+RUN_FILE_CASES = [
+    # class 1: a file of a run file's name that no run made is the user's
+    Case("train-output-dir-holds-the-config", lambda w, d: T(w, d, "--config", str(d / "config.toml"),
+                                                               f"--train.output_dir={d}"),
+         r"config\.toml exists and no ndtrain run made it", prep=write("config.toml", "[train]\nsteps = 2\n"),
+         absent=(".ndtrain*", "metrics.jsonl", "checkpoints")),
+    Case("train-overwrite-users-metrics", lambda w, d: T(w, d, "--train.overwrite=true"),
+         r"out/metrics\.jsonl exists and no ndtrain run made it", prep=write("out/metrics.jsonl", '{"mine": 1}\n'),
+         absent=("out.replaced-*", "out/.ndtrain*")),
+    Case("train-users-checkpoints-dir", lambda w, d: T(w, d), r"out/checkpoints exists and no ndtrain run made it",
+         prep=write("out/checkpoints/notes.txt", "mine"), absent=("out/checkpoints/step_*", "out/.ndtrain*")),
+    # class 5: a run entry that is a link is refused, never written through
+    Case("train-lock-symlink", lambda w, d: T(w, d), r"\.ndtrain\.lock is a symbolic link",
+         prep=_link("out/.ndtrain.lock", "victim.txt")),
+    Case("train-lock-hard-link", lambda w, d: T(w, d), r"\.ndtrain\.lock is not a regular file of its own",
+         prep=_link("out/.ndtrain.lock", "victim.txt", hard=True)),
+    Case("train-config-symlink-in-own-run", lambda w, d: T(w, d, "--checkpoint.resume=auto", "--train.steps=5"),
+         r"out/config\.toml is a symbolic link", prep=both(_copy_run, lambda w, d: (d / "out" / "config.toml").unlink(),
+                                                          _link("out/config.toml", "victim.toml"))),
+    Case("train-metrics-symlink", lambda w, d: T(w, d, "--checkpoint.resume=auto"), r"metrics\.jsonl is a symbolic link",
+         prep=_link("out/metrics.jsonl", "victim.txt")),
+    Case("train-checkpoints-symlink", lambda w, d: T(w, d), r"out/checkpoints is a symbolic link.*--checkpoint\.dir",
+         prep=both(write("elsewhere/notes.txt", "mine"), lambda w, d: (d / "out").mkdir(),
+                   lambda w, d: (d / "out" / "checkpoints").symlink_to(d / "elsewhere")),
+         absent=("elsewhere/step_*", "elsewhere/.step_*")),
+    # class 6: runs/<name>-<time> stays inside runs/
+    Case("train-name-escapes-runs", lambda w, d: _no_output_dir(w, d, "--config", str(d / "c.toml")), r"'name'",
+         prep=write("c.toml", 'name = "../../escaped"\n'), absent=("escaped-*", "runs")),
+    Case("train-name-absolute", lambda w, d: _no_output_dir(w, d, "--config", str(d / "c.toml")), r"'name'",
+         prep=lambda w, d: write("c.toml", f'name = "{d / "abs"}"\n')(w, d), absent=("abs-*", "runs")),
+    Case("config-name-nested", lambda w, d: ["config", "show", "--config", str(d / "c.toml")], r"'name'.*plain name",
+         prep=write("c.toml", 'name = "a/b"\n')),
+    Case("train-mix-name-escapes", lambda w, d: T(w, d, '--data.mix=[["../x", 1]]'), r"data\.mix.*plain name"),
+]
+CASES += RUN_FILE_CASES
 
 
 # ---- running them ------------------------------------------------------------------------------

@@ -44,6 +44,15 @@ def base_run(parity_base, tmp_path_factory):
     return out
 
 
+def test_a_run_writes_only_the_entries_it_lists(base_run):
+    """What run_files.RUN_ENTRIES names is what the ownership and link checks guard: a run
+    that wrote anything else in its directory would write it unguarded."""
+    from ndtrain.train.run_files import RUN_ENTRIES, RUN_MARKER
+
+    assert (base_run / RUN_MARKER).is_file()
+    assert {p.name for p in base_run.iterdir()} <= {RUN_MARKER, *RUN_ENTRIES}
+
+
 def _copy(base_run: Path, tmp_path: Path) -> Path:
     out = tmp_path / "run"
     shutil.copytree(base_run, out)

@@ -7,6 +7,7 @@ Reads a JobConfig by its attributes and imports nothing of config/__init__.py, w
 from __future__ import annotations
 
 from ndtrain.errors import ConfigError
+from ndtrain.paths import component_problem
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # where [logging] trackers may send the metrics
 
@@ -19,6 +20,9 @@ def _mix_problem(mix: list) -> str | None:
     names = [e[0] for e in mix]
     if len(set(names)) != len(names):
         return f"names must be unique, got {names}"
+    for name in names:  # each is read from <data.path>/<name>: never from outside data.path
+        if component_problem(name):
+            return f"component names {component_problem(name)}"
     return None
 
 
@@ -29,6 +33,8 @@ def validate(cfg) -> None:
         raise ConfigError(key, msg)
     d, o, t, p, c = cfg.data, cfg.optimizer, cfg.train, cfg.parallel, cfg.checkpoint
     checks = [
+        # runs/<name>-<time> is the run directory when train.output_dir is not given
+        ("name", component_problem(cfg.name) is None, component_problem(cfg.name) or ""),
         ("data.tokenizer", d.tokenizer in ("byte", "bpe"), f"must be 'byte' or 'bpe', got {d.tokenizer!r}"),
         ("data.seq_len", d.seq_len > 0, f"must be positive, got {d.seq_len}"),
         ("data.seq_len", d.seq_len <= cfg.model.max_seq_len, f"{d.seq_len} exceeds model.max_seq_len {cfg.model.max_seq_len}"),

@@ -92,8 +92,10 @@ def _loop(cfg: JobConfig, run_dir: Path, progress: dict, make_trainer) -> dict:
     rt, log = trainer.rt, trainer.logger
     ckpt = trainer.checkpointer(run_dir)
     if rt.is_main:
+        from ndtrain.train.run_files import write_run_file
+
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(to_toml(cfg))
+        write_run_file(run_dir / "config.toml", to_toml(cfg))  # by rename: never through a link
     for spec in recovery.resume_specs(cfg):  # a torchrun restart tries "auto" first
         if ckpt.resume(spec) is not None:
             break

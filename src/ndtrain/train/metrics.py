@@ -216,7 +216,9 @@ class MetricsLogger:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        from ndtrain.train.run_files import open_run_log
+
+        self.file = open_run_log(run_dir / "metrics.jsonl")  # O_NOFOLLOW: never through a link
 
     def start(self, step: int) -> None:
         """Open the trackers and the progress bar once the run knows the step it resumes from."""

@@ -11,22 +11,29 @@
 One process per run holds the lock: the `--nproc` launcher (its workers, and their restarts, are
 its own) or, under a plain torchrun, rank 0 (a restart attempt or a re-formed elastic group of
 the same run id takes it over silently). Ranks never lock against each other.
+
+A run writes only its own files, never through a link (run_files.py), and claim marks the
+directory as a run's once it holds the lock. A run directory ndtrain derives
+(runs/<name>-<time or run id>) stays a direct child of runs/ (check_derived).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ndtrain.errors import ConfigError, NdtrainError
-from ndtrain.paths import check_creatable
+from ndtrain.paths import check_creatable, component_problem
+from ndtrain.train.run_files import (LOCK_NAME, RUN_ENTRIES, RUN_MARKER, check_entries, mark,
+                                     written_entries)
 
-LOCK_NAME = ".ndtrain.lock"
 LAUNCHER_ENV = "NDTRAIN_RUN_LOCK_PID"  # set by `ndtrain train --nproc` for its workers: the lock's holder
 
 
@@ -39,14 +46,18 @@ def run_traces(run_dir: Path, ckpt_root: Path) -> list[str]:
     """What in these directories belongs to a run: checkpoints (published or not) and metrics."""
     found = []
     if ckpt_root.is_dir():
-        ckpts = [p for p in ckpt_root.iterdir() if p.name.startswith(("step_", ".step_")) or
-                 p.name in ("corrupt", "abandoned") or p.name.startswith("abandoned-")]
+        ckpts = _checkpoint_entries(ckpt_root)
         if ckpts:
             found.append(f"{len(ckpts)} checkpoint entr{'y' if len(ckpts) == 1 else 'ies'} in {ckpt_root}")
     metrics = Path(run_dir) / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0:
         found.append(str(metrics))
     return found
+
+
+def _checkpoint_entries(root: Path) -> list[Path]:
+    return [p for p in root.iterdir() if p.name.startswith(("step_", ".step_")) or
+            p.name in ("corrupt", "abandoned") or p.name.startswith("abandoned-")]
 
 
 def continues_here(spec: str, ckpt_root: Path, run_dir: Path) -> bool:
@@ -74,11 +85,17 @@ def _aside_name(path: Path) -> Path:
 
 
 def move_aside(run_dir: Path, ckpt_root: Path) -> list[Path]:
-    """Moves the earlier run's files (all but the lock) to `<dir>.replaced-<time>/` beside
-    each directory; renames only, on the same file system, so nothing is copied or deleted."""
+    """Moves the earlier run's files (its run entries and marker; in a checkpoint.dir elsewhere,
+    its checkpoints) to `<dir>.replaced-<time>/` beside each directory; renames only, on the
+    same file system, so nothing is copied or deleted. Nothing else in either is touched."""
     moved = []
     for root in dict.fromkeys([Path(run_dir), Path(ckpt_root)]):
-        entries = [p for p in root.iterdir() if p.name != LOCK_NAME] if root.is_dir() else []
+        if not root.is_dir():
+            continue
+        if root == Path(run_dir):
+            entries = [root / n for n in (RUN_MARKER, *RUN_ENTRIES) if os.path.lexists(root / n)]
+        else:
+            entries = _checkpoint_entries(root)
         if not entries:
             continue
         target = _aside_name(root)
@@ -87,6 +104,21 @@ def move_aside(run_dir: Path, ckpt_root: Path) -> list[Path]:
             os.replace(entry, target / entry.name)
         moved.append(target)
     return moved
+
+
+def check_derived(cfg, run_dir: Path) -> None:
+    """A run directory ndtrain derives (no train.output_dir) is a direct child of runs/: a name
+    or a launcher's run id that is a path ('../x', '/x', 'a/b') never lands it elsewhere."""
+    if cfg.train.output_dir:
+        return  # the user's own choice, wherever it is
+    if Path(run_dir).parent == Path("runs") and component_problem(Path(run_dir).name) is None:
+        return
+    if component_problem(cfg.name):
+        raise ConfigError("name", f"{component_problem(cfg.name)}: the run directory runs/<name>-<time> "
+                                  f"would be {run_dir}, outside runs/")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    raise NdtrainError(f"TORCHELASTIC_RUN_ID={run_id!r} would put the run directory at {run_dir}, outside "
+                       f"runs/: give the launcher a plain run id (no '/'), or set --train.output_dir")
 
 
 # ---- the lock ---------------------------------------------------------------------------------
@@ -120,7 +152,21 @@ class RunLock:
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / LOCK_NAME
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            # O_NOFOLLOW and one link only: the lock is truncated and rewritten below, which a
+            # symlink or a hard link would do to a file outside the run directory.
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENXIO):
+                    raise
+                raise NdtrainError(f"{path} is a symbolic link or not a regular file: the run lock is a file "
+                                   f"of the run directory's own; remove it") from None
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                os.close(fd)
+                raise NdtrainError(f"{path} is not a regular file of its own (it is "
+                                   f"{'linked under another name' if stat.S_ISREG(st.st_mode) else 'not a file'}): "
+                                   f"the run lock is rewritten, so it must be the run directory's alone; remove it")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -129,7 +175,7 @@ class RunLock:
                 raise NdtrainError(f"{run_dir} is in use by a live run ({_describe(owner)}; lock {path}): wait for "
                                    f"it to finish or stop it, or choose another train.output_dir") from None
             try:  # the holder we waited for may have removed the file: then lock the new one
-                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+                same = os.fstat(fd).st_ino == os.lstat(path).st_ino
             except FileNotFoundError:
                 same = False
             if same:
@@ -159,7 +205,7 @@ def held_by_launcher(run_dir: Path) -> bool:
     if not pid:
         return False
     try:
-        with open(Path(run_dir) / LOCK_NAME) as f:
+        with os.fdopen(os.open(Path(run_dir) / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)) as f:
             return str(json.load(f).get("pid")) == pid
     except (OSError, ValueError, AttributeError):
         return False
@@ -169,6 +215,7 @@ def claim(cfg, run_dir: Path, restart: bool = False, run_id: str = "", log=print
     """Checks that this run may use `run_dir` and locks it. Raises NdtrainError (one line) and
     leaves the directory as it was when it may not."""
     run_dir = Path(run_dir)
+    check_derived(cfg, run_dir)
     ckpt_root = checkpoint_root(cfg, run_dir)
     spec = cfg.checkpoint.resume
     if spec == "auto" and not restart and not run_dir.is_dir():
@@ -181,6 +228,7 @@ def claim(cfg, run_dir: Path, restart: bool = False, run_id: str = "", log=print
     check_creatable(run_dir, "train.output_dir")
     if cfg.checkpoint.dir:
         check_creatable(ckpt_root, "checkpoint.dir")
+    marked = check_entries(run_dir, written_entries(cfg))  # no foreign file of a run file's name, no link
     fresh = not restart and not continues_here(spec, ckpt_root, run_dir)
     traces = run_traces(run_dir, ckpt_root) if fresh else []
     if traces and not cfg.train.overwrite:  # refused before the lock: nothing is created
@@ -197,6 +245,9 @@ def claim(cfg, run_dir: Path, restart: bool = False, run_id: str = "", log=print
                 raise NdtrainError(_refusal(run_dir, traces, spec))
             for target in move_aside(run_dir, ckpt_root):
                 log(f"train.overwrite: moved the earlier run's files to {target} (nothing deleted)")
+            marked = False  # the marker went with them
+        if not marked:
+            mark(run_dir, run_id)
     except BaseException:
         lock.release()
         raise

@@ -68,10 +68,10 @@ class RunState:
         return self.data.get(key, {})
 
     def put(self, key: str, value: dict) -> None:
+        from ndtrain.train.run_files import write_run_file
+
         self.data[key] = value
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.data, indent=1))
-        os.replace(tmp, self.path)
+        write_run_file(self.path, json.dumps(self.data, indent=1))  # by rename, never through a link
 
 
 class TensorBoardTracker:

@@ -399,8 +399,10 @@ class Trainer:
         gathered = [None] * self.rt.world_size
         torch.distributed.all_gather_object(gathered, trace)
         if self.rt.is_main:
+            from ndtrain.train.run_files import write_run_file
+
             p = self.cfg.parallel
-            (run_dir / "pipeline_trace.json").write_text(json.dumps(
+            write_run_file(run_dir / "pipeline_trace.json", json.dumps(
                 {"step": self.step, "schedule": p.pp_schedule, "p": self.dims.pp, "v": p.pp_virtual_stages,
                  "ranks": gathered}))
 
