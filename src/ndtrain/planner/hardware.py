@@ -365,7 +365,8 @@ def from_profile(data: dict, source: str = "") -> Hardware:
         # mm_eff: what a plain decoder layer measured at calibration says GEMMs of training shapes
         # reach of the square-matmul rate (1 where not measured).
         mm_eff=float(data.get("mm_eff", 1.0)), mm_eff_bf16=float(data.get("mm_eff_bf16", 0.0)),
-        kappa=A100_KAPPA, overhead_bytes=0.3 * GiB,
+        # the runtime's own memory beside the model (Python, torch): fitted by `calibrate --from-run`
+        kappa=A100_KAPPA, overhead_bytes=float(data.get("overhead_gib", 0.3)) * GiB,
         op_overhead_s=data.get("op_overhead_s", 30e-6), alpha_intra=fits["all_gather"]["alpha"],
         alpha_inter=fits["all_gather"]["alpha"], collectives=fits, source=source,
         cores=int(data.get("cores") or os.cpu_count() or 1),

@@ -94,7 +94,11 @@ def _median(rows: list[dict], key: str, since_step: int) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def header_rows(runs: list[Run], now: float) -> list[tuple[str, list[str]]]:
+def header_rows(runs: list[Run], now: float, profile: str | None = None) -> list[tuple[str, list[str]]]:
+    """`profile`: the hardware profile the "predicted now" row prices each run's layout on
+    (default: this machine's, as `ndtrain plan` reads it)."""
+    from ndtrain.tools.run_calibrate import compare
+
     rows: list[tuple[str, list[str]]] = []
 
     def add(name: str, fn) -> None:
@@ -133,6 +137,7 @@ def header_rows(runs: list[Run], now: float) -> list[tuple[str, list[str]]]:
         f"{sum(1 for x in r.train if x.get('skipped'))}")
     add("checkpoints saved", lambda r: str(len(r.checkpoints)))
     add("planner (auto): predicted vs measured", auto)
+    add("step: predicted now vs measured", lambda r: compare(r, profile))
     if any(r.unreadable_lines for r in runs):
         add("unreadable metrics lines", lambda r: f"{r.unreadable_lines} (a live run's last line, or torn by a crash)")
     for key, values in config_differences(runs).items():
@@ -150,7 +155,7 @@ width:230px}td.run{font-weight:600}img{max-width:100%;height:auto;display:block}
 font-size:12px}.swatch{display:inline-block;width:10px;height:10px;margin-right:6px}"""
 
 
-def render_html(runs: list[Run], figures: list[tuple[str, Path]], now: float) -> str:
+def render_html(runs: list[Run], figures: list[tuple[str, Path]], now: float, profile: str | None = None) -> str:
     from ndtrain.tools.report_plots import COLORS
 
     def swatch(i: int) -> str:
@@ -161,7 +166,7 @@ def render_html(runs: list[Run], figures: list[tuple[str, Path]], now: float) ->
     title = "ndtrain report: " + ", ".join(r.label for r in runs)
     head = "".join(f'<td class="run">{swatch(i)}{esc(r.label)}</td>' for i, r in enumerate(runs))
     body = "".join(f"<tr><th>{esc(name)}</th>{''.join(f'<td>{esc(v)}</td>' for v in values)}</tr>"
-                   for name, values in header_rows(runs, now))
+                   for name, values in header_rows(runs, now, profile))
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         f'<meta name="generator" content="{GENERATOR}">',
@@ -185,12 +190,17 @@ def render_html(runs: list[Run], figures: list[tuple[str, Path]], now: float) ->
     return "\n".join(parts) + "\n"
 
 
-def build_report(run_dirs: list[str], out: str | Path) -> tuple[Path, list[Path]]:
-    """Read every run, draw every figure that some run has data for, write the HTML and PNGs."""
+def build_report(run_dirs: list[str], out: str | Path, profile: str | None = None) -> tuple[Path, list[Path]]:
+    """Read every run, draw every figure that some run has data for, write the HTML and PNGs;
+    `profile` prices each run's layout for the predicted-vs-measured row."""
     from ndtrain.tools.report_plots import FIGURES
 
     out = Path(out)
     check_out(out)
+    if profile:  # a missing or unreadable profile is refused before any work, not printed in a cell
+        from ndtrain.planner.profile import load
+
+        load(profile)
     runs = [read_run(d) for d in run_dirs]
     labels = [r.label for r in runs]
     for r in runs:  # two runs with one directory name (e.g. a/run, b/run): label by path
@@ -207,7 +217,7 @@ def build_report(run_dirs: list[str], out: str | Path) -> tuple[Path, list[Path]
                 pngs.append((section, target))
         finally:
             tmp.unlink(missing_ok=True)
-    _write_atomic(out, render_html(runs, pngs, now).encode("utf-8"))
+    _write_atomic(out, render_html(runs, pngs, now, profile).encode("utf-8"))
     return out, [p for _, p in pngs]
 
 
@@ -215,7 +225,9 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="ndtrain report", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (several overlay on one set of axes)")
     p.add_argument("--out", default="report.html", help="the HTML file to write; PNGs go beside it (default report.html)")
+    p.add_argument("--profile", help="hardware profile for the predicted-vs-measured row (default: this machine's; "
+                   "a GPU profile prices its GPU)")
     args = p.parse_args(argv)
-    out, pngs = build_report(args.run_dirs, args.out)
+    out, pngs = build_report(args.run_dirs, args.out, args.profile)
     print(f"wrote {out} ({len(pngs)} figures; PNGs beside it: {', '.join(p.name for p in pngs)})")
     return 0

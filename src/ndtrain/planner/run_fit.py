@@ -1,0 +1,271 @@
+"""Fitting a hardware profile to the user's own runs (`ndtrain calibrate --from-run`): pure
+arithmetic over what runs measured, torch-free, so a profile fitted on a laptop from a cluster's
+run directories plans for that cluster.
+
+A run's step is priced by the time model in three groups of constants, and the fit scales each
+group by one factor (a "knob"), in the profile itself, so what is written is an ordinary profile
+that `plan --profile` and the trainer's planner read as they read any other:
+  compute   the rates of the FLOPs and bytes: CPU matmul and attention rates and copy bandwidth;
+            a GPU's gemm_eff, fp8_gemm_eff, attn_eff and hbm_eff (divided by the knob)
+  overhead  the work beside the FLOPs: CPU host time per layer and per op, the optimizer, a
+            pipeline action's bookkeeping; a GPU's elementwise traffic (kappa_*, fp8_cast_bytes)
+  comm      every collective: CPU alpha-beta fits (idle and in situ), the TP host cost; a GPU's
+            link efficiencies and latencies and its measured fits (times multiplied by the knob)
+Knob j is exp(g + e_j): g, one speed shared by all three (a loaded host, a power-capped GPU), is
+left free, and each e_j is held near 0 by a prior of width PRIOR_SPREAD. One run fits g, so
+every group moves together and a layout with another mix of compute and traffic moves with it;
+runs of layouts with different mixes separate the e_j. A group no run exercises (comm on one
+rank) keeps the shared factor. Residuals are log(predicted / measured) step times, at the spread
+MEASURE_SPREAD a step median keeps from run to run.
+
+Memory: on CPU ranks the peak resident set includes the Python and torch runtime, which the model
+holds in `overhead_gib`: the fit is the median of what the runs' peaks leave above the modelled
+states and activations. A GPU run's peak is the allocator's, which holds neither the CUDA context
+nor the fragmentation: it is compared, not fitted.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from ndtrain.errors import NdtrainError
+from ndtrain.layout import Layout
+from ndtrain.model.config import ModelConfig
+from ndtrain.planner import constants as consts
+from ndtrain.planner.hardware import GiB, UNMEASURED_TP_HOST, Hardware, from_profile, get_hardware
+from ndtrain.planner.layer import OPS_HEAD, OPS_PER_LAYER
+from ndtrain.planner.timing import OPTIMIZER_BYTES_PER_PARAM
+
+KNOBS = ("compute", "overhead", "comm")
+# How far one group may sit from the shared factor before the data must say so: a factor of 1.5
+# (log 1.5 = 0.41); the shared factor itself is free (its prior is a factor of 1000, LOG_FREE).
+PRIOR_SPREAD = math.log(1.5)
+LOG_FREE = math.log(1000.0)
+# A step median's spread between runs of one layout on one host: ~5% quiet, ~15% on a shared one.
+MEASURE_SPREAD = 0.10
+KNOB_RANGE = (1 / 50, 50.0)  # beyond this a fit is wrong, not a host
+
+GPU_GROUPS = {"compute": ("gemm_eff", "fp8_gemm_eff", "attn_eff", "hbm_eff"),
+              "overhead": ("kappa_eager", "kappa_fused", "fp8_cast_bytes"),
+              "comm_eff": ("nvlink_eff", "nic_eff"), "comm_latency": ("alpha_intra", "alpha_inter")}
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one run measured, with what the time model needs to price it."""
+    label: str
+    cfg: ModelConfig
+    layout: Layout  # resolved: every degree a number
+    seq: int
+    global_batch: int
+    world: int
+    precision: str
+    step_s: float  # median step past warm-up
+    peak_bytes: float | None = None  # the fullest rank's peak (CPU: resident set; GPU: allocator)
+
+
+@dataclass
+class Fit:
+    profile: dict  # the fitted profile, ready to write
+    knobs: dict  # {group: factor on its time}
+    rows: list = field(default_factory=list)  # per run: label, layout, measured, before, after (s; bytes)
+
+
+# ---- the profile with its groups scaled ---------------------------------------------------
+
+def is_gpu(data: dict) -> bool:
+    return data.get("kind") == "gpu"
+
+
+def hardware(data: dict, source: str = "") -> Hardware:
+    """The Hardware a profile dict describes (a GPU profile over its catalog entry)."""
+    if is_gpu(data):
+        from ndtrain.planner import profile as profiles
+
+        return profiles.apply(get_hardware(data.get("catalog", "")), data, source or "fitted profile")
+    return from_profile(data, source)
+
+
+def _scale_fit(fit: dict, t: float) -> dict:
+    """An alpha-beta fit whose times are t times longer."""
+    out = dict(fit)
+    out["alpha"] = fit["alpha"] * t
+    out["beta"] = fit["beta"] / t
+    if "by_world" in fit:
+        out["by_world"] = {w: _scale_fit(f, t) for w, f in fit["by_world"].items()}
+    return out
+
+
+def _scale_cpu(data: dict, k: dict) -> dict:
+    """Every figure the CPU model prices written out (defaults included, so a scaled default is a
+    number in the file) and scaled by its group's knob."""
+    hw = from_profile(data)
+    out = copy.deepcopy(data)
+    out.pop("host_probe", None)  # fitted to runs: a calibration, no longer the probe's rates alone
+    c, h, d = k["compute"], k["overhead"], k["comm"]
+    matmul = {**{n: v for n, v in out.get("matmul", {}).items() if isinstance(v, (int, float))},
+              "fp32_1thread": hw.peak_fp32, "bf16_1thread": hw.peak_bf16}
+    out["matmul"] = {n: v / c for n, v in matmul.items()}
+    out["attention"] = {p: {s: r / c for s, r in rates.items()} for p, rates in hw.attn_flops.items()}
+    out["memory"] = {**out.get("memory", {}), "copy_bw": hw.hbm_bw / c, "bytes_per_device": hw.hbm_bytes}
+    out["cores"], out["devices_per_node"] = hw.cores, hw.gpus_per_node
+    out["op_overhead_s"] = hw.op_overhead_s * h
+    host = dict(out.get("host_s", {}))
+    host["layer"] = (hw.layer_overhead_s or OPS_PER_LAYER * hw.op_overhead_s) * h
+    host["head"] = (hw.head_overhead_s or OPS_HEAD * hw.op_overhead_s) * h
+    out["host_s"] = host
+    out["optimizer_s_per_param"] = (hw.optimizer_s_per_param or OPTIMIZER_BYTES_PER_PARAM / hw.hbm_bw) * h
+    out["pp_action_s"] = hw.pp_action_s * h
+    colls = out.get("collectives", {})
+    # the defaults from_profile fills in (reduce-scatter as the all-to-all it runs as) made explicit
+    out["collectives"] = {n: _scale_fit(colls.get(n) or hw.collectives[n], d) for n in COLLECTIVES}
+    out["dp_in_situ"] = {w: {n: (f if n == "measured" else _scale_fit(f, d)) for n, f in fits.items()}
+                         for w, fits in out.get("dp_in_situ", {}).items()}
+    tp = out.get("tp_host", UNMEASURED_TP_HOST)
+    out["tp_host"] = {w: {t: {**v, **{part: {"alpha": v[part]["alpha"] * d, "per_byte": v[part]["per_byte"] * d}
+                                          for part in ("layer", "head")}} for t, v in by_tp.items()}
+                      for w, by_tp in tp.items()}
+    return out
+
+
+def _scale_gpu(data: dict, k: dict) -> dict:
+    out = copy.deepcopy(data)
+    gen = get_hardware(data.get("catalog", "")).generation
+    known = consts.resolve(gen, {n: v for n, v in data.get("constants", {}).items()
+                                 if n in consts.entries(gen)})
+    factor = {"compute": 1 / k["compute"], "overhead": k["overhead"], "comm_eff": 1 / k["comm"],
+              "comm_latency": k["comm"]}
+    constants = dict(out.get("constants", {}))
+    for group, names in GPU_GROUPS.items():
+        for name in names:
+            if name in known and known[name]:
+                constants[name] = known[name] * factor[group]
+    out["constants"] = constants
+    out["collectives"] = {n: _scale_fit(f, k["comm"]) for n, f in out.get("collectives", {}).items() if "alpha" in f}
+    return out
+
+
+def scaled(data: dict, knobs: dict) -> dict:
+    """The profile `data` with each group's times multiplied by its knob."""
+    k = {g: float(knobs.get(g, 1.0)) for g in KNOBS}
+    return _scale_gpu(data, k) if is_gpu(data) else _scale_cpu(data, k)
+
+
+# ---- pricing a run ---------------------------------------------------------------------------
+
+def predict(hw: Hardware, obs: Observation):
+    """The planner's Prediction for the layout the run ran (raises NdtrainError, naming the run,
+    where the time model cannot price it)."""
+    from ndtrain.planner.api import _precision
+    from ndtrain.planner.problem import make_problem
+    from ndtrain.planner.search import Evaluator
+
+    try:
+        pb = make_problem(obs.cfg, obs.seq, obs.global_batch, obs.world, hw, precision=_precision(hw, obs.precision),
+                          strict=False)
+        return Evaluator(pb)(obs.layout)
+    except NdtrainError as exc:
+        raise NdtrainError(f"run {obs.label}: the planner cannot price its layout: {exc}") from None
+
+
+def model_memory(pred, hw: Hardware) -> float:
+    """The predicted peak without what `overhead` stands for (CPU: the runtime; GPU: also the
+    allocator's slack, which its allocated peak never shows)."""
+    mem = pred.memory
+    if hw.generation == "cpu":
+        return mem["total"] - mem.get("overhead", 0.0)
+    return mem["total"] - mem.get("overhead", 0.0) - mem.get("fragmentation", 0.0)
+
+
+# ---- the fit -------------------------------------------------------------------------------
+
+def _knobs(theta: list[float]) -> dict:
+    lo, hi = KNOB_RANGE
+    return {g: min(hi, max(lo, math.exp(theta[0] + theta[1 + i]))) for i, g in enumerate(KNOBS)}
+
+
+def _residuals(base: dict, obs: list[Observation], theta: list[float]) -> list[float]:
+    hw = hardware(scaled(base, _knobs(theta)))
+    res = [math.log(predict(hw, o).step_time / o.step_s) / MEASURE_SPREAD for o in obs]
+    return res + [theta[0] / LOG_FREE] + [e / PRIOR_SPREAD for e in theta[1:]]
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (a small, regularised, well-posed system)."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(n):
+            if r != col and m[col][col]:
+                f = m[r][col] / m[col][col]
+                m[r] = [x - f * y for x, y in zip(m[r], m[col])]
+    return [m[i][n] / m[i][i] if m[i][i] else 0.0 for i in range(n)]
+
+
+def fit_knobs(base: dict, obs: list[Observation], iterations: int = 30) -> dict:
+    """Levenberg-Marquardt on log step times (numerical derivatives: the time model has maxima
+    and branches, and four parameters cost a few dozen predictions per run)."""
+    theta, lam, eps = [0.0] * (1 + len(KNOBS)), 1e-3, 1e-4
+    res = _residuals(base, obs, theta)
+    cost = sum(r * r for r in res)
+    for _ in range(iterations):
+        jac = []
+        for j in range(len(theta)):
+            bumped = theta[:]
+            bumped[j] += eps
+            jac.append([(x - y) / eps for x, y in zip(_residuals(base, obs, bumped), res)])
+        jtj = [[sum(a * b for a, b in zip(jac[i], jac[j])) for j in range(len(theta))] for i in range(len(theta))]
+        jtr = [sum(a * r for a, r in zip(jac[i], res)) for i in range(len(theta))]
+        while True:
+            damped = [[v * (1 + lam) if i == j else v for j, v in enumerate(row)] for i, row in enumerate(jtj)]
+            step = _solve(damped, [-x for x in jtr])
+            trial = [t + s for t, s in zip(theta, step)]
+            trial_res = _residuals(base, obs, trial)
+            trial_cost = sum(r * r for r in trial_res)
+            if trial_cost < cost or lam > 1e6:
+                break
+            lam *= 10
+        if trial_cost >= cost:
+            break
+        converged = cost - trial_cost < 1e-9 * max(1.0, cost)
+        theta, res, cost, lam = trial, trial_res, trial_cost, max(lam / 10, 1e-7)
+        if converged:
+            break
+    return _knobs(theta)
+
+
+def fit(base: dict, obs: list[Observation], description: str = "") -> Fit:
+    """The profile `base` fitted to the runs `obs`: its three groups scaled, and (CPU) the
+    runtime's memory in `overhead_gib` where the runs recorded their peaks."""
+    if not obs:
+        raise NdtrainError("calibrate --from-run: no run to fit")
+    knobs = fit_knobs(base, obs)
+    prof = scaled(base, knobs)
+    before_hw, after_hw = hardware(base), hardware(prof)
+    peaks = [o for o in obs if o.peak_bytes]
+    if peaks and not is_gpu(base):
+        left = [o.peak_bytes - model_memory(predict(after_hw, o), after_hw) for o in peaks]
+        prof["overhead_gib"] = max(0.05, statistics.median(left) / GiB)
+        after_hw = hardware(prof)
+    rows = []
+    for o in obs:
+        before, after = predict(before_hw, o), predict(after_hw, o)
+        rows.append({"label": o.label, "layout": o.layout.short(), "world": o.world, "precision": o.precision,
+                     "measured_s": o.step_s, "before_s": before.step_time, "after_s": after.step_time,
+                     "measured_bytes": o.peak_bytes, "before_bytes": before.memory["total"],
+                     "after_bytes": after.memory["total"]})
+    prof["from_runs"] = {"knobs": knobs, "runs": [{k: r[k] for k in ("label", "layout", "world", "measured_s")}
+                                                  for r in rows], "base": description}
+    # a profile fitted again names its first origin once, not once per fit
+    if is_gpu(base):
+        prof["calibrated"] = f"{str(base.get('calibrated', '')).split(' fitted to')[0]} fitted to {len(obs)} run(s)".strip()
+    else:
+        origin = (base.get("description") or "this machine").split("; fitted to")[0]
+        prof["description"] = f"{origin}; fitted to {len(obs)} run(s)"
+    return Fit(profile=prof, knobs=knobs, rows=rows)

@@ -1,0 +1,160 @@
+"""`ndtrain calibrate --from-run`: the profile fitted to run directories, the one `plan --profile`
+reads; `ndtrain report`'s predicted-vs-measured row; bad input refused with one line, nothing
+lost. The default tests fit recorded run directories (written here); the slow one trains four
+layouts at world 2 on this host and checks that a run of one brings the planner closer on the others."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from ndtrain.cli import main as cli
+from ndtrain.config import load_config, to_toml
+from ndtrain.planner import run_fit
+from ndtrain.planner.hardware import this_machine
+from ndtrain.tools.report import header_rows
+from ndtrain.tools.run_calibrate import base_profile, observe
+from ndtrain.tools.run_data import read_run
+
+MODEL = {"preset": "tiny", "vocab_size": 256}
+LAYOUTS = {"ddp": {"dp_replicate": 2, "dp_shard": 1}, "zero3": {"dp_shard": 2, "zero": 3},
+           "tp2": {"dp_shard": 1, "tp": 2}, "pp2": {"dp_shard": 1, "pp": 2}}
+
+
+def _cfg(name: str, out: Path, data: str = "data/stdlib-byte", steps: int = 12):
+    return load_config(None, {
+        "model": MODEL, "data": {"path": data, "seq_len": 128},
+        "parallel": {**LAYOUTS[name], "mixed_precision": "fp32"},
+        "train": {"steps": steps, "global_batch": 8, "micro_batch": 4 if name != "pp2" else 2, "val_interval": 0,
+                  "sample_tokens": 0, "output_dir": str(out)},
+        "logging": {"tensorboard": False, "progress": "off"}})
+
+
+def _write_run(path: Path, name: str, step_s: float, steps: int = 10, peak_mb: float = 800.0) -> Path:
+    """A run directory as the trainer leaves it: its config, a start row, timed steps."""
+    path.mkdir(parents=True)
+    (path / "config.toml").write_text(to_toml(_cfg(name, path)))
+    rows = [{"step": 0, "event": "start", "attempt": 0, "world": 2, "layout": name, "time": 0.0}]
+    rows += [{"step": s, "loss": 5.0, "step_time_s": step_s * (1.5 if s == 1 else 1.0), "peak_memory_mb": peak_mb,
+              "tokens_per_s": 1.0, "time": float(s)} for s in range(1, steps + 1)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _truth() -> dict:
+    """What this imaginary host runs at: 1.6x the uncalibrated compute, 2.2x its host work, 2.8x its collectives."""
+    base, _ = base_profile(None, None)
+    return run_fit.scaled(base, {"compute": 1.6, "overhead": 2.2, "comm": 2.8})
+
+
+def _measured(truth: dict, tmp_path: Path, name: str) -> float:
+    """The step `truth` takes for layout `name` (priced from a run directory of that layout)."""
+    probe = tmp_path / f"probe-{name}"
+    obs = observe(read_run(probe if probe.exists() else _write_run(probe, name, 1.0)))
+    return run_fit.predict(run_fit.hardware(truth), obs).step_time
+
+
+def test_from_run_writes_the_profile_plan_reads(tmp_path, capsys):
+    truth = _truth()
+    run = _write_run(tmp_path / "ddp", "ddp", _measured(truth, tmp_path, "ddp"))
+    out = tmp_path / "hw.json"
+    assert cli(["calibrate", "--from-run", str(run), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"wrote {out}: host probe fitted to 1 run(s)" in text and "ddp" in text
+    prof = json.loads(out.read_text())
+    assert prof["from_runs"]["runs"][0]["layout"].startswith("dp_replicate=2")
+    hw = this_machine(out)
+    assert hw.calibrated and "fitted to 1 run" in hw.description
+    for name in LAYOUTS:  # closer than uncalibrated on the layouts it never saw
+        obs = observe(read_run(_write_run(tmp_path / f"other-{name}", name, _measured(truth, tmp_path, name))))
+        after = run_fit.predict(hw, obs).step_time
+        before = run_fit.predict(this_machine(), obs).step_time
+        assert abs(math.log(after / obs.step_s)) < abs(math.log(before / obs.step_s)), name
+    # `ndtrain plan --profile` reads it
+    capsys.readouterr()
+    assert cli(["plan", "--model-shape", "layers=8,hidden=256,heads=8,kv_heads=4,ffn=768,vocab=256", "--gpus", "2",
+                "--gpu", "this-machine", "--seq", "128", "--global-batch", "8", "--profile", str(out), "--samples", "0",
+                "--layout", "dp_replicate=2,dp_shard=1,mb=4", "--precision", "fp32", "--json"]) == 0
+    (planned,) = json.loads(capsys.readouterr().out)["layouts"]
+    assert planned["step_time_s"] == pytest.approx(run_fit.predict(hw, observe(read_run(run))).step_time, rel=1e-9)
+
+
+def test_report_shows_predicted_against_measured(tmp_path):
+    run = read_run(_write_run(tmp_path / "zero3", "zero3", 0.5))
+    (row,) = [v for k, v in header_rows([run], now=0.0) if k == "step: predicted now vs measured"]
+    pred = run_fit.predict(this_machine(), observe(run)).step_time
+    assert row[0] == f"predicted {pred:.3f} s/step, measured 0.500 ({100 * (pred / 0.5 - 1):+.0f}%) on host probe"
+    short = tmp_path / "short"
+    _write_run(short, "ddp", 0.5, steps=4)
+    (row,) = [v for k, v in header_rows([read_run(short)], now=0.0) if k == "step: predicted now vs measured"]
+    assert "a fit needs 5" in row[0]
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_bad_input_is_one_line_exit_2_and_loses_nothing(tmp_path, capsys):
+    good = _write_run(tmp_path / "good", "ddp", 0.5)
+    short = _write_run(tmp_path / "short", "ddp", 0.5, steps=5)
+    noconf = _write_run(tmp_path / "noconf", "ddp", 0.5)
+    (noconf / "config.toml").unlink()
+    badconf = _write_run(tmp_path / "badconf", "ddp", 0.5)
+    (badconf / "config.toml").write_text("[parallel]\ntp = 0\n")
+    (tmp_path / "mine.json").write_text('{"my": "notes"}')
+    (tmp_path / "gpu.json").write_text(json.dumps({"kind": "gpu", "version": 1, "catalog": "a100-80"}))
+    before = _files(tmp_path)
+    cases = [
+        (["--from-run", str(tmp_path / "missing")], "run directory not found"),
+        (["--from-run", str(short)], "2 timed step(s) past warm-up"),
+        (["--from-run", str(noconf)], "no config.toml"),
+        (["--from-run", str(badconf)], "config key 'parallel.tp'"),
+        (["--from-run", str(good), "--out", str(good / "metrics.jsonl")], "is not a hardware profile"),
+        (["--from-run", str(good), "--out", str(tmp_path / "mine.json")], "is not a hardware profile"),
+        (["--from-run", str(good), "--out", str(good)], "is a directory"),
+        (["--from-run", str(good), "--gpu", "cpu", "--out", str(tmp_path / "x.json")], "not a GPU"),
+        (["--from-run", str(good), "--gpu", "h100", "--profile", str(tmp_path / "gpu.json"), "--out",
+          str(tmp_path / "x.json")], "measured on a100-80, not h100"),
+        (["--from-run", str(good), "--profile", str(tmp_path / "nope.json"), "--out", str(tmp_path / "x.json")],
+         "does not exist"),
+        (["--from-run"], "expected at least one argument"),
+    ]
+    for argv, expected in cases:
+        assert cli(["calibrate", *argv]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert expected in err and len(err.splitlines()) == 1 and "Traceback" not in err, (argv, err)
+    assert _files(tmp_path) == before  # every file byte for byte, and nothing written
+
+
+def _train_all(cfgs):
+    from ndtrain.train.trainer import train
+
+    return [train(cfg)["steps"] for cfg in cfgs]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_run_of_one_layout_calibrates_the_others_on_this_host(corpus_dir, tmp_path):
+    """Four layouts trained here at world 2 (one spawn), each fitted alone: the fit's prediction
+    for every other layout is closer to its measured step than the uncalibrated planner's."""
+    from ndtrain.parallel.launch import run_ranks
+
+    cfgs = [_cfg(name, tmp_path / name, str(corpus_dir)) for name in LAYOUTS]
+    assert run_ranks(2, _train_all, cfgs, timeout_s=600) == [[12] * len(cfgs)] * 2
+    obs = {name: observe(read_run(tmp_path / name)) for name in LAYOUTS}
+    base, _ = base_profile(None, None)
+    before_hw = run_fit.hardware(base)
+    err = lambda hw, o: math.log(run_fit.predict(hw, o).step_time / o.step_s)  # noqa: E731
+    table = []
+    for a in LAYOUTS:
+        after_hw = run_fit.hardware(run_fit.fit(base, [obs[a]]).profile)
+        for b in LAYOUTS:
+            table.append((a, b, err(before_hw, obs[b]), err(after_hw, obs[b])))
+    print("\n".join(f"fit on {a:<6} predict {b:<6} uncalibrated {100 * (math.exp(x) - 1):+6.0f}%  "
+                    f"calibrated {100 * (math.exp(y) - 1):+6.0f}%" for a, b, x, y in table))
+    for a, b, before, after in table:
+        if a != b:
+            assert abs(after) < abs(before), (a, b, before, after)
