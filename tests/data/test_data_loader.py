@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from ndtrain.data.loader import StatefulLoader, TokenDataset, validation_batches
+from ndtrain.data.loader import IGNORE, StatefulLoader, TokenDataset, validation_batches, validation_windows
 from ndtrain.errors import NdtrainError
 
 SEQ = 8
@@ -107,19 +107,19 @@ def test_splits_do_not_overlap(data):
 
 def test_validation_batches(data):
     val = TokenDataset(data, "val")
-    ref = validation_batches(val, SEQ, 4, 3)
+    ref = validation_batches(val, SEQ, 4, 12)  # 12 fixed windows in 3 batches of 4
     assert len(ref) == 3 and ref[0][0].shape == (4, SEQ)
-    # First samples in order, no shuffle.
     tokens = val.read(np.arange(len(val)))
-    assert torch.equal(ref[0][0][1], torch.from_numpy(tokens[SEQ : 2 * SEQ]))
-    shards = [validation_batches(val, SEQ, 4, 3, r, 2) for r in range(2)]
+    first = int(validation_windows(val, SEQ, 12)[1])
+    assert torch.equal(ref[0][0][1], torch.from_numpy(tokens[first * SEQ:(first + 1) * SEQ]))
+    shards = [validation_batches(val, SEQ, 4, 12, r, 2) for r in range(2)]
     for b in range(3):
         assert torch.equal(torch.cat([shards[0][b][0], shards[1][b][0]]), ref[b][0])
         assert torch.equal(torch.cat([shards[0][b][1], shards[1][b][1]]), ref[b][1])
     n = val.num_samples(SEQ)
-    assert len(validation_batches(val, SEQ, 4, 10_000)) == n // 4  # capped to what the split holds
-    with pytest.raises(NdtrainError, match="fewer than one batch"):
-        validation_batches(val, SEQ, n + 1, 1)
+    assert len(validation_batches(val, SEQ, 4, 10_000)) == -(-n // 4)  # capped to what the split holds
+    (inputs, targets), = validation_batches(val, SEQ, n + 1, 10_000)  # one batch, its last row padding
+    assert inputs.shape == (n + 1, SEQ) and bool((targets[-1] == IGNORE).all()) and not (targets[:-1] == IGNORE).any()
 
 
 def test_loader_errors(data):

@@ -146,6 +146,9 @@ class TrainConfig:
     overwrite: bool = False
     val_interval: int = 50
     val_batches: int = 4
+    # Sequences per validation batch, across ranks: validation evaluates val_batches x
+    # val_batch_size fixed windows whatever global_batch and the layout (docs/data.md).
+    val_batch_size: int = 16
     log_interval: int = 1
     timeout_s: float = 300.0  # collective timeout
     step_deadline_s: float = 0.0  # watchdog: abort a rank whose step exceeds this (0 = off)

@@ -61,6 +61,7 @@ def validate(cfg) -> None:
         ("train.backend", t.backend in ("auto", "gloo", "nccl"), f"must be auto, gloo or nccl, got {t.backend!r}"),
         ("train.val_interval", t.val_interval >= 0, f"must be >= 0, got {t.val_interval}"),
         ("train.val_batches", t.val_batches >= 0, f"must be >= 0, got {t.val_batches}"),
+        ("train.val_batch_size", t.val_batch_size > 0, f"must be positive, got {t.val_batch_size}"),
         ("train.log_interval", t.log_interval > 0, f"must be positive, got {t.log_interval}"),
         ("train.timeout_s", t.timeout_s > 0, f"must be positive, got {t.timeout_s}"),
         ("train.step_deadline_s", t.step_deadline_s >= 0, f"must be >= 0 (0 disables the watchdog), got {t.step_deadline_s}"),

@@ -259,31 +259,43 @@ class StatefulLoader:
         self.consumed_samples = _check_int("consumed_samples", consumed, 0)
 
 
+IGNORE = -100  # F.cross_entropy's ignore_index: a padding row of the last validation batch adds no loss and no token
+_VAL_ORDER_SEED = 0  # one fixed order of the validation windows for every run
+
+
+def validation_windows(dataset_val, seq_len: int, num_samples: int) -> np.ndarray:
+    """The validation set: `num_samples` windows of the split (all it has, if fewer), the first of
+    one fixed permutation, so they spread over the whole split. They depend on nothing of the run
+    (seed, batch size, layout), so runs compare, and a larger set holds a smaller one."""
+    seq_len = _check_int("seq_len", seq_len, 1)
+    num_samples = _check_int("validation samples", num_samples, 1)
+    n = dataset_val.num_samples(seq_len)
+    if n == 0:
+        raise NdtrainError(f"{dataset_val.describe()}: the {dataset_val.split} split has {len(dataset_val):,} tokens, "
+                           f"fewer than one sample of seq_len + 1 = {seq_len + 1}; raise --val-fraction when preparing")
+    return np.sort(np.random.default_rng(_VAL_ORDER_SEED).permutation(n)[:num_samples])
+
+
 def validation_batches(
     dataset_val,
     seq_len: int,
     batch_size: int,
-    num_batches: int,
+    num_samples: int,
     dp_rank: int = 0,
     dp_size: int = 1,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A fixed list of (inputs, targets): the first samples of the split in order, sharded like training.
-
-    batch_size is global. If the split holds fewer than num_batches full batches, fewer are returned
-    (the same number on every rank), so a small validation split still evaluates deterministically.
-    """
-    seq_len = _check_int("seq_len", seq_len, 1)
-    num_batches = _check_int("num_batches", num_batches, 1)
+    """This rank's share of the validation set (validation_windows) as a fixed list of (inputs,
+    targets), in batches of `batch_size` (global) sequences sharded like training. The last batch
+    is filled up with rows whose targets are IGNORE, so every batch has the training shape and
+    the set evaluated is the same whatever the batch size or the number of ranks."""
     dp_rank, dp_size = _check_rank(dp_rank, dp_size)
     local = _local_batch(batch_size, dp_size)
-    available = dataset_val.num_samples(seq_len) // batch_size
-    if available == 0:
-        raise NdtrainError(
-            f"{dataset_val.describe()}: the {dataset_val.split} split has {dataset_val.num_samples(seq_len)} samples "
-            f"of seq_len {seq_len}, fewer than one batch of {batch_size}; raise --val-fraction when preparing"
-        )
+    windows = validation_windows(dataset_val, seq_len, num_samples)
     batches = []
-    for b in range(min(num_batches, available)):
-        first = b * batch_size + dp_rank * local
-        batches.append(dataset_val.windows(np.arange(first, first + local, dtype=np.int64), seq_len))
+    for first in range(0, len(windows), batch_size):
+        mine = windows[first + dp_rank * local: first + (dp_rank + 1) * local]
+        pad = local - len(mine)
+        inputs, targets = dataset_val.windows(np.concatenate([mine, np.full(pad, windows[0])]), seq_len)
+        targets[len(mine):] = IGNORE
+        batches.append((inputs, targets))
     return batches

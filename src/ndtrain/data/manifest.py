@@ -2,9 +2,11 @@
 
 A corpus directory holds numbered token shards (`tokens-00000.bin`, ...) and one `manifest.json`.
 The shards concatenated in order are one token stream; prepare appends to it in *parts* (one per
-invocation that added sources), each with its own validation tail, so appending never moves an
-old token between train and val. Format 1 (one `tokens.bin`, documents joined by a newline) is
-still read, as one shard and one part.
+invocation that added sources), each one training range followed by one validation range, so
+appending never moves an old token between train and val. Since the split draws documents
+(data/split.py), a part's val range holds its drawn documents and `val_split` says what they
+are; parts prepared before hold the tail of their stream, and read the same. Format 1 (one
+`tokens.bin`, documents joined by a newline) is still read, as one shard and one part.
 
 Kept apart from prepare/loader/tokenizer so all of them can read it without importing each other.
 """
@@ -165,6 +167,11 @@ def _check_v2(m: dict, f: _Fields) -> None:
         f.str(p, "sha256", f"{where}.sha256", _HEX64)
         if p.get("max_bytes") is not None:
             f.int(p, "max_bytes", f"{where}.max_bytes", 1)
+        if "val_split" in p:  # how the val range was drawn (parts prepared before it held the tail)
+            vs = f.dict(p["val_split"], f"{where}.val_split")
+            f.str(vs, "method", f"{where}.val_split.method")
+            for key in ("documents", "drawn_tokens", "tail_tokens"):
+                f.int(vs, key, f"{where}.val_split.{key}")
         end = val[1]
     if end != num_tokens:
         f.fail(f"parts[{len(parts) - 1}].val", f"a range ending at num_tokens ({num_tokens:,})", parts[-1]["val"])

@@ -3,10 +3,11 @@
 - A new corpus is built in a hidden sibling directory and renamed into place only when complete:
   a failure leaves no directory behind, and never touches an existing one.
 - Re-running on the same sources is a no-op; new sources (or new files in a source folder or
-  glob) are tokenized into new shards and a new *part* with its own validation tail, and the
-  manifest is replaced atomically last. Old shards are never rewritten, so a job reading the old
-  manifest keeps reading valid data, and a resume from an older checkpoint is refused by the
-  data fingerprint rather than misread.
+  glob) are tokenized into new shards and a new *part* with its own validation documents
+  (drawn by a hash of each document: data/split.py), and the manifest is replaced atomically
+  last. Old shards are never rewritten, so a job reading the old manifest keeps reading valid
+  data, and a resume from an older checkpoint is refused by the data fingerprint rather than
+  misread.
 - Work units are tokenized by `--workers` processes and concatenated in unit order, so the
   output does not depend on the worker count.
 """
@@ -27,6 +28,7 @@ from ndtrain.data.encode import encode_unit, encode_units
 from ndtrain.data.manifest import (FORMAT, FORMAT_VERSION, MANIFEST_NAME, TOKENIZER_NAME, dtype_for_vocab,
                                    read_manifest, write_json_atomic)
 from ndtrain.data.shards import ShardWriter
+from ndtrain.data.split import METHOD, SALT_NAME, val_length
 from ndtrain.data.sources import SourceFile, check_readable, collect, default_corpus_root, plan_units, sample_texts
 from ndtrain.data.tokenizer import BPETokenizer, check_bpe_vocab_size, load_tokenizer, make_tokenizer
 from ndtrain.errors import NdtrainError
@@ -108,26 +110,40 @@ def _encode_part(directory: Path, tok, files: list[SourceFile], settings: dict, 
     dtype = dtype_for_vocab(tok.vocab_size)
     units = plan_units(files, settings["text_field"])
     writer = ShardWriter(directory, dtype, tok.eos_id, shard_tokens, first_shard)
-    stats = [{"num_documents": 0, "num_bytes": 0, "num_tokens": 0} for _ in files]
-    used = 0
-    results = encode_units(units, tok, dtype, workers)
+    stats = [{"num_documents": 0, "num_bytes": 0, "num_tokens": 0, "val_documents": 0, "val_tokens": 0}
+             for _ in files]
+    used, drawn_docs, digest = 0, 0, 0
+    val_fraction = settings["val_fraction"]
+    results = encode_units(units, tok, dtype, workers, val_fraction=val_fraction)
     try:
         for unit, r in zip(units, results):
             capped = max_bytes is not None and used + r.num_bytes >= max_bytes
             if capped and used + r.num_bytes > max_bytes:  # redo just this unit, cut at the cap
-                r = encode_unit(unit, tok, dtype, limit=max_bytes - used)
+                r = encode_unit(unit, tok, dtype, limit=max_bytes - used, val_fraction=val_fraction)
             writer.write(r.tokens)
+            writer.hold(r.val_tokens)  # the drawn validation documents end the part
+            drawn_docs += len(r.val_keys)
+            digest += sum(int.from_bytes(k, "big") for k in r.val_keys)  # a sum: the same in any order
             s = stats[unit.file]
             s["num_documents"] += r.num_documents
             s["num_bytes"] += r.num_bytes
-            s["num_tokens"] += len(r.tokens)
+            s["num_tokens"] += len(r.tokens) + len(r.val_tokens)
+            s["val_documents"] += len(r.val_keys)
+            s["val_tokens"] += len(r.val_tokens)
             used += r.num_bytes
             if capped:
                 break
+        last = next((s for s in reversed(stats) if s["num_bytes"]), None)  # the file the cap cut, if it did
         before = writer.num_tokens
-        writer.finish()
-        if writer.num_tokens > before:  # the closing EOS of a document cut by the cap
-            next(s for s in reversed(stats) if s["num_bytes"])["num_tokens"] += writer.num_tokens - before
+        writer.end_document()  # a training document cut by the cap ends before the drawn ones begin
+        train_eos, drawn = writer.num_tokens - before, writer.num_held
+        writer.release()
+        writer.finish()  # ... and a drawn one cut by the cap ends the part
+        val_eos = writer.num_tokens - before - train_eos - drawn
+        drawn += val_eos
+        if last is not None:  # the closing EOS of a document cut by the cap
+            last["num_tokens"] += train_eos + val_eos
+            last["val_tokens"] += val_eos
     except BaseException:
         results.close()
         writer.abort()
@@ -136,11 +152,21 @@ def _encode_part(directory: Path, tok, files: list[SourceFile], settings: dict, 
         writer.abort()
         raise NdtrainError(f"sources contain no text ({', '.join(sorted({f.path for f in files})[:3])})")
     end = start + writer.num_tokens
-    n_val = int(writer.num_tokens * settings["val_fraction"])
+    n_val = val_length(writer.num_tokens, drawn, val_fraction)
     part = {"train": [start, end - n_val], "val": [end - n_val, end], "sha256": writer.part_hash.hexdigest(),
-            "max_bytes": max_bytes}
+            "max_bytes": max_bytes, "val_split": _val_record(drawn_docs, digest, drawn, n_val)}
     records = [{"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns, **s} for f, s in zip(files, stats)]
     return writer, part, records
+
+
+def _val_record(documents: int, digest: int, drawn: int, n_val: int) -> dict:
+    """What a part's val range holds (the split's composition, for the manifest): the drawn
+    documents, named together by the sum of their keys mod 2**256 (the same whatever the order
+    of the sources, in constant memory), and what val_length moved to or from the end of the
+    training documents."""
+    return {"method": METHOD, "salt": SALT_NAME, "documents": documents,
+            "documents_digest": f"{digest % (1 << 256):064x}", "drawn_tokens": drawn,
+            "tail_tokens": max(0, n_val - drawn), "drawn_tokens_in_train": max(0, drawn - n_val)}
 
 
 def _manifest(old: dict | None, tok, directory: Path, writer: ShardWriter, part: dict, records: list[dict],
@@ -302,6 +328,15 @@ def ensure_prepared(out_dir: str | os.PathLike, sources: list[str] | None = None
     return prepare(sources, out_dir, tokenizer, vocab_size, val_fraction, max_bytes, **kwargs)
 
 
+def _val_summary(manifest: dict) -> str:
+    """', N drawn documents from M files' (corpora prepared before the draw say nothing)."""
+    if not any("val_split" in p for p in manifest["parts"]):
+        return ""
+    docs = sum(p.get("val_split", {}).get("documents", 0) for p in manifest["parts"])
+    files = sum(1 for s in manifest["sources"] if s.get("val_documents"))
+    return f": {docs:,} drawn documents from {files:,} files"
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2 (via the CLI), instead of usage + message
         raise NdtrainError(message)
@@ -318,7 +353,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
     parser.add_argument("--tokenizer", choices=["byte", "bpe"], default="byte")
     parser.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size (ignored for byte)")
-    parser.add_argument("--val-fraction", type=float, default=0.005, help="tail fraction held out for validation")
+    parser.add_argument("--val-fraction", type=float, default=0.005,
+                        help="fraction of the documents held out for validation (drawn by a hash of each)")
     parser.add_argument("--max-mb", type=float, default=None, help="stop after this many MB (10^6 bytes) of new text")
     parser.add_argument("--text-field", default="text", help="JSON key or parquet column holding the text")
     parser.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: the core count)")
@@ -349,7 +385,7 @@ def main(argv: list[str]) -> int:
     print(f"{head} {manifest['num_tokens']:,} tokens ({manifest['tokenizer']}, vocab {manifest['vocab_size']}) "
           f"from {manifest.get('num_documents', 0):,} documents / {manifest.get('num_bytes', 0) / 1e6:.1f} MB "
           f"in {len(manifest['shards'])} shard(s) -> {a.out} ({len(manifest['parts'])} part(s), "
-          f"val {sum(p['val'][1] - p['val'][0] for p in manifest['parts']):,} tokens)")
+          f"val {sum(p['val'][1] - p['val'][0] for p in manifest['parts']):,} tokens{_val_summary(manifest)})")
     return 0
 
 

@@ -28,6 +28,8 @@ class ShardWriter:
         self._committed: list[Path] = []
         self._fh = None
         self._last = None
+        self._held = None  # (path, file): tokens held back to end the stream (the drawn validation documents)
+        self.num_held = 0
 
     def _open(self) -> None:
         final = self.directory / shard_name(self.next_index)
@@ -63,10 +65,37 @@ class ShardWriter:
             if self._n >= self.shard_tokens:
                 self._close()
 
-    def finish(self) -> None:
-        """Close the last shard; a document cut by --max-mb still ends with EOS."""
+    def end_document(self) -> None:
+        """A document cut by --max-mb still ends with EOS."""
         if self.num_tokens and self._last != self.eos_id:
             self.write(np.asarray([self.eos_id]))
+
+    def hold(self, tokens: np.ndarray) -> None:
+        """Keep tokens aside (in a temporary file: memory stays bounded) for `release`, which
+        writes them after everything else: the validation documents end their part."""
+        tokens = np.asarray(tokens, dtype=self.dtype)
+        if not len(tokens):
+            return
+        if self._held is None:
+            path = self.directory / f".held.{os.getpid()}.tmp"
+            self._held = (path, open(path, "w+b"))
+        self._held[1].write(tokens.tobytes())
+        self.num_held += len(tokens)
+
+    def release(self) -> None:
+        if self._held is None:
+            return
+        path, fh = self._held
+        fh.seek(0)
+        while chunk := fh.read(self.dtype.itemsize << 22):
+            self.write(np.frombuffer(chunk, dtype=self.dtype))
+        fh.close()
+        path.unlink()
+        self._held = None
+
+    def finish(self) -> None:
+        """Close the last shard; a document cut by --max-mb still ends with EOS."""
+        self.end_document()
         if self._fh is not None:
             self._close()
 
@@ -80,6 +109,10 @@ class ShardWriter:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+        if self._held is not None:
+            self._held[1].close()
+            self._held[0].unlink(missing_ok=True)
+            self._held = None
         for tmp, _ in self._tmp:
             tmp.unlink(missing_ok=True)
         for final in self._committed:  # renamed but never listed in a manifest

@@ -28,13 +28,13 @@ def check_data(cfg) -> None:
     t = cfg.train
     if t.val_interval > 0 and t.val_batches > 0:
         val = open_dataset(cfg.data.path, cfg.data.mix, "val")
-        have, need = val.num_samples(seq), t.val_batches * t.global_batch
+        have, need = val.num_samples(seq), t.val_batches * t.val_batch_size
         if have < need:
-            raise ConfigError("train.val_batches", f"{t.val_batches} batches of {t.global_batch} sequences of "
+            raise ConfigError("train.val_batches", f"{t.val_batches} batches of {t.val_batch_size} sequences of "
                                                    f"{seq} tokens need {need} validation samples, but the validation "
-                                                   f"split of {val.describe()} has {have}; lower train.val_batches "
-                                                   f"(or set train.val_interval=0), or prepare with a larger "
-                                                   f"--val-fraction")
+                                                   f"split of {val.describe()} has {have}; lower train.val_batches or "
+                                                   f"train.val_batch_size (or set train.val_interval=0), or prepare "
+                                                   f"with a larger --val-fraction")
 
 
 def resume_target(spec: str) -> Path | None:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
 from ndtrain.config import JobConfig, global_batch_at, to_dict
-from ndtrain.data.loader import StatefulLoader, validation_batches
+from ndtrain.data.loader import IGNORE, StatefulLoader, validation_batches
 from ndtrain.data.mixture import make_loader, open_dataset
 from ndtrain.data.packing import document_ids, document_positions
 from ndtrain.errors import ConfigError, NdtrainError
@@ -340,11 +340,13 @@ class Trainer:
     def validate(self) -> float:
         cfg = self.cfg
         if self.val_data is None:
-            # A fixed set of validation samples (val_batches x global_batch) whatever the layout,
-            # so validation losses compare across runs.
+            # A fixed set of validation samples (val_batches x val_batch_size) whatever the batch
+            # size and the layout, so validation losses compare across runs; in batches of the
+            # training shape, the last one padded with ignored rows.
             val_set = open_dataset(cfg.data.path, cfg.data.mix, "val")
             self.val_data = [(self._cp_shard(i), self._cp_shard(t), self._doc_inputs(i)) for i, t in validation_batches(
-                val_set, cfg.data.seq_len, cfg.train.global_batch, cfg.train.val_batches, self.dp_rank, self.dp_size)]
+                val_set, cfg.data.seq_len, cfg.train.global_batch, cfg.train.val_batches * cfg.train.val_batch_size,
+                self.dp_rank, self.dp_size)]
         for part in self.model_parts:
             part.eval()
         self._refresh_fp8_scales()
@@ -354,14 +356,14 @@ class Trainer:
                 with self._loss_context(), self._autocast():
                     total += self.pipeline.run(inputs.to(self.rt.device), targets.to(self.rt.device),
                                                cfg.train.micro_batch, train=False)
-                tokens += targets.numel() if self.pipeline.has_last else 0
+                tokens += int((targets != IGNORE).sum()) if self.pipeline.has_last else 0
                 continue
             for a, b in split_micro(inputs.shape[0], cfg.train.micro_batch):
                 with self._loss_context():
                     mb_docs = None if docs is None else {k: self._to_device(v[a:b]) for k, v in docs.items()}
                     loss = self._loss_sum(self._to_device(inputs[a:b]), self._to_device(targets[a:b]), mb_docs)
                 total += self._value(loss)
-                tokens += targets[a:b].numel()
+                tokens += int((targets[a:b] != IGNORE).sum())
         for part in self.model_parts:
             part.train()
         if self.fsdp:
