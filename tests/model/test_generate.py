@@ -90,3 +90,122 @@ def test_a_model_too_big_for_the_device_is_named():
     assert does_not_fit(preset("debug"), torch.device("cpu"), 200) is None
     # fp32 weights (4 bytes each) dominate: 70.6B parameters are ~263 GiB
     assert 260 < memory_needed(preset("llama3-70b"), 200) / 2**30 < 270
+
+
+# ---- reading a run's checkpoints (issue 33, classes 9 and 15) ---------------------------------
+@pytest.fixture(scope="module")
+def trained(parity_base, tmp_path_factory):
+    """A 2-step byte-tokenizer run with a checkpoint at each step, started with a *relative*
+    data.path from its own working directory."""
+    import os
+    import shutil
+
+    from ndtrain.config import load_config
+    from ndtrain.train.trainer import train
+
+    home = tmp_path_factory.mktemp("launch")
+    shutil.copytree(parity_base["data"]["path"], home / "corpus")
+    base = {k: dict(v) for k, v in parity_base.items()}
+    base["data"]["path"] = "corpus"
+    base["train"].update(steps=2, val_interval=0, sample_tokens=0, output_dir=str(home / "run"))
+    base["checkpoint"] = {"interval_steps": 1, "keep_last": 2}
+    old = os.getcwd()
+    os.chdir(home)
+    try:
+        train(load_config(None, base))
+    finally:
+        os.chdir(old)
+    return home
+
+
+def _copy_run(trained, tmp_path):
+    import shutil
+
+    shutil.copytree(trained / "run", tmp_path / "run")
+    return tmp_path / "run"
+
+
+@pytest.mark.timeout(120)
+def test_a_byte_checkpoint_samples_from_anywhere(trained, tmp_path, monkeypatch):
+    """The run's data path was relative to where it started, and the corpus is gone now: the
+    byte tokenizer needs no file, and the recorded path is absolute (for BPE)."""
+    import json
+
+    from ndtrain.train.generate import generate_from_checkpoint
+
+    run = _copy_run(trained, tmp_path)
+    state = json.loads((run / "checkpoints" / "step_00000002" / "train_state.json").read_text())
+    assert state["config"]["data"]["path"] == str(trained / "corpus")
+    monkeypatch.chdir(tmp_path)
+    out = generate_from_checkpoint(run, "def ", 5, temperature=0)
+    (trained / "corpus").rename(trained / "corpus-moved")
+    try:
+        assert generate_from_checkpoint(run, "def ", 5, temperature=0) == out and out.startswith("def ")
+    finally:
+        (trained / "corpus-moved").rename(trained / "corpus")
+
+
+def _racing_load(monkeypatch, on_first_load):
+    """dcp_load, with `on_first_load(ckpt)` run just before its first read: what a live run
+    does meanwhile."""
+    from ndtrain.train import ckpt_store
+
+    real, calls = ckpt_store.dcp_load, []
+
+    def racing(state, ckpt, no_dist=False):
+        calls.append(ckpt.name)
+        if len(calls) == 1:
+            on_first_load(ckpt)
+        return real(state, ckpt, no_dist=no_dist)
+
+    monkeypatch.setattr(ckpt_store, "dcp_load", racing)
+    return calls
+
+
+def _retention_removes(ckpt):
+    """What retention does (ckpt_policy.retain): unmark by a rename, then delete."""
+    import os
+    import shutil
+
+    doomed = ckpt.with_name(f".{ckpt.name}.deleting")
+    os.replace(ckpt, doomed)
+    shutil.rmtree(doomed)
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_removed_while_read_gives_way_to_the_newest(trained, tmp_path, monkeypatch):
+    import os
+
+    from ndtrain.train import generate
+
+    run = _copy_run(trained, tmp_path)
+    ckpts = run / "checkpoints"
+    os.replace(ckpts / "step_00000002", ckpts / "later")  # not published yet when the reader starts
+
+    def publish_and_retire(ckpt):
+        os.replace(ckpts / "later", ckpts / "step_00000002")
+        _retention_removes(ckpt)
+
+    calls = _racing_load(monkeypatch, publish_and_retire)
+    assert generate.generate_from_checkpoint(run, "def ", 5, temperature=0).startswith("def ")
+    assert calls == ["step_00000001", "step_00000002"]
+    assert generate.load_checkpoint(run)[2]["step"] == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_named_checkpoint_removed_while_read_is_one_line_not_bad_input(trained, tmp_path, monkeypatch):
+    from ndtrain.errors import NdtrainError, RunError
+    from ndtrain.train.generate import generate_from_checkpoint
+
+    run = _copy_run(trained, tmp_path)
+    _racing_load(monkeypatch, _retention_removes)
+    with pytest.raises(RunError, match="step_00000002: removed while it was read") as e:
+        generate_from_checkpoint(run / "checkpoints" / "step_00000002", "def ", 5)
+    assert e.value.exit_code == 1 and "\n" not in str(e.value)
+    # A checkpoint still there but damaged is its own fault: said as before, no older one read instead.
+    monkeypatch.undo()
+    shard = next(p for p in sorted((run / "checkpoints" / "step_00000001").iterdir()) if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:-8])
+    with pytest.raises(NdtrainError, match="not usable") as e:
+        generate_from_checkpoint(run, "def ", 5)
+    assert not isinstance(e.value, RunError)

@@ -100,25 +100,87 @@ def does_not_fit(cfg: ModelConfig, device: torch.device, tokens: int) -> str | N
     return None
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu",
-               verified: bool = False) -> tuple[Transformer, object]:
-    """The checkpoint's model on `device`, read straight into the device's tensors (one copy).
-    `verified`: the caller has just hashed this checkpoint (it published it), so only the
-    manifest and sizes are checked, not every byte again."""
+# A live run's retention removes its older checkpoints, the one being read among them: a reader
+# of a run or checkpoints/ directory then takes the newest again, this many times at most.
+_RELOADS = 5
+
+
+def _published(ckpt: Path) -> bool:
+    from ndtrain.train.ckpt_store import MARKER
+
+    return (Path(ckpt) / MARKER).is_file()
+
+
+def _load_one(ckpt: Path, device, verified: bool) -> tuple[Transformer, object, dict]:
     from ndtrain.train.ckpt_store import checkpoint_config, dcp_load, read_train_state, verify
 
-    ckpt = resolve_checkpoint(path)
     problem = verify(ckpt, check_hashes=not verified)
     if problem:
         raise NdtrainError(f"checkpoint {ckpt} is not usable: {problem}")
-    cfg = checkpoint_config(ckpt, read_train_state(ckpt))
+    state = read_train_state(ckpt)
+    cfg = checkpoint_config(ckpt, state)
     model = build_model(cfg.model, "meta")
     model.to_empty(device=device)
     model.tie_weights()
     with torch.no_grad():
         dcp_load({"model": model.state_dict()}, ckpt, no_dist=True)  # in place, shapes checked first
     model.eval()
-    return model, cfg
+    return model, cfg, state
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
+                    verified: bool = False) -> tuple[Transformer, object, dict]:
+    """(model, config, train_state) of the checkpoint `path` names (the newest, for a run or
+    checkpoints/ directory). Once read, the model is in memory: what retention does next is no
+    concern. A checkpoint retention removed while it was being read (it lost its marker) is not
+    bad input: for a directory the newest one is read instead; a checkpoint named itself is gone,
+    said in one line with exit code 1 (RunError)."""
+    from ndtrain.errors import RunError
+
+    for _ in range(_RELOADS):
+        ckpt = resolve_checkpoint(path)
+        try:
+            return _load_one(ckpt, device, verified)
+        except (NdtrainError, OSError):
+            if _published(ckpt):
+                raise  # still there: the checkpoint itself is at fault
+            if ckpt == Path(path):  # named itself: there is nothing newer to take
+                break
+    raise RunError(f"{ckpt}: removed while it was read (a running job's retention keeps only its newest "
+                   f"checkpoints); name the run or its checkpoints/ directory to read the newest")
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu",
+               verified: bool = False) -> tuple[Transformer, object]:
+    """The checkpoint's model on `device`, read straight into the device's tensors (one copy).
+    `verified`: the caller has just hashed this checkpoint (it published it), so only the
+    manifest and sizes are checked, not every byte again."""
+    return load_checkpoint(path, device, verified)[:2]
+
+
+def _recorded_tokenizer(data) -> str | None:
+    """The tokenizer name a checkpoint's data fingerprint records (a mixture's first component)."""
+    while isinstance(data, dict) and isinstance(data.get("mix"), list) and data["mix"]:
+        first = data["mix"][0]
+        data = first[2] if isinstance(first, list) and len(first) == 3 else None
+    return data.get("tokenizer") if isinstance(data, dict) else None
+
+
+def checkpoint_tokenizer(cfg, state: dict):
+    """The tokenizer of a checkpoint's model. The byte tokenizer needs no file: the checkpoint's
+    data fingerprint names it, so such a checkpoint samples from any directory, on any machine.
+    A BPE tokenizer is read from the data directory the run trained on (recorded absolute)."""
+    from ndtrain.data.tokenizer import ByteTokenizer
+
+    name = _recorded_tokenizer(state.get("data"))
+    if name == "byte":
+        return ByteTokenizer()
+    data_dir = first_data_dir(cfg.data.path, cfg.data.mix)
+    try:
+        return load_tokenizer(data_dir)
+    except NdtrainError as exc:
+        raise NdtrainError(f"the checkpoint's {name + ' ' if name else ''}tokenizer is read from the data the run "
+                           f"trained on (data.path {cfg.data.path}): {exc}") from None
 
 
 class KVCache:
@@ -213,8 +275,8 @@ def sample(model: Transformer, tokens: list[int], n: int, temperature: float = 0
 
 def generate_from_checkpoint(path, prompt: str, n: int, temperature: float = 0.8, top_k: int = 40,
                              seed: int = 0, device: str | torch.device = "cpu", verified: bool = False) -> str:
-    model, cfg = load_model(path, sample_device(device), verified)
-    tok = load_tokenizer(first_data_dir(cfg.data.path, cfg.data.mix))
+    model, cfg, state = load_checkpoint(path, sample_device(device), verified)
+    tok = checkpoint_tokenizer(cfg, state)
     out = sample(model, tok.encode(prompt), n, temperature, top_k, seed, getattr(tok, "eos_id", None))
     return tok.decode(out)
 

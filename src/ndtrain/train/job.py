@@ -89,6 +89,9 @@ def closing_sample(cfg: JobConfig, summary: dict) -> None:
 
 def _loop(cfg: JobConfig, run_dir: Path, progress: dict, make_trainer) -> dict:
     trainer = make_trainer()
+    # Every checkpoint records this config: with the data path absolute, `ndtrain generate
+    # --checkpoint` finds a BPE tokenizer from any working directory (byte needs no file).
+    cfg.data.path = os.path.abspath(cfg.data.path)
     rt, log = trainer.rt, trainer.logger
     ckpt = trainer.checkpointer(run_dir)
     if rt.is_main:
