@@ -580,6 +580,50 @@ RUN_FILE_CASES = [
 CASES += RUN_FILE_CASES
 
 
+# ---- issue 33, classes 7 and 9: the validation split's record, its size, and what generation reads ---
+def _corpus_with(edit):
+    """case_dir/data: a copy of the suite's corpus with its manifest edited by `edit`."""
+    def prep(w, d):
+        shutil.copytree(w["corpus"], d / "data")
+        path = d / "data" / "manifest.json"
+        manifest = json.loads(path.read_text())
+        edit(manifest)
+        path.write_text(json.dumps(manifest))
+    return prep
+
+
+def _bpe_run_without_its_data(w, d):
+    """A checkpoint of a BPE run whose corpus (and so its tokenizer.json) is gone."""
+    from ndtrain.train.ckpt_store import write_manifest
+
+    dst = copy_ckpt(w, d)
+    state = json.loads((dst / "train_state.json").read_text())
+    state["data"] = {**state["data"], "tokenizer": "bpe"}
+    state["config"]["data"]["path"] = str(d / "gone")
+    (dst / "train_state.json").write_text(json.dumps(state))
+    write_manifest(dst)
+
+
+def D(w, d, *more):
+    """T() on case_dir/data."""
+    return [a if not a.startswith("--data.path=") else f"--data.path={d / 'data'}" for a in T(w, d, *more)]
+
+
+SPLIT_CASES = [
+    Case("train-data-val-split-not-a-table", lambda w, d: D(w, d), r"parts\[0\]\.val_split",
+         prep=_corpus_with(lambda m: m["parts"][0].__setitem__("val_split", "drawn"))),
+    Case("train-data-val-split-documents-negative", lambda w, d: D(w, d), r"parts\[0\]\.val_split\.documents",
+         prep=_corpus_with(lambda m: m["parts"][0]["val_split"].__setitem__("documents", -3))),
+    Case("train-val-batch-size-zero", lambda w, d: T(w, d, "--train.val_batch_size=0"), r"train\.val_batch_size"),
+    Case("train-val-batch-size-beyond-the-split", lambda w, d: T(w, d, "--train.val_interval=1",
+                                                                 "--train.val_batch_size=1000000"),
+         r"train\.val_batches.*train\.val_batch_size"),
+    Case("generate-bpe-run-without-its-data", lambda w, d: ["generate", "--checkpoint", str(ckpt(d))],
+         r"bpe tokenizer.*data\.path .*gone", prep=_bpe_run_without_its_data),
+]
+CASES += SPLIT_CASES
+
+
 # ---- running them ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def results(corpus_dir, tmp_path_factory):
