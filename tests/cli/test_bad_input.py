@@ -32,7 +32,7 @@ class Case:
     names: str  # regex (case-insensitive) the error line must match: the key or path at fault
     rc: int = 2
     prep: Callable | None = None  # (world, case_dir) -> None: builds this case's inputs
-    lock: bool = False  # a live process (this one) holds the lock of case_dir/out while it runs
+    lock: bool | str = False  # a live process (this one) holds the lock of case_dir/out (or of this) while it runs
     absent: tuple = ()  # glob patterns (relative to case_dir) that must match nothing afterwards
     extra_roots: tuple = field(default_factory=tuple)
 
@@ -624,6 +624,49 @@ SPLIT_CASES = [
 CASES += SPLIT_CASES
 
 
+# ---- issue 33, classes 2, 3, 4, 10: a checkpoints directory is one live run's, clean-up touches only
+# ndtrain's own names, a resume that finds nothing usable stops, and no resume changes the model ---------
+def _ckpt_run(corrupt=False, user_dirs=False):
+    """case_dir/out: a run directory whose checkpoints/ holds the shared run's step 4 (its one
+    checkpoint: damaged when `corrupt`), beside directories of the user's when `user_dirs`."""
+    def prep(w, d):
+        dst = d / "out" / "checkpoints" / w["ckpt"].name
+        shutil.copytree(w["ckpt"], dst)
+        if corrupt:
+            shard = dst / "__0_0.distcp"
+            data = bytearray(shard.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            shard.write_bytes(bytes(data))
+        if user_dirs:  # names like ndtrain's leftovers, none of them its own
+            for rel in ("photos.partial/cat.jpg", ".step_00000009.partial/notes.txt", "old.deleting/a.txt",
+                        ".abandoning-from-mine/b.txt"):
+                (d / "out" / "checkpoints" / rel).parent.mkdir(parents=True)
+                (d / "out" / "checkpoints" / rel).write_text("the user's own bytes\n")
+    return prep
+
+
+CHECKPOINT_DIR_CASES = [
+    # class 2: a live run's checkpoint.dir is locked like its output_dir
+    Case("train-checkpoint-dir-locked", lambda w, d: T(w, d, f"--checkpoint.dir={d / 'ck'}"),
+         r"ck is in use by a live run.*checkpoint\.dir", lock="ck", absent=("ck/step_*", "ck/.step_*")),
+    # class 4: resume=auto whose only checkpoint is damaged stops, and moves nothing
+    Case("train-resume-auto-only-checkpoint-corrupt", lambda w, d: T(w, d, "--checkpoint.resume=auto"),
+         r"no usable checkpoint under .*out/checkpoints.*SHA-256.*--train\.overwrite=true",
+         prep=_ckpt_run(corrupt=True), absent=("out/checkpoints/corrupt", "out/checkpoints/step_00000002")),
+    # classes 10 and 3: a semantic change is refused (resume=auto), after start-up clean-up left the user's
+    # directories of leftover-like names alone
+    Case("train-resume-auto-other-rope-theta", lambda w, d: T(w, d, "--checkpoint.resume=auto",
+                                                                "--model.rope_theta=500000"),
+         r"model\.rope_theta=10000\.0 but this run has 500000\.0.*allow_model_change", prep=_ckpt_run(user_dirs=True)),
+    Case("train-resume-other-norm-eps-and-theta", lambda w, d: T(w, d, f"--checkpoint.resume={w['ckpt']}",
+                                                                   "--model.norm_eps=1e-6", "--model.rope_theta=20000"),
+         r"model\.rope_theta=.*model\.norm_eps="),
+    Case("train-allow-model-change-shape-key", lambda w, d: T(w, d, '--checkpoint.allow_model_change=["dim"]'),
+         r"checkpoint\.allow_model_change.*may list only rope_theta"),
+]
+CASES += CHECKPOINT_DIR_CASES
+
+
 # ---- running them ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def results(corpus_dir, tmp_path_factory):
@@ -650,7 +693,7 @@ def results(corpus_dir, tmp_path_factory):
         if case.prep:
             case.prep(world, d)
         if case.lock:
-            locks.append(RunLock.acquire(d / "out"))
+            locks.append(RunLock.acquire(d / (case.lock if isinstance(case.lock, str) else "out")))
         argv = [str(a) for a in case.argv(world, d)]
         roots = [str(d)] + [str(p) for name, p in shared.items()
                             if name in case.extra_roots or any(str(p) in a for a in argv)]

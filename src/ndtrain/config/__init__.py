@@ -167,6 +167,9 @@ class CheckpointConfig:
     keep_every: int = 0
     resume: str = ""  # "" (never), "auto", or a path
     dir: str = ""  # default <output_dir>/checkpoints
+    # Model keys a resume may find changed (a fine-tune, e.g. ["rope_theta"]); any other change
+    # to what the weights compute is refused (model/config.py's FUNCTION_KEYS).
+    allow_model_change: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -7,7 +7,10 @@ Reads a JobConfig by its attributes and imports nothing of config/__init__.py, w
 from __future__ import annotations
 
 from ndtrain.errors import ConfigError
+from ndtrain.model.config import ARCHITECTURE_KEYS, FUNCTION_KEYS
 from ndtrain.paths import component_problem
+
+SWITCHABLE = tuple(k for k in FUNCTION_KEYS if k not in ARCHITECTURE_KEYS)  # checkpoint.allow_model_change
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # where [logging] trackers may send the metrics
 
@@ -72,6 +75,8 @@ def validate(cfg) -> None:
         ("checkpoint.interval_steps", c.interval_steps >= 0, f"must be >= 0, got {c.interval_steps}"),
         ("checkpoint.keep_last", c.keep_last >= 1, f"must be >= 1 (the newest checkpoint is always kept), got {c.keep_last}"),
         ("checkpoint.keep_every", c.keep_every >= 0, f"must be >= 0, got {c.keep_every}"),
+        ("checkpoint.allow_model_change", all(k in SWITCHABLE for k in c.allow_model_change),
+         f"may list only {', '.join(SWITCHABLE)} (the others change which tensors exist), got {c.allow_model_change}"),
         ("logging.progress", cfg.logging.progress in ("auto", "on", "off"), f"must be auto, on or off, got {cfg.logging.progress!r}"),
         ("logging.trackers", all(t in TRACKERS for t in cfg.logging.trackers), f"must name trackers among {', '.join(TRACKERS)}, got {cfg.logging.trackers}"),
         ("logging.trackers", len(set(cfg.logging.trackers)) == len(cfg.logging.trackers), f"names a tracker twice: {cfg.logging.trackers}"),

@@ -91,6 +91,20 @@ class ModelConfig:
         return errs
 
 
+# The model keys that change the function the weights compute: a resume refuses any change to
+# them (train/ckpt_store.py), so continuing a run can never silently compute something else.
+# ARCHITECTURE_KEYS also decide which tensors exist or their shapes (or, n_heads, how they are
+# split into heads): no switch allows changing them. The rest may change when the user lists
+# them in `checkpoint.allow_model_change` (a fine-tune: a longer context's rope_theta, say).
+# Left out, as they leave that function alone: preset (a name; its values are compared),
+# max_seq_len (the RoPE table's length: positions both cover get the same angles), init_std
+# (initialisation only), aux_loss_coef and aux_free_update_rate (the training signal only).
+ARCHITECTURE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "mlp", "tie_embeddings",
+                     "n_experts", "n_shared_experts", "expert_ffn_dim", "moe_dense_layers")
+FUNCTION_KEYS = (*ARCHITECTURE_KEYS, "rope_theta", "norm_eps", "n_active_experts", "router", "load_balance",
+                 "capacity_factor")
+
+
 PRESETS: dict[str, dict] = {
     # Tests: 4 layers so pp=4 splits evenly, 4 kv-heads so tp=4 shards GQA.
     "debug": dict(dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=192, vocab_size=256),

@@ -102,8 +102,11 @@ class Checkpointer:
         self.last_saved_step: int | None = None
         self.loaded_from: Path | None = None
         # Verification verdicts (None = intact) of checkpoints this process wrote or checked:
-        # retention never hashes them again.
+        # retention hashes none of them again but those in `written`, once.
         self.verdicts: dict[str, str | None] = {}
+        # Those published here, known intact only as hashed while written: read back before the
+        # next save, so retention lets an older one go only once a newer one was (ckpt_policy).
+        self.written: set[str] = set()
         self._last_bytes = 0  # the size of the last checkpoint published: what the next one needs
         # Which line of history the checkpoints continue (ckpt_policy): new unless resumed from
         # the newest checkpoint of this directory.
@@ -121,7 +124,7 @@ class Checkpointer:
             # Kept for the whole run: it reuses its RAM copies, so later saves skip allocation.
             self._stager = ckpt_staging.make_stager(self.rt.device)
         if self.is_main:
-            ckpt_policy.clear_leftovers(self.root)  # never published; left by a killed save
+            ckpt_policy.clear_leftovers(self.root, self._info)  # never published; left by a killed save
             ckpt_policy.finish_abandoning(self.root, self._info)  # a timeline switch a crash interrupted
         barrier()
 
@@ -169,8 +172,7 @@ class Checkpointer:
         if self.is_main:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
-                if tmp.exists():
-                    shutil.rmtree(tmp)
+                ckpt_policy.clear_partial(tmp, self.root, self._info)
             except OSError as exc:
                 raise self._write_failure(exc, name) from None
         barrier()
@@ -260,18 +262,24 @@ class Checkpointer:
         os.replace(tmp, target)
         fsync_dir(self.root)
         self.verdicts[str(target)] = None  # hashed as it was written
+        self.written.add(str(target))
         self._retain()
 
     def _retain(self) -> None:
         ckpt_policy.retain(self.root, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every,
-                           self._verdict, self._info)
+                           self._verdict, self._info, self._read_back)
+
+    def _read_back(self, ckpt: Path) -> bool:
+        return self.verdicts.get(str(ckpt), "unknown") is None and str(ckpt) not in self.written
 
     def _verify_for_retention(self) -> None:
         """Every rank: what the publish's retention will ask about and nobody has checked, hashed
         now, shared over the ranks; once one fails, retention looks further back, so again."""
-        while todo := broadcast(ckpt_policy.unverified(self.root, self.cfg.checkpoint.keep_last, self.verdicts)
-                                if self.is_main else None):
-            self.verdicts.update(verify_shared(todo))
+        while todo := broadcast(ckpt_policy.unverified(self.root, self.cfg.checkpoint.keep_last, self.verdicts,
+                                                       self.written) if self.is_main else None):
+            checked = verify_shared(todo)
+            self.verdicts.update(checked)
+            self.written.difference_update(checked)
 
     def _verdict(self, ckpt: Path) -> str | None:
         key = str(ckpt)
@@ -353,7 +361,7 @@ class Checkpointer:
         return path
 
     def check_compatible(self, path: Path, state: dict) -> None:
-        problem = model_mismatch(self.cfg.model, state)
+        problem = model_mismatch(self.cfg.model, state, self.cfg.checkpoint.allow_model_change)
         if problem:
             raise NdtrainError(f"checkpoint {path} {problem}", all_ranks=True)
         if state.get("kind", "full") != "full":

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from ndtrain.errors import NdtrainError
+from ndtrain.model.config import ARCHITECTURE_KEYS, FUNCTION_KEYS
 
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
@@ -185,18 +186,23 @@ def checkpoint_config(ckpt: Path, state: dict):
         raise NdtrainError(f"{Path(ckpt) / TRAIN_STATE}: recorded config is invalid: {exc}") from None
 
 
-MODEL_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "n_experts", "expert_ffn_dim",
-              "n_shared_experts", "moe_dense_layers", "tie_embeddings")
+# Every model key that changes what the weights compute (model/config.py keeps the one list).
+MODEL_KEYS = FUNCTION_KEYS
 
 
-def model_mismatch(model_cfg, state: dict) -> str | None:
-    """How the checkpoint's recorded model shape differs from `model_cfg`, or None."""
+def model_mismatch(model_cfg, state: dict, allowed=()) -> str | None:
+    """How the checkpoint's recorded model differs from `model_cfg` in what the weights compute
+    (every such key, named), or None. `allowed`: keys the user lets change (a fine-tune)."""
     saved = state.get("config", {}).get("model", {})
-    for key in MODEL_KEYS:
-        if key in saved and saved[key] != getattr(model_cfg, key):
-            return (f"has model.{key}={saved[key]} but this run has {getattr(model_cfg, key)}: it belongs to a "
-                    f"different model shape")
-    return None
+    diff = [k for k in MODEL_KEYS if k in saved and k not in allowed and saved[k] != getattr(model_cfg, k)]
+    if not diff:
+        return None
+    said = ", ".join(f"model.{k}={saved[k]} but this run has {getattr(model_cfg, k)}" for k in diff)
+    if any(k in ARCHITECTURE_KEYS for k in diff):
+        return f"has {said}: it belongs to a different model shape"
+    same = " ".join(f"--model.{k}={str(saved[k]).lower()}" for k in diff)
+    return (f"has {said}: resuming would change the function its weights compute; pass {same} to continue "
+            f"it, or --checkpoint.allow_model_change='{json.dumps(diff)}' to fine-tune with the change")
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -208,9 +214,31 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
-def partials(root: Path) -> list[Path]:
+# What ndtrain itself leaves in a checkpoints directory when killed: a save's partial directory
+# and one retention was deleting. Clean-up touches these names only, and only when every entry
+# is a file a checkpoint holds (DCP's shards and metadata, ndtrain's digests, state, manifest,
+# marker): a user's `photos.partial/`, or a directory of that name holding anything else, stays.
+_LEFTOVER = re.compile(r"^\.step_\d{8}\.(partial|deleting)$")
+_CKPT_FILE = re.compile(r"^(__\d+_\d+\.distcp|(__\d+)?\.metadata(\.tmp)?|\.digests-rank\d{5}\.json(\.part)?|"
+                        r"train_state\.json|manifest\.json|COMPLETE)$")
+
+
+def holds_only_checkpoint_files(path: Path) -> bool:
+    try:
+        entries = list(Path(path).iterdir())
+    except OSError:
+        return False
+    return all(_CKPT_FILE.match(e.name) and e.is_file() and not e.is_symlink() for e in entries)
+
+
+def leftovers(root: Path) -> tuple[list[Path], list[Path]]:
+    """(ndtrain's own leftovers under `root`, directories with a leftover's name that hold
+    something else): the first may be removed, the second never."""
     root = Path(root)
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.endswith(".partial")) if root.is_dir() else []
+    named = sorted(p for p in root.iterdir() if _LEFTOVER.match(p.name) and p.is_dir() and not p.is_symlink()) \
+        if root.is_dir() else []
+    ours = [p for p in named if holds_only_checkpoint_files(p)]
+    return ours, [p for p in named if p not in ours]
 
 
 # ---- reading without executing -------------------------------------------------------------

@@ -65,7 +65,7 @@ def check_resume(cfg) -> None:
     target = resume_target(cfg.checkpoint.resume)
     if target is None or not (target / "train_state.json").exists():
         return  # an unmarked directory: resume() names what is missing
-    problem = model_mismatch(cfg.model, read_train_state(target))
+    problem = model_mismatch(cfg.model, read_train_state(target), cfg.checkpoint.allow_model_change)
     if problem:
         raise NdtrainError(f"checkpoint {target} {problem}")
 

@@ -26,7 +26,7 @@ import os
 import socket
 import stat
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ndtrain.errors import ConfigError, NdtrainError
@@ -145,9 +145,10 @@ class RunLock:
     path: Path
     fd: int
     previous: dict  # what the lock file held before: a dead owner's record, or {}
+    also: list = field(default_factory=list)  # the locks of the other directories the run writes, held with it
 
     @classmethod
-    def acquire(cls, run_dir: Path, run_id: str = "") -> RunLock:
+    def acquire(cls, run_dir: Path, run_id: str = "", key: str = "train.output_dir") -> RunLock:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / LOCK_NAME
@@ -173,7 +174,7 @@ class RunLock:
                 owner = _read(fd)
                 os.close(fd)
                 raise NdtrainError(f"{run_dir} is in use by a live run ({_describe(owner)}; lock {path}): wait for "
-                                   f"it to finish or stop it, or choose another train.output_dir") from None
+                                   f"it to finish or stop it, or choose another {key}") from None
             try:  # the holder we waited for may have removed the file: then lock the new one
                 same = os.fstat(fd).st_ino == os.lstat(path).st_ino
             except FileNotFoundError:
@@ -189,6 +190,8 @@ class RunLock:
         return cls(path, fd, previous)
 
     def release(self) -> None:
+        for other in self.also:
+            other.release()
         if self.fd < 0:
             return
         try:
@@ -235,6 +238,12 @@ def claim(cfg, run_dir: Path, restart: bool = False, run_id: str = "", log=print
         raise NdtrainError(_refusal(run_dir, traces, spec))
     lock = RunLock.acquire(run_dir, run_id)
     try:
+        # A checkpoint.dir is locked too: two live runs sharing one would delete each other's
+        # checkpoints (retention, clean-up). One elsewhere, before anything in it is looked at.
+        ckpt_key = "checkpoint.dir" if cfg.checkpoint.dir else "train.output_dir"
+        inside = run_dir.resolve() in ckpt_root.resolve().parents
+        if not inside and ckpt_root.resolve() != run_dir.resolve():
+            lock.also.append(RunLock.acquire(ckpt_root, run_id, ckpt_key))
         previous = lock.previous
         same_run = bool(run_id) and previous.get("run_id") == run_id
         if previous.get("pid") and not same_run:
@@ -248,6 +257,8 @@ def claim(cfg, run_dir: Path, restart: bool = False, run_id: str = "", log=print
             marked = False  # the marker went with them
         if not marked:
             mark(run_dir, run_id)
+        if inside:  # one inside the run directory after any move aside, which would take its lock along
+            lock.also.append(RunLock.acquire(ckpt_root, run_id, ckpt_key))
     except BaseException:
         lock.release()
         raise
