@@ -82,6 +82,20 @@ def test_from_run_writes_the_profile_plan_reads(tmp_path, capsys):
     assert planned["step_time_s"] == pytest.approx(run_fit.predict(hw, observe(read_run(run))).step_time, rel=1e-9)
 
 
+def test_from_run_imports_no_torch(tmp_path):
+    # run directories copied off a cluster are fitted on a machine without torch
+    import subprocess
+    import sys
+
+    run = _write_run(tmp_path / "zero3", "zero3", 0.5)
+    code = ("import sys; from ndtrain.cli import main; "
+            f"assert main(['calibrate', '--from-run', {str(run)!r}, '--out', {str(tmp_path / 'hw.json')!r}]) == 0; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "hw.json").read_text())["from_runs"]["runs"][0]["label"] == "zero3"
+
+
 def test_report_shows_predicted_against_measured(tmp_path):
     run = read_run(_write_run(tmp_path / "zero3", "zero3", 0.5))
     (row,) = [v for k, v in header_rows([run], now=0.0) if k == "step: predicted now vs measured"]

@@ -254,12 +254,14 @@ def fit(base: dict, obs: list[Observation], description: str = "") -> Fit:
         prof["overhead_gib"] = max(0.05, statistics.median(left) / GiB)
         after_hw = hardware(prof)
     rows = []
+    # set beside what a run records: a CPU rank's whole resident set, a GPU's allocated peak
+    shown = (lambda p, hw: model_memory(p, hw)) if is_gpu(base) else (lambda p, hw: p.memory["total"])
     for o in obs:
         before, after = predict(before_hw, o), predict(after_hw, o)
         rows.append({"label": o.label, "layout": o.layout.short(), "world": o.world, "precision": o.precision,
                      "measured_s": o.step_s, "before_s": before.step_time, "after_s": after.step_time,
-                     "measured_bytes": o.peak_bytes, "before_bytes": before.memory["total"],
-                     "after_bytes": after.memory["total"]})
+                     "measured_bytes": o.peak_bytes, "before_bytes": shown(before, before_hw),
+                     "after_bytes": shown(after, after_hw)})
     prof["from_runs"] = {"knobs": knobs, "runs": [{k: r[k] for k in ("label", "layout", "world", "measured_s")}
                                                   for r in rows], "base": description}
     # a profile fitted again names its first origin once, not once per fit
