@@ -33,13 +33,15 @@ def _cfg(name: str, out: Path, data: str = "data/stdlib-byte", steps: int = 12):
         "logging": {"tensorboard": False, "progress": "off"}})
 
 
-def _write_run(path: Path, name: str, step_s: float, steps: int = 10, peak_mb: float = 800.0) -> Path:
+def _write_run(path: Path, name: str, step_s: float, steps: int = 10, peak_mb: float = 800.0,
+               cpu_s: float | None = None) -> Path:
     """A run directory as the trainer leaves it: its config, a start row, timed steps."""
     path.mkdir(parents=True)
     (path / "config.toml").write_text(to_toml(_cfg(name, path)))
     rows = [{"step": 0, "event": "start", "attempt": 0, "world": 2, "layout": name, "time": 0.0}]
     rows += [{"step": s, "loss": 5.0, "step_time_s": step_s * (1.5 if s == 1 else 1.0), "peak_memory_mb": peak_mb,
-              "tokens_per_s": 1.0, "time": float(s)} for s in range(1, steps + 1)]
+              "step_cpu_s": step_s if cpu_s is None else cpu_s, "tokens_per_s": 1.0, "time": float(s)}
+             for s in range(1, steps + 1)]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -64,6 +66,7 @@ def test_from_run_writes_the_profile_plan_reads(tmp_path, capsys):
     assert cli(["calibrate", "--from-run", str(run), "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert f"wrote {out}: host probe fitted to 1 run(s)" in text and "ddp" in text
+    assert "note:" not in text
     prof = json.loads(out.read_text())
     assert prof["from_runs"]["runs"][0]["layout"].startswith("dp_replicate=2")
     hw = this_machine(out)
@@ -73,8 +76,11 @@ def test_from_run_writes_the_profile_plan_reads(tmp_path, capsys):
         after = run_fit.predict(hw, obs).step_time
         before = run_fit.predict(this_machine(), obs).step_time
         assert abs(math.log(after / obs.step_s)) < abs(math.log(before / obs.step_s)), name
+    # a host busy with other work is named: its load is in the profile
+    busy = _write_run(tmp_path / "busy", "zero3", 2.0, cpu_s=0.5)
+    assert cli(["calibrate", "--from-run", str(run), str(busy), "--out", str(tmp_path / "busy.json")]) == 0
+    assert "note: the host was busy with other work: wall steps were 4.0x the CPU time in busy" in capsys.readouterr().out
     # `ndtrain plan --profile` reads it
-    capsys.readouterr()
     assert cli(["plan", "--model-shape", "layers=8,hidden=256,heads=8,kv_heads=4,ffn=768,vocab=256", "--gpus", "2",
                 "--gpu", "this-machine", "--seq", "128", "--global-batch", "8", "--profile", str(out), "--samples", "0",
                 "--layout", "dp_replicate=2,dp_shard=1,mb=4", "--precision", "fp32", "--json"]) == 0

@@ -56,6 +56,24 @@ def observe(run: Run) -> run_fit.Observation:
         peak_bytes=max(peaks) * 2**20 if peaks else None)
 
 
+# A CPU run whose wall step is this many times its CPU time waited for more than its collectives:
+# on the 2-core host of docs/calibrate-from-runs.md, shared with other jobs, it was 4-8x.
+BUSY_HOST_RATIO = 2.0
+
+
+def busy_host(run: Run) -> float | None:
+    """The median wall step over the median CPU seconds of the step (`step_cpu_s`, all of the
+    process's threads), where that says the host was busy with other work; else None."""
+    import statistics
+
+    first = run.starts[-1]["step"] if run.starts else 0
+    rows = [r for r in run.train if r["step"] > first + 3 and r.get("step_cpu_s") and r.get("step_time_s")]
+    if not rows:
+        return None
+    ratio = statistics.median(r["step_time_s"] for r in rows) / statistics.median(r["step_cpu_s"] for r in rows)
+    return ratio if ratio >= BUSY_HOST_RATIO else None
+
+
 def base_profile(profile: str | None, gpu: str | None) -> tuple[dict, str]:
     """(the profile the fit starts from, where it came from)."""
     from ndtrain.planner import profile as profiles
@@ -133,7 +151,8 @@ def main(argv: list[str]) -> int:
         out = Path(DEFAULT_PROFILE).with_name("gpu.json") if gpu else Path(DEFAULT_PROFILE)
     check_out(out)
     base, source = base_profile(args.profile, args.gpu)
-    observations = [observe(read_run(d)) for d in args.from_run]
+    runs = [read_run(d) for d in args.from_run]
+    observations = [observe(r) for r in runs]
     result = run_fit.fit(base, observations, source)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")  # a reader never sees half a profile
@@ -147,6 +166,16 @@ def main(argv: list[str]) -> int:
     if "overhead_gib" in result.profile:
         print(f"  runtime memory beside the model: {result.profile['overhead_gib']:.2f} GiB per rank")
     print("\n".join(table(result.rows)))
+    lo, hi = run_fit.KNOB_RANGE
+    if any(not lo * 1.01 < v < hi / 1.01 for v in result.knobs.values()):
+        print(f"  note: a factor reached the edge of its range ({lo:g}-{hi:g}x): the runs and the model disagree "
+              f"beyond what scaling explains (the wrong --gpu, or a run that stalled)")
+    if not run_fit.is_gpu(base):
+        busy = {r.label: x for r in runs if (x := busy_host(r)) is not None}
+        if busy:
+            print("  note: the host was busy with other work: wall steps were " + ", ".join(
+                f"{x:.1f}x" for x in busy.values()) + f" the CPU time in {', '.join(busy)}; the profile prices "
+                "that load, and plans for a quiet host will be pessimistic")
     print(f"  plan with it: ndtrain plan ... --profile {out}" + (f" --gpu {base.get('catalog')}" if run_fit.is_gpu(base) else ""))
     return 0
 
