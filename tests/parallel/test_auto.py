@@ -7,13 +7,16 @@ import json
 import pytest
 
 from ndtrain.config import load_config
-from ndtrain.tools.auto import apply_auto_layout, describe
 from ndtrain.parallel.dims import resolve
+from ndtrain.train.plan import as_written, resolve_plan
+from ndtrain.train.plan_choices import DP_FIELDS
 
 
 def test_auto_off_changes_nothing():
     cfg = load_config(None, {"parallel": {"tp": 2, "dp_auto": False}})
-    assert apply_auto_layout(cfg, 4) is None and cfg.parallel.tp == 2 and cfg.parallel.dp_shard == -1
+    plan = resolve_plan(cfg, 4)
+    assert plan.prediction is None and plan.layout.tp == 2 and plan.layout.dp_shard == 2
+    assert plan.layout == as_written(plan.config, 4).layout and cfg.parallel.dp_shard == -1  # the caller's config stays
 
 
 PEERS = {"model": {"dim": 256, "n_layers": 6, "n_heads": 16, "n_kv_heads": 16, "ffn_dim": 768, "vocab_size": 2048},
@@ -32,13 +35,14 @@ def test_defaults_choose_what_was_fastest(precision, chosen, tmp_path, monkeypat
     monkeypatch.setattr(hardware, "DEFAULT_PROFILE", tmp_path / "none.json")  # no calibration here
     cfg = load_config(None, {**PEERS, "parallel": {"mixed_precision": precision}})
     assert cfg.parallel.dp_auto
-    choice = apply_auto_layout(cfg, 2)
-    par = cfg.parallel
-    got = "ddp" if (par.dp_replicate, par.dp_shard) == (2, 1) else \
-        f"zero{par.zero}" if (par.dp_replicate, par.dp_shard) == (1, 2) else str((par.dp_replicate, par.dp_shard))
-    assert got == chosen, choice["description"]
-    assert cfg.train.micro_batch == 4 and cfg.parallel.tp == 1 and cfg.parallel.pp == 1
-    assert choice["description"].startswith("data parallel (defaults)")
+    plan = resolve_plan(cfg, 2)
+    lay = plan.layout
+    got = "ddp" if (lay.dp_replicate, lay.dp_shard) == (2, 1) else \
+        f"zero{lay.zero}" if (lay.dp_replicate, lay.dp_shard) == (1, 2) else str((lay.dp_replicate, lay.dp_shard))
+    assert got == chosen, plan.explanation
+    assert lay.mb == 4 and lay.tp == 1 and lay.pp == 1
+    assert plan.explanation.startswith("data parallel (defaults)")
+    assert cfg.parallel.dp_shard == -1 and cfg.parallel.zero == 3  # chosen in the plan's config, not the caller's
 
 
 def test_defaults_choose_by_memory_on_a_large_model():
@@ -48,8 +52,8 @@ def test_defaults_choose_by_memory_on_a_large_model():
         cfg = load_config(None, {"model": {"preset": "llama3-8b"}, "data": {"seq_len": 4096},
                                  "parallel": {"auto_hardware": "h100", "activation_checkpoint": ac},
                                  "train": {"global_batch": 8, "micro_batch": 1}})
-        apply_auto_layout(cfg, 8)
-        return cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.zero
+        lay = resolve_plan(cfg, 8).layout
+        return lay.dp_replicate, lay.dp_shard, lay.zero
 
     assert choose("none") == (1, 8, 3)
     assert choose("full") == (1, 8, 1)
@@ -60,17 +64,16 @@ def test_defaults_choose_by_memory_on_a_large_model():
 def test_a_data_parallel_key_keeps_the_users_choice(given):
     cfg = load_config(None, {**PEERS, "parallel": dict(given)})
     assert not cfg.parallel.dp_auto
-    before = (cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.zero)
-    assert apply_auto_layout(cfg, 2) is None
-    assert (cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.zero) == before
+    static = as_written(cfg, 2).layout
+    plan = resolve_plan(cfg, 2)
+    assert plan.prediction is None and not {key for _, key, _ in plan.chosen} & set(DP_FIELDS)
+    assert [getattr(plan.layout, k) for k in DP_FIELDS] == [getattr(static, k) for k in DP_FIELDS]
 
 
 def test_dp_choice_survives_a_stored_config():
     from ndtrain.config import from_dict, to_dict
 
-    cfg = load_config(None, PEERS)
-    apply_auto_layout(cfg, 2)
-    again = from_dict(to_dict(cfg))
+    again = from_dict(to_dict(resolve_plan(load_config(None, PEERS), 2).config))
     assert again.parallel.dp_auto and (again.parallel.dp_replicate, again.parallel.dp_shard) == (2, 1)
 
 
@@ -78,10 +81,12 @@ def test_no_choice_where_the_planner_cannot_price_it(tmp_path, monkeypatch):
     import ndtrain.planner.hardware as hardware
 
     monkeypatch.setattr(hardware, "DEFAULT_PROFILE", tmp_path / "none.json")  # uncalibrated: compile unpriced
-    for parallel in ({"pp": 2}, {"activation_checkpoint": "every_n"}):
+    for parallel in ({"pp": 2, "pp_microbatches": 2}, {"activation_checkpoint": "every_n"}):
         cfg = load_config(None, {**PEERS, "parallel": parallel})
-        assert apply_auto_layout(cfg, 4) is None and cfg.parallel.dp_shard == -1, parallel
-    assert apply_auto_layout(load_config(None, PEERS), 1) is None
+        plan = resolve_plan(cfg, 4)
+        assert plan.prediction is None and plan.compile is None, parallel
+        assert plan.layout.dp_shard == 4 // plan.layout.pp and plan.layout.zero == 3, parallel
+    assert resolve_plan(load_config(None, PEERS), 1).prediction is None
 
 
 # ---- compile_auto: compile the blocks when it repays its compile time within the run ----------
@@ -110,19 +115,20 @@ def test_compile_auto_decides_for_the_run_length(tmp_path):
     def run(steps, **parallel):
         cfg = load_config(None, {**PEERS, "train": {**PEERS["train"], "steps": steps},
                                  "parallel": {"auto_hardware": profile, **parallel}})
-        return cfg, apply_auto_layout(cfg, 2)
+        return cfg, resolve_plan(cfg, 2)
 
-    cfg, short = run(35)
-    assert not cfg.parallel.compile and not short["compile"]["compile"]
-    assert short["description"].startswith("data parallel (defaults)")  # the layout was chosen too
-    n = short["compile"]["breakeven_steps"]
+    _, short = run(35)
+    assert not short.layout.compile and not short.compile.compile
+    assert short.explanation.startswith("data parallel (defaults)")  # the layout was chosen too
+    n = short.compile.breakeven_steps
     cfg, long = run(n + 1)
-    assert cfg.parallel.compile and long["compile"]["compile"] and "torch.compile on" in long["compile"]["description"]
-    assert long["predicted_step_time"] == long["compile"]["compiled_step_s"] < short["predicted_step_time"]
-    cfg, kept = run(n + 1, compile=False)  # the user's word stands, however long the run
-    assert not cfg.parallel.compile and (kept is None or "compile" not in kept)
-    cfg, alone = run(n + 1, dp_replicate=2, dp_shard=1)  # no layout choice: the decision alone
-    assert cfg.parallel.compile and set(alone) == {"compile"}
+    assert long.layout.compile and long.config.parallel.compile and "torch.compile on" in long.compile.description
+    assert not cfg.parallel.compile  # decided in the plan, not in the caller's config
+    assert long.prediction.step_s == long.compile.compiled_step_s < short.prediction.step_s
+    _, kept = run(n + 1, compile=False)  # the user's word stands, however long the run
+    assert not kept.layout.compile and kept.compile is None
+    _, alone = run(n + 1, dp_replicate=2, dp_shard=1)  # no layout choice: the decision alone
+    assert alone.layout.compile and alone.compile.compile and alone.prediction is None
 
 
 def test_the_compile_decision_is_logged(parity_base, tmp_path):
@@ -134,11 +140,15 @@ def test_the_compile_decision_is_logged(parity_base, tmp_path):
     base["train"].update(steps=2, output_dir=str(tmp_path / "run"))
     base["parallel"] = {"auto_hardware": calibrated_profile(tmp_path, compile_s=1e9)}
     cfg = load_config(None, base)
-    train(cfg, plan=apply_auto_layout)
+    train(cfg)  # the Python API resolves the plan as `ndtrain train` does
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     event = next(r for r in rows if r.get("event") == "compile_auto")
     assert event["compile"] is False and event["compile_s"] == 1e9 and event["breakeven_steps"] > 2
     assert not cfg.parallel.compile
+    # the resolved plan, in the run directory and in the attempt's first row of metrics.jsonl
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan["compile"]["compile"] is False and plan["layout"]["compile"] is False and plan["world"] == 1
+    assert next(r for r in rows if r.get("event") == "start")["plan"] == plan
 
 
 @pytest.mark.slow
@@ -153,16 +163,16 @@ def test_a_run_long_enough_compiles_and_trains_as_eager(parity_base, tmp_path):
         base = {k: dict(v) for k, v in parity_base.items()}
         base["train"].update(steps=3, output_dir=str(tmp_path / name))
         base["parallel"] = {"auto_hardware": calibrated_profile(tmp_path, name, compile_s=compile_s)}
-        cfg = load_config(None, base)
-        train(cfg, plan=apply_auto_layout)
+        train(load_config(None, base))
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        return cfg, [r["loss"] for r in rows if "loss" in r]
+        compiled = json.loads((tmp_path / name / "plan.json").read_text())["layout"]["compile"]
+        return compiled, [r["loss"] for r in rows if "loss" in r]
 
     torch._dynamo.reset()
-    cfg, compiled = run("compiled", 1e-6)
-    assert cfg.parallel.compile and torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
-    cfg, eager = run("eager", 1e9)
-    assert not cfg.parallel.compile
+    on, compiled = run("compiled", 1e-6)
+    assert on and torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
+    on, eager = run("eager", 1e9)
+    assert not on
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-5)  # fp32: inductor reorders sums, 1e-5 as parity_base
 
 
@@ -170,11 +180,11 @@ def test_a_run_long_enough_compiles_and_trains_as_eager(parity_base, tmp_path):
 def test_auto_layout_is_buildable(world):
     cfg = load_config(None, {"parallel": {"auto": True}, "train": {"global_batch": 16, "micro_batch": 4},
                              "data": {"seq_len": 128}})
-    choice = apply_auto_layout(cfg, world)
-    dims = resolve(cfg.parallel, world, cfg.model, cfg.data.seq_len, cfg.train)
-    assert dims.world_size == world
-    assert cfg.train.global_batch % (dims.dp * cfg.train.micro_batch) == 0
-    assert choice["predicted_step_time"] > 0 and "predicted" in describe(choice)
+    plan = resolve_plan(cfg, world)
+    dims = resolve(plan.config.parallel, world, cfg.model, cfg.data.seq_len, plan.config.train)
+    assert dims == plan.layout and dims.world_size == world
+    assert cfg.train.global_batch % (dims.dp * dims.mb) == 0
+    assert plan.prediction.step_s > 0 and "predicted" in plan.explanation
 
 
 def test_the_whole_choice_reaches_the_runtime():
@@ -185,20 +195,21 @@ def test_the_whole_choice_reaches_the_runtime():
     cfg = load_config(None, {"model": {"preset": "llama3-8b"}, "data": {"seq_len": 8192},
                              "parallel": {"auto": True, "auto_hardware": "h100"},
                              "train": {"global_batch": 64, "micro_batch": 1}})
-    choice = apply_auto_layout(cfg, 64)
-    assert from_config(cfg.parallel, cfg.train) == choice["layout"]
-    lay = choice["layout"]
+    from ndtrain.train.plan_choices import layout_choice
+
+    lay = layout_choice(cfg, 64)["layout"]  # the planner's own choice
+    plan = resolve_plan(cfg, 64)
+    assert from_config(plan.config.parallel, plan.config.train) == lay
     if lay.pp > 1:
-        assert sum(cfg.parallel.layers_per_stage) == 32 and cfg.parallel.pp_microbatches == lay.m > 0
-    assert resolve(cfg.parallel, 64, cfg.model, cfg.data.seq_len, cfg.train) == lay
-    assert choice["hardware"] == "h100"
+        assert sum(plan.config.parallel.layers_per_stage) == 32 and plan.config.parallel.pp_microbatches == lay.m > 0
+    assert plan.layout == lay and plan.prediction.hardware == "h100"
 
 
 def test_auto_plans_for_the_gpu_it_finds(monkeypatch):
     import torch
 
     from ndtrain.errors import NdtrainError
-    from ndtrain.tools.auto import auto_hardware
+    from ndtrain.train.plan_choices import auto_hardware
     from ndtrain.planner.hardware import catalog_name
 
     assert catalog_name("NVIDIA H100 80GB HBM3") == "h100"
@@ -221,16 +232,15 @@ def test_auto_plans_for_the_gpu_it_finds(monkeypatch):
 
 
 def test_the_trainer_without_the_planner_refuses_auto_with_the_key(capsys):
-    """The planner sits above the trainer: a caller that hands no `plan` gets one line, not a guess."""
+    """A Trainer built without a plan trains the config as written: `auto` there gets one line, not a guess."""
     from ndtrain.errors import ConfigError
-    from ndtrain.train.trainer import plan_layout
 
     cfg = load_config(None, {"parallel": {"auto": True}})
     with pytest.raises(ConfigError, match="parallel.auto"):
-        plan_layout(cfg, 2)
-    assert plan_layout(load_config(None, {}), 2) is None
-    choice = plan_layout(cfg, 2, apply_auto_layout)
-    assert choice["description"] == describe(choice)
+        as_written(cfg, 2)
+    assert as_written(load_config(None, {}), 2).prediction is None
+    plan = resolve_plan(cfg, 2)
+    assert plan.explanation.startswith(plan.layout.short()) and plan.prediction is not None
 
 
 def test_an_unknown_gpu_keeps_the_static_default(monkeypatch):
@@ -244,7 +254,91 @@ def test_an_unknown_gpu_keeps_the_static_default(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Imaginary GPU 9000")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: type("P", (), {"total_memory": 2**34})())
     cfg = load_config(None, {**PEERS, "train": {**PEERS["train"], "device": "cuda"}})
-    assert apply_auto_layout(cfg, 2) is None and cfg.parallel.dp_shard == -1
+    plan = resolve_plan(cfg, 2)
+    assert plan.prediction is None and plan.layout.dp_shard == 2 and plan.layout.zero == 3
     cfg = load_config(None, {**PEERS, "train": {**PEERS["train"], "device": "cuda"}, "parallel": {"auto": True}})
     with pytest.raises(NdtrainError, match="not in the planner's catalog"):
-        apply_auto_layout(cfg, 2)
+        resolve_plan(cfg, 2)
+
+
+# ---- one resolution: `ndtrain train` and the Python API build the same plan -----------------
+
+PEERS_ARGS = ["--model.dim=256", "--model.n_layers=6", "--model.n_heads=16", "--model.n_kv_heads=16",
+              "--model.ffn_dim=768", "--model.vocab_size=2048", "--data.seq_len=256", "--train.global_batch=8",
+              "--train.micro_batch=4"]
+
+
+class _Resolved(Exception):
+    """Stops train() right after it resolved its plan: nothing is built or trained."""
+
+
+@pytest.mark.parametrize("case", ["defaults", "dp_auto", "compile_auto", "auto"])
+def test_the_command_and_the_python_api_resolve_the_same_plan(case, tmp_path, monkeypatch):
+    """`ndtrain train` and `ndtrain.train.trainer.train(cfg)` resolve one Plan for one config (they
+    used to differ: only the command handed the planner down, so the Python API kept the static
+    ZeRO-3 where the command chose DDP); the caller's config is left as it was."""
+    import copy
+
+    from ndtrain import cli
+    from ndtrain.train import trainer
+
+    args, world = {
+        "defaults": ([], 1),
+        "dp_auto": (PEERS_ARGS, 2),
+        "compile_auto": (PEERS_ARGS + ["--train.steps=1000000", f"--parallel.auto_hardware={calibrated_profile(tmp_path)}"], 2),
+        "auto": (["--parallel.auto=true", "--train.global_batch=16", "--train.micro_batch=4", "--data.seq_len=128"], 4),
+    }[case]
+    args = args + ["--logging.tensorboard=false", f"--train.output_dir={tmp_path / 'run'}"]
+    seen = []
+
+    def resolve_and_stop(cfg, w, *a, **k):
+        seen.append(resolve(cfg, w, *a, **k))
+        raise _Resolved
+
+    resolve = trainer.resolve_plan
+    monkeypatch.setattr(trainer, "resolve_plan", resolve_and_stop)
+    monkeypatch.setattr(trainer, "env_world_size", lambda: world)  # the world a launcher would give
+    with pytest.raises(_Resolved):
+        cli.main(["train", *args])
+    cfg = load_config(None, args)
+    before = copy.deepcopy(cfg)
+    with pytest.raises(_Resolved):
+        trainer.train(cfg)
+    command, api = seen
+    assert command == api and command.world == world
+    assert cfg == before  # resolving changed a copy only
+    if case == "defaults":  # on CPU ranks the host probe's choices reach both
+        assert command.host is not None and command.prediction is None
+    if case == "dp_auto":  # the Python API too: DDP, not the static ZeRO-3
+        assert (command.layout.dp_replicate, command.layout.dp_shard) == (2, 1)
+        assert ("parallel", "dp_replicate", 2) in command.chosen
+    if case == "compile_auto":
+        assert command.compile is not None and command.layout.compile == command.compile.compile
+    if case == "auto":
+        assert command.prediction is not None and command.explanation.startswith(command.layout.short())
+
+
+def test_the_command_and_the_python_api_build_the_same_layout(corpus_dir, tmp_path, monkeypatch):
+    """The layout each entry point checks and builds, seen where it is checked: a run long enough
+    to repay compiling compiles from the command and from Python alike (the Python API used to
+    keep compile off: only the command handed the planner down)."""
+    from ndtrain import cli
+    from ndtrain.parallel import dims
+    from ndtrain.train.trainer import train
+
+    built = []
+
+    def check_and_stop(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        raise _Resolved
+
+    real = dims.resolve
+    monkeypatch.setattr(dims, "resolve", check_and_stop)
+    args = [f"--data.path={corpus_dir}", "--train.steps=1000000", "--train.val_interval=0",
+            "--logging.tensorboard=false", f"--parallel.auto_hardware={calibrated_profile(tmp_path)}"]
+    with pytest.raises(_Resolved):
+        cli.main(["train", *args, f"--train.output_dir={tmp_path / 'command'}"])
+    with pytest.raises(_Resolved):
+        train(load_config(None, [*args, f"--train.output_dir={tmp_path / 'api'}"]))
+    command, api = built
+    assert command.compile and command == api

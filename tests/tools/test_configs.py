@@ -41,11 +41,9 @@ def world_of(command: str) -> int:
 
 def _check_with_dims(config: Path, world: int) -> None:
     from ndtrain.parallel.dims import resolve
-    from ndtrain.train.recovery import check_global_batch
 
     cfg = load_config(str(config))
-    dims = resolve(cfg.parallel, world, cfg.model, cfg.data.seq_len, cfg.train)
-    check_global_batch(cfg, dims.dp)
+    resolve(cfg.parallel, world, cfg.model, cfg.data.seq_len, cfg.train)  # the batch rule among the layout's
 
 
 def _check_with_command(config: Path, world: int) -> None:

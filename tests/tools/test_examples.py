@@ -17,7 +17,6 @@ yaml = pytest.importorskip("yaml")
 
 from ndtrain.config import load_config  # noqa: E402
 from ndtrain.parallel.dims import resolve  # noqa: E402
-from ndtrain.train.recovery import check_global_batch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
@@ -39,8 +38,8 @@ def _check_global_batch(config_text: str, worlds: list[int], tmp_path: Path) -> 
     path.write_text(config_text)
     cfg = load_config(str(path))
     for world in worlds:
-        dims = resolve(cfg.parallel, world, cfg.model, cfg.data.seq_len, cfg.train)
-        check_global_batch(cfg, dims.dp)  # raises when the batch does not split over dp ranks
+        # raises when the batch does not split over dp ranks: the batch rule is the layout's (layout/rules.py)
+        resolve(cfg.parallel, world, cfg.model, cfg.data.seq_len, cfg.train)
 
 
 # ---- Slurm -----------------------------------------------------------------------------------

@@ -119,35 +119,33 @@ PEERS = {"model": {"dim": 256, "n_layers": 6, "n_heads": 16, "n_kv_heads": 16, "
 
 
 def test_host_choices_and_an_explicit_value_wins(cache, capsys):
-    from ndtrain.tools.auto import apply_auto_layout, plan_and_probe
+    from ndtrain.train.plan import resolve_plan
 
     # an AMX host: bf16 ~10x fp32, its attention faster in bf16, oneDNN no faster than the BLAS
     cache(probe(SPR, fp32=140e9, bf16=1452e9, onednn=0.95, attn_bf16=1.6, block=4.0))
     cfg = load_config(None, PEERS)
-    choice = apply_auto_layout(cfg, 2)
-    assert cfg.parallel.cpu_matmul == "blas" and cfg.parallel.mixed_precision == "bf16"
-    assert choice["host"]["bf16_attention"] == "bf16"
-    # `ndtrain train`'s planner hands the kernel choice to the Trainer, which sets it per model
-    assert plan_and_probe(load_config(None, PEERS), 2)["host"]["bf16_attention"] == "bf16"
-    assert choice["host"]["precision"]["speedup"] >= 1.5 and "precision bf16" in choice["description"]
-    given = load_config(None, {**PEERS, "parallel": {"cpu_matmul": "onednn", "mixed_precision": "fp32"}})
-    apply_auto_layout(given, 2)
-    assert (given.parallel.cpu_matmul, given.parallel.mixed_precision) == ("onednn", "fp32")
+    plan = resolve_plan(cfg, 2)
+    assert (plan.layout.cpu_matmul, plan.layout.mp) == ("blas", "bf16") == (plan.host.cpu_matmul, plan.host.precision)
+    assert (cfg.parallel.cpu_matmul, cfg.parallel.mixed_precision) == ("onednn", "fp32")  # the caller's stays
+    # the kernel choice reaches the Trainer in the plan, and it sets it per model
+    assert plan.host.bf16_attention == "bf16"
+    assert plan.host.precision_speedup >= 1.5 and "precision bf16" in plan.explanation
+    given = resolve_plan(load_config(None, {**PEERS, "parallel": {"cpu_matmul": "onednn", "mixed_precision": "fp32"}}), 2)
+    assert (given.layout.cpu_matmul, given.layout.mp) == ("onednn", "fp32") and given.host.precision == ""
     # the AMD host: bf16 matmuls 2.2x fp32's, but a whole bf16 block only 1.4x; the planner
     # predicts under 1.5x and fp32 stays
     cache(probe(AMD))
-    cfg = load_config(None, PEERS)
-    choice = apply_auto_layout(cfg, 2)
-    assert cfg.parallel.mixed_precision == "fp32" and choice["host"]["precision"]["speedup"] < 1.5
+    plan = resolve_plan(load_config(None, PEERS), 2)
+    assert plan.layout.mp == "fp32" and plan.host.precision_speedup < 1.5
     # a stored config (a checkpoint's) decides again, as compile_auto does
     from ndtrain.config import from_dict, to_dict
 
-    assert from_dict(to_dict(cfg)).parallel.mixed_precision_auto
+    assert from_dict(to_dict(plan.config)).parallel.mixed_precision_auto
     # fp8 chosen where it is emulated: one line, once
     cache(probe(SPR, fp32=140e9, bf16=1452e9, fp8=0.03e9))
     capsys.readouterr()
-    apply_auto_layout(load_config(None, {**PEERS, "parallel": {"mixed_precision": "fp8"}}), 2)
-    apply_auto_layout(load_config(None, {**PEERS, "parallel": {"mixed_precision": "fp8"}}), 2)
+    resolve_plan(load_config(None, {**PEERS, "parallel": {"mixed_precision": "fp8"}}), 2)
+    resolve_plan(load_config(None, {**PEERS, "parallel": {"mixed_precision": "fp8"}}), 2)
     err = [line for line in capsys.readouterr().err.splitlines() if "fp8" in line]
     assert len(err) == 1 and "emulated" in err[0] and "bf16" in err[0]
 
@@ -178,12 +176,16 @@ def test_bf16_attention_switch_changes_only_the_kernel_dtype():
 
 def test_the_trainer_sets_the_chosen_attention_kernel_on_its_model(parity_base):
     """The probe's bf16 attention choice reaches the model the Trainer builds (and only it)."""
+    import dataclasses
+
     from ndtrain.model import llama
+    from ndtrain.train.plan import HostChoice, as_written
     from ndtrain.train.trainer import Trainer
 
     cfg = load_config(None, {**parity_base, "parallel": {"mixed_precision": "bf16"},
                              "train": {**parity_base["train"], "device": "cpu", "sample_tokens": 0}})
-    trainer = Trainer(cfg, run_dir=None, log=False, plan=lambda c, w: {"host": {"bf16_attention": "bf16"}})
+    plan = dataclasses.replace(as_written(cfg, 1), host=HostChoice("a probe", "onednn", bf16_attention="bf16"))
+    trainer = Trainer(cfg, run_dir=None, log=False, plan=plan)
     kernels = {m.sdpa for m in trainer.model.modules() if isinstance(m, llama.Attention)}
     trainer.close()
     assert kernels and all(getattr(k, "keywords", None) == {"bf16_attends_in": "bf16"} for k in kernels)

@@ -189,13 +189,12 @@ def test_bad_input_is_one_line_exit_2_and_loses_nothing(tmp_path, capsys):
 
 @pytest.mark.timeout(180)
 def test_auto_layout_prediction_is_recorded_and_set_against_the_measurement(parity_base, tmp_path):
-    from ndtrain.tools.auto import apply_auto_layout
     from ndtrain.train.trainer import train
 
     base = {k: dict(v) for k, v in parity_base.items()}
     base["parallel"] = {"auto": True}
     base["train"].update(steps=8, val_interval=0, sample_tokens=0, output_dir=str(tmp_path / "run"))
-    train(load_config(None, base), plan=apply_auto_layout)
+    train(load_config(None, base))  # resolves the plan itself, as `ndtrain train` does
     run = read_run(tmp_path / "run")
     assert run.auto["predicted_step_time"] > 0 and run.auto["layout"]
     measured = run.measured_step_time()  # median of steps 4..8: past the warm-up

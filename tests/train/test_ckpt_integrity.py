@@ -13,7 +13,6 @@ import torch
 from ckpt_helpers import cfg_of, job, tree
 
 from ndtrain.errors import NdtrainError
-from ndtrain.train import recovery
 from ndtrain.train.ckpt_store import MANIFEST, MARKER, list_checkpoints, step_name, write_manifest
 from ndtrain.train.trainer import Trainer, train
 
@@ -167,13 +166,16 @@ def test_retention_and_republish_keep_everything_they_must(parity_base, tmp_path
 
 
 def test_global_batch_must_divide_over_data_parallel_ranks(parity_base):
-    cfg = cfg_of(job(parity_base, train={"global_batch": 8, "batch_ramp": [[1000, 12]]}))
-    recovery.check_global_batch(cfg, 4)  # 8 and 12 both split over 4
+    """The batch rule (layout/rules.py), checked once, when the plan is resolved for a world: for
+    every batch of the run, its ramp's stages included, naming the key that sets it."""
+    from ndtrain.train.plan import as_written
+
+    cfg = cfg_of(job(parity_base, train={"global_batch": 8, "micro_batch": 1, "batch_ramp": [[1000, 12]]}))
+    assert as_written(cfg, 4).layout.dp == 4  # 8 and 12 both split over 4
     with pytest.raises(NdtrainError, match=r"global batch 8 \(train.global_batch\) cannot be split evenly over 3"):
-        recovery.check_global_batch(cfg, 3)
-    with pytest.raises(NdtrainError, match=r"global batch 12 \(train.batch_ramp \(stage at 1000 tokens\)\).*over 8"):
-        recovery.check_global_batch(cfg, 8)
-    recovery.check_global_batch(cfg, 6, tokens_seen=2000)  # only the current stage (12) matters now
+        as_written(cfg, 3)
+    with pytest.raises(NdtrainError, match=r"'train.batch_ramp'.*global batch 12 \(train.batch_ramp\).*over 8"):
+        as_written(cfg, 8)
 
 
 def test_cli_refuses_a_world_that_cannot_keep_the_global_batch(corpus_dir, tmp_path):

@@ -75,7 +75,7 @@ class ParallelConfig:
     mixed_precision: str = "fp32"
     # Unless `mixed_precision` is given, `ndtrain train` on CPU ranks trains in bf16 where the host
     # has bf16 matmuls in hardware and the planner, from the host probe's rates, predicts bf16 at
-    # least 1.5x faster than fp32 (tools/auto.py; the planner's start-up line says why).
+    # least 1.5x faster than fp32 (train/plan_choices.py; the planner's start-up line says why).
     mixed_precision_auto: bool = True
     fp8_recipe: str = "tensorwise"  # tensorwise | rowwise: torchao's Float8LinearConfig scaling recipe
     cpu_offload: bool = False

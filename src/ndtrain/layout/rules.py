@@ -170,13 +170,22 @@ def pipeline(c: Context):
                                     "run as zero=1: use zero=1 (or zero=3) with pp > 1")
 
 
+def batch_splits(gb: int, dp: int) -> bool:
+    """The batch rule: a global batch of `gb` sequences splits evenly over `dp` data-parallel ranks.
+    The one definition: `batches` below (the config check, the plan, `config check`) and the
+    planner's search call it. The global batch is the run's, not the layout's: a smaller world
+    raises the gradient accumulation, never changes the batch."""
+    return gb % dp == 0
+
+
 def global_batch_problem(gb: int, dp: int, key: str = "train.global_batch") -> str | None:
     """Why a global batch of `gb` sequences cannot be split over `dp` data-parallel ranks."""
-    if gb % dp:
-        fits = [d for d in range(1, gb + 1) if gb % d == 0]
-        return (f"global batch {gb} ({key}) cannot be split evenly over {dp} data-parallel ranks; a data-parallel "
-                f"size that divides {gb} (one of {fits}) keeps it")
-    return None
+    if batch_splits(gb, dp):
+        return None
+    fits = [d for d in range(1, gb + 1) if gb % d == 0]
+    return (f"global batch {gb} ({key}) cannot be split evenly over {dp} data-parallel ranks; the global batch is "
+            f"kept when the world changes (gradient accumulation absorbs it), so use a world whose data-parallel "
+            f"size divides {gb} (one of {fits}) or change {key}")
 
 
 def microbatch_split_problem(rows: int, m: int) -> str | None:
@@ -195,9 +204,10 @@ def batches(c: Context):
     key = "parallel.pp_microbatches" if lay.m else "train.micro_batch"
     s = sch.SCHEDULES.get(lay.schedule)
     for i, gb in enumerate(c.batches):
-        problem = global_batch_problem(gb, lay.dp, "train.global_batch" if i == 0 else "train.batch_ramp")
+        key_gb = "train.global_batch" if i == 0 else "train.batch_ramp"
+        problem = global_batch_problem(gb, lay.dp, key_gb)
         if problem:
-            yield "train.global_batch", problem
+            yield key_gb, problem
             return
         if lay.pp == 1 or s is None or s.virtual_problem(lay.v):
             continue

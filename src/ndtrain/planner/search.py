@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from ndtrain.errors import NdtrainError
 from ndtrain.layout import Layout
 from ndtrain.layout.flops import MFU_ATTENTION, flops_per_token, recompute_flops_per_token
+from ndtrain.layout.rules import batch_splits
 from ndtrain.layout.schedules import DEFAULT, INTERLEAVED, SCHEDULES, single_stage_candidates
 from ndtrain.planner.memory import memory_breakdown, state_bytes
 from ndtrain.planner.problem import Problem, Split, stage_split
@@ -252,7 +253,7 @@ def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: l
                 continue
             for p in divisors(W // (t * c)):
                 dp = W // (t * c * p)
-                if allowed("pp", p) and p <= sh.layers and pb.global_batch % dp == 0:
+                if allowed("pp", p) and p <= sh.layers and batch_splits(pb.global_batch, dp):
                     meshes.append((_estimate(ev, t, c, p, dp), t, c, p, dp))
     # Promising meshes first, so that the top k fills early and the bound prunes the rest.
     for _, t, c, p, dp in sorted(meshes):

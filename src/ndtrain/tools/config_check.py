@@ -28,10 +28,9 @@ def check_config(cfg: JobConfig, world: int, build: bool = True) -> tuple[Layout
     the first problem (and counting the others)."""
     if world < 1:
         raise NdtrainError(f"--world must be >= 1, got {world}")
-    if cfg.parallel.auto or cfg.parallel.dp_auto or cfg.parallel.compile_auto:  # as `ndtrain train` would plan it
-        from ndtrain.tools.auto import apply_auto_layout
+    from ndtrain.train.plan import planned_config
 
-        apply_auto_layout(cfg, world)
+    cfg = planned_config(cfg, world)  # as `ndtrain train` would resolve it (the caller's cfg stays as it was)
     lay = from_config(cfg.parallel, cfg.train, cfg.data)
     found = problems(lay, cfg.model, world, cfg.data.seq_len, layout_batches(cfg.train))
     if found:

@@ -117,8 +117,7 @@ def _child_failure(exc) -> int:
     return 1
 
 
-def main(argv: list[str], plan=None) -> int:
-    """`plan`: the `[parallel] auto` planner (ndtrain.tools.auto hands it in; see trainer.plan_layout)."""
+def main(argv: list[str]) -> int:
     if _under_launcher():  # first: the sooner a worker ties its life to its launcher, the fewer orphans
         from ndtrain.train.distributed import die_with_parent
         from ndtrain.train.rundir import LAUNCHER_ENV
@@ -141,16 +140,16 @@ def main(argv: list[str], plan=None) -> int:
     check_installed(cfg.logging)
 
     if args.nproc and not _under_launcher():
-        return _launch(cfg, args, argv, plan)
-    return _run(cfg, plan)
+        return _launch(cfg, args, argv)
+    return _run(cfg)
 
 
-def _run(cfg, plan=None) -> int:
+def _run(cfg) -> int:
     from ndtrain.train.recovery import EXIT_PREEMPTED
     from ndtrain.train.trainer import train
 
     try:
-        summary = train(cfg, plan=plan)
+        summary = train(cfg)  # resolves the plan for this world (train/plan.py), as the Python API does
     except KeyboardInterrupt as exc:  # Ctrl-C outside the loop's own handling (start-up, a failing collective)
         if os.environ.get("RANK", "0") == "0":
             from ndtrain.train.ckpt_store import list_checkpoints
@@ -216,18 +215,16 @@ def _destroy_groups() -> None:
         dist.destroy_process_group()
 
 
-def _launch(cfg, args, argv: list[str], plan=None) -> int:
+def _launch(cfg, args, argv: list[str]) -> int:
     """Everything that can fail is checked here, before any worker starts; then this process
     holds the run directory's lock for its workers and all their restarts."""
-    from ndtrain.parallel.dims import resolve
     from ndtrain.train import preflight, rundir
-    from ndtrain.train.recovery import check_global_batch
-    from ndtrain.train.trainer import default_run_dir, plan_layout
+    from ndtrain.train.plan import resolve_plan
+    from ndtrain.train.trainer import default_run_dir
 
-    plan_layout(cfg, args.nproc, plan)  # workers plan again for themselves; this surfaces errors now
-    dims = resolve(cfg.parallel, args.nproc, cfg.model, cfg.data.seq_len, cfg.train,
-                   cfg.data)  # errors before spawning
-    check_global_batch(cfg, dims.dp)
+    # The plan's errors (the layout's rules, the batch rule among them) before spawning; it also
+    # measures the host probe once, here, for the workers, which resolve the same plan themselves.
+    resolve_plan(cfg, args.nproc)
     preflight.check_all(cfg)
     run_dir = default_run_dir(cfg)
     lock = rundir.claim(cfg, run_dir, log=lambda text: print(text, flush=True))

@@ -1,10 +1,12 @@
 """One training job around a Trainer: resume, the loop with its recovery guard (watchdog,
 non-finite rollback, stragglers, preemption), logging, checkpoints, validation and the closing
-sample; a dead peer or Ctrl-C becomes one clear error. trainer.train() claims the run directory
-and calls `run` with a way to build the Trainer (so this module does not import trainer.py)."""
+sample; a dead peer or Ctrl-C becomes one clear error. trainer.train() resolves the plan, claims the run
+directory and calls `run` with the plan and a way to build its Trainer (so this module does not
+import trainer.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -23,14 +25,15 @@ from ndtrain.train.ckpt_resume import group_active
 SAMPLE_DELAY_ENV = "NDTRAIN_TEST_SAMPLE_DELAY_S"  # tests only: seconds rank 0 sleeps before its sample
 
 
-def run(cfg: JobConfig, run_dir: Path, make_trainer: Callable[[], object]) -> dict:
-    """Train in `run_dir` (already claimed) with the Trainer `make_trainer()` builds; a dead peer
-    or Ctrl-C becomes one clear error."""
+def run(plan, run_dir: Path, make_trainer: Callable[[], object]) -> dict:
+    """Train `plan` (train/plan.py: the job resolved for this world) in `run_dir` (already claimed)
+    with the Trainer `make_trainer()` builds of it; a dead peer or Ctrl-C becomes one clear error."""
+    cfg = plan.config
     peers = distributed.peer_table()  # who is who, should a peer die later
     progress = {"step": None}
     interrupt = recovery.InterruptRecord()
     try:
-        summary = _loop(cfg, run_dir, progress, make_trainer)
+        summary = _loop(plan, run_dir, progress, make_trainer)
     except KeyboardInterrupt:
         raise recovery.Interrupted(progress["step"]) from None
     except Exception as exc:
@@ -87,7 +90,8 @@ def closing_sample(cfg: JobConfig, summary: dict) -> None:
           f"{request['checkpoint']}` samples it on a machine that holds it)", flush=True)
 
 
-def _loop(cfg: JobConfig, run_dir: Path, progress: dict, make_trainer) -> dict:
+def _loop(plan, run_dir: Path, progress: dict, make_trainer) -> dict:
+    cfg = plan.config
     trainer = make_trainer()
     # Every checkpoint records this config: with the data path absolute, `ndtrain generate
     # --checkpoint` finds a BPE tokenizer from any working directory (byte needs no file).
@@ -99,15 +103,17 @@ def _loop(cfg: JobConfig, run_dir: Path, progress: dict, make_trainer) -> dict:
 
         run_dir.mkdir(parents=True, exist_ok=True)
         write_run_file(run_dir / "config.toml", to_toml(cfg))  # by rename: never through a link
+        # What this attempt was resolved to (train/plan.py): the layout and the planner's choices
+        write_run_file(run_dir / "plan.json", json.dumps(plan.as_dict(), indent=1) + "\n")
     for spec in recovery.resume_specs(cfg):  # a torchrun restart tries "auto" first
         if ckpt.resume(spec) is not None:
             break
-    recovery.check_global_batch(cfg, trainer.dp_size, trainer.tokens_seen)
     log.start(trainer.step)
     # Each attempt's first row: the report marks restarts and changes of world or layout by it.
     log.log({"step": trainer.step, "event": "restart" if ckpt.loaded_from or recovery.restart_count() else "start",
              "attempt": recovery.restart_count(), "world": rt.world_size, "layout": trainer.dims.describe(),
-             "tokens_seen": trainer.tokens_seen, "resumed_from": str(ckpt.loaded_from or "") or None})
+             "tokens_seen": trainer.tokens_seen, "resumed_from": str(ckpt.loaded_from or "") or None,
+             "plan": plan.as_dict()})
     log.info(f"ndtrain: {cfg.model.preset} model, {num_params(cfg.model) / 1e6:.2f}M parameters, "
              f"layout {trainer.dims.describe()} on {rt.world_size} x {rt.device.type}, "
              f"peak {trainer.peak_flops_total / 1e9:.1f} GFLOP/s ({trainer.peak_source}"
@@ -119,16 +125,15 @@ def _loop(cfg: JobConfig, run_dir: Path, progress: dict, make_trainer) -> dict:
 
         log.info(f"fp8 ({cfg.parallel.fp8_recipe} scaling): {len(fp8_linears(cfg.model, trainer.dims.tp))} "
                  f"Linear layers in float8 ({summary(cfg.model, trainer.dims.tp)}); all else bf16")
-    chosen = trainer.auto_choice or {}
-    if chosen.get("compile"):
-        log.info(chosen["compile"]["description"])
-        log.log({"step": trainer.step, "event": "compile_auto", "compile": chosen["compile"]["compile"],
-                 **{k: chosen["compile"][k] for k in ("eager_step_s", "compiled_step_s", "compile_s", "breakeven_steps")}})
-    if "description" in chosen:
-        log.info(f"layout chosen by the planner: {chosen['description']}")
-        log.log({"step": trainer.step, "event": "auto", "layout": chosen["description"],
-                 "predicted_step_time": chosen["predicted_step_time"],
-                 "predicted_tokens_per_s": chosen["predicted_tokens_per_s"]})
+    if plan.compile is not None:
+        c = plan.compile
+        log.info(c.description)
+        log.log({"step": trainer.step, "event": "compile_auto", "compile": c.compile, "eager_step_s": c.eager_step_s,
+                 "compiled_step_s": c.compiled_step_s, "compile_s": c.compile_s, "breakeven_steps": c.breakeven_steps})
+    if plan.prediction is not None:  # the planner chose the layout
+        log.info(f"layout chosen by the planner: {plan.explanation}")
+        log.log({"step": trainer.step, "event": "auto", "layout": plan.explanation,
+                 "predicted_step_time": plan.prediction.step_s, "predicted_tokens_per_s": plan.prediction.tokens_per_s})
     step_times: list[float] = []
     last_val, preempted, interrupted, path = None, False, False, None
     guard = recovery.Recovery(cfg, trainer, ckpt, run_dir)  # watchdog, non-finite rollback, stragglers
@@ -171,11 +176,11 @@ def _loop(cfg: JobConfig, run_dir: Path, progress: dict, make_trainer) -> dict:
         path = published[-1] if published else None
     finally:
         guard.close()
-    if "predicted_step_time" in chosen and len(step_times) > 3:
+    if plan.prediction is not None and len(step_times) > 3:
         measured = statistics.median(step_times[3:])  # the first steps pay for warm-up
-        note = chosen.get("uncalibrated")  # said in the same line: how far an uncalibrated plan may be off
+        note = plan.prediction.uncalibrated  # said in the same line: how far an uncalibrated plan may be off
         log.info(f"planned layout: measured {measured:.3f} s/step vs predicted "
-                 f"{chosen['predicted_step_time']:.3f} s/step" + (f" ({note})" if note else ""))
+                 f"{plan.prediction.step_s:.3f} s/step" + (f" ({note})" if note else ""))
     summary = {"run_dir": str(run_dir), "steps": trainer.step, "val_loss": last_val, "checkpoint": str(path),
                "preempted": preempted, "interrupted": interrupted,
                "stop_signal": guard.preemption.signal_name if preempted else ""}

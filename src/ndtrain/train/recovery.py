@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ndtrain.config import global_batch_at
 from ndtrain.errors import NdtrainError
 from ndtrain.train.distributed import under_launcher
 from ndtrain.train.metrics import busy_timer, compute_modules, peak_memory_mb
@@ -59,22 +58,6 @@ def resume_specs(cfg) -> list[str]:
     if restart_count() > 0 and spec != "auto":
         return ["auto"] + ([spec] if spec else [])
     return [spec] if spec else []
-
-
-def check_global_batch(cfg, dp_size: int, tokens_seen: int = 0) -> None:
-    """The global batch is a property of the run, not of the layout: a smaller world raises the
-    gradient accumulation instead. Every batch still to come must split evenly over the
-    data-parallel ranks; say so once, before any step."""
-    ramp_started = any(t <= tokens_seen for t, _ in cfg.train.batch_ramp)
-    stages = [("train.batch_ramp" if ramp_started else "train.global_batch", global_batch_at(cfg, tokens_seen))]
-    stages += [(f"train.batch_ramp (stage at {t} tokens)", b) for t, b in cfg.train.batch_ramp if t > tokens_seen]
-    for key, batch in stages:
-        if batch % dp_size:
-            fits = [d for d in range(1, batch + 1) if batch % d == 0]
-            raise NdtrainError(
-                f"global batch {batch} ({key}) cannot be split evenly over {dp_size} data-parallel ranks. The "
-                f"global batch is kept when the world changes (gradient accumulation absorbs it), so use a "
-                f"world whose data-parallel size divides {batch} (one of {fits}) or change {key.split(' ')[0]}")
 
 
 # ---- hangs ---------------------------------------------------------------------------------

@@ -29,7 +29,6 @@ from ndtrain.data.mixture import make_loader, open_dataset
 from ndtrain.data.packing import document_ids, document_positions
 from ndtrain.errors import ConfigError, NdtrainError
 from ndtrain.layout.flops import flops_per_token
-from ndtrain.layout.rules import global_batch_problem
 from ndtrain.model.init import canonical_name, materialize
 from ndtrain.model.moe import end_step as moe_end_step, moe_layers, set_aux_scale
 from ndtrain.model.llama import build_model, set_cpu_bf16_attention
@@ -42,6 +41,7 @@ from ndtrain.train import distributed, job
 from ndtrain.train.ckpt_state import DiLoCoState, ModelState, OptimizerState, RNGState, TrainProgress
 from ndtrain.train.distributed import env_world_size
 from ndtrain.train.metrics import MetricsLogger, mfu, peak_memory_mb, reset_peak_memory, run_peaks
+from ndtrain.train.plan import Plan, as_written, resolve_plan
 from ndtrain.train.trackers import check_installed as check_trackers
 from ndtrain.train.optim import build_optimizer, lr_at, set_lr
 
@@ -64,30 +64,18 @@ def split_micro(n: int, micro: int) -> list[tuple[int, int]]:
     return [(s, min(s + micro, n)) for s in range(0, n, micro)]
 
 
-def plan_layout(cfg: JobConfig, world_size: int, plan=None) -> dict | None:
-    """`[parallel] auto` (or `dp_auto`, the defaults' data-parallel choice, `compile_auto`, and the
-    host probe's CPU defaults, `cpu_matmul_auto` and `mixed_precision_auto`):
-    `plan(cfg, world_size)` (the planner glue, ndtrain.tools.auto, handed down by the command
-    because the planner sits above the trainer) overwrites cfg's layout keys for this world and
-    returns its choice; None when none is on. Without a planner, dp_auto and compile_auto keep
-    the static defaults."""
-    p = cfg.parallel
-    defaults_choose = p.dp_auto or p.compile_auto or p.cpu_matmul_auto or p.mixed_precision_auto
-    if not cfg.parallel.auto and not (defaults_choose and plan is not None):
-        return None
-    if plan is None:
-        raise ConfigError("parallel.auto", "parallel.auto needs the planner: start the run with `ndtrain train` "
-                                           "(or pass plan=ndtrain.tools.auto.apply_auto_layout)")
-    return plan(cfg, world_size)
-
-
 class Trainer:
-    def __init__(self, cfg: JobConfig, run_dir: Path | None = None, log: bool = True, plan=None):
-        self.cfg = cfg
+    def __init__(self, cfg: JobConfig, run_dir: Path | None = None, log: bool = True, plan: Plan | None = None):
+        """`plan`: the job resolved for this world (train/plan.py: resolve_plan, as train() and
+        `ndtrain train` resolve it); its config is what trains. None: the config as written,
+        no planner (as_written)."""
         self.rt = distributed.setup(cfg.train)
-        # `[parallel] auto`: planned for the world found at every (re)start, before the mesh exists.
-        self.auto_choice = plan_layout(cfg, self.rt.world_size, plan)
-        self.dims = pdims.resolve(cfg.parallel, self.rt.world_size, cfg.model, cfg.data.seq_len, cfg.train, cfg.data)
+        self.plan = plan if plan is not None else as_written(cfg, self.rt.world_size)
+        if self.plan.world != self.rt.world_size:
+            raise NdtrainError(f"the plan was resolved for {self.plan.world} ranks but this run has "
+                               f"{self.rt.world_size}; resolve it for this world")
+        cfg = self.cfg = self.plan.config
+        self.dims = self.plan.layout  # checked by the layout's rules, batch rule included, for this world
         self.mesh = pdims.build_mesh(self.dims, self.rt.device.type)  # one process: a mesh with no dimension
         self.run_dir = run_dir
         torch.manual_seed(cfg.train.seed)
@@ -129,10 +117,9 @@ class Trainer:
             self.model = parallelize(self.model, self.dims, self.mesh)
             materialize(self.model, cfg.train.seed, self.rt.device)
             self.model_parts = [self.model]
-        attend_in = ((self.auto_choice or {}).get("host") or {}).get("bf16_attention")
-        if attend_in:  # the host probe's bf16 CPU attention kernel (tools/auto.apply_host_choices)
+        if self.plan.host is not None:  # the host probe's bf16 CPU attention kernel (plan_choices.host_choice)
             for part in self.model_parts:
-                set_cpu_bf16_attention(part, attend_in)
+                set_cpu_bf16_attention(part, self.plan.host.bf16_attention)
         self.fsdp = isinstance(self.model, FSDPModule)  # plain replication has torch's DDP instead
         self.params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
         # MoE routing statistics are summed over the ranks that saw different tokens (dp x cp).
@@ -282,10 +269,8 @@ class Trainer:
         cfg = self.cfg
         t0, cpu0 = time.perf_counter(), time.process_time()
         reset_peak_memory(self.rt.device)  # each step's row reports that step's peak
+        # One of the batches the plan's layout check split over dp (the batch rule, layout/rules.py)
         gb = global_batch_at(cfg, self.tokens_seen)
-        problem = global_batch_problem(gb, self.dp_size)  # the layout's rule, for this step's batch
-        if problem:
-            raise NdtrainError(problem)
         t_data = time.perf_counter()
         batch = self.loader.next_batch(gb)
         data_wait = time.perf_counter() - t_data  # ~0 when prefetching keeps ahead of the step
@@ -419,10 +404,15 @@ def default_run_dir(cfg: JobConfig) -> Path:
     return Path("runs") / f"{cfg.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
-def train(cfg: JobConfig, plan=None) -> dict:
+def train(cfg: JobConfig, plan: Plan | None = None) -> dict:
     """Run a whole job: train, validate, checkpoint, sample. Returns a summary (rank 0's view).
-    `plan`: see plan_layout."""
+    `plan`: the job resolved for this world; by default resolved here, as `ndtrain train` resolves
+    it (train/plan.py), so the Python API and the command build the same run. `cfg` is not changed:
+    the run trains with the plan's config."""
     from ndtrain.train import recovery
+
+    plan = plan if plan is not None else resolve_plan(cfg, env_world_size())
+    cfg = plan.config
 
     # Under torchrun the run id is stable across restarts, so a restarted group finds its checkpoints.
     run_dir = recovery.launcher_run_dir(cfg) or default_run_dir(cfg)
@@ -436,7 +426,7 @@ def train(cfg: JobConfig, plan=None) -> dict:
 
     lock = claim_for_group(cfg, run_dir)
     try:
-        return job.run(cfg, run_dir, lambda: Trainer(cfg, run_dir, plan=plan))
+        return job.run(plan, run_dir, lambda: Trainer(cfg, run_dir, plan=plan))
     finally:
         if lock is not None:
             lock.release()
