@@ -150,12 +150,14 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
                    f"checkpoints); name the run or its checkpoints/ directory to read the newest")
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu",
-               verified: bool = False) -> tuple[Transformer, object]:
-    """The checkpoint's model on `device`, read straight into the device's tensors (one copy).
-    `verified`: the caller has just hashed this checkpoint (it published it), so only the
-    manifest and sizes are checked, not every byte again."""
-    return load_checkpoint(path, device, verified)[:2]
+def load_model(path: str | Path, device: str | torch.device = "cpu", verified: bool = False,
+               state: bool = False) -> tuple:
+    """The checkpoint's model on `device`, read straight into the device's tensors (one copy),
+    and its config (and train_state, with `state`). `verified`: the caller has just hashed this
+    checkpoint (it published it), so only the manifest and sizes are checked, not every byte
+    again. See load_checkpoint for a checkpoint that retention removes while it is read."""
+    out = load_checkpoint(path, device, verified)
+    return out if state else out[:2]
 
 
 def _recorded_tokenizer(data) -> str | None:
@@ -275,7 +277,7 @@ def sample(model: Transformer, tokens: list[int], n: int, temperature: float = 0
 
 def generate_from_checkpoint(path, prompt: str, n: int, temperature: float = 0.8, top_k: int = 40,
                              seed: int = 0, device: str | torch.device = "cpu", verified: bool = False) -> str:
-    model, cfg, state = load_checkpoint(path, sample_device(device), verified)
+    model, cfg, state = load_model(path, sample_device(device), verified, state=True)
     tok = checkpoint_tokenizer(cfg, state)
     out = sample(model, tok.encode(prompt), n, temperature, top_k, seed, getattr(tok, "eos_id", None))
     return tok.decode(out)
