@@ -101,6 +101,18 @@ def test_runs_of_several_layouts_separate_the_groups():
         assert abs(math.log(row["after_s"] / row["measured_s"])) < abs(math.log(row["before_s"] / row["measured_s"]))
 
 
+def test_a_fit_fitted_again_starts_from_its_measured_origin():
+    truth = _hidden_host(CALIBRATED)
+    runs = [_obs(n, _step(truth, n)) for n in ("ddp", "tp2")]
+    first = run_fit.fit(CALIBRATED, runs).profile
+    again = run_fit.fit(first, runs)
+    assert again.profile == first  # the same runs, the same profile: no compounding
+    assert first["from_runs"]["base_profile"] == CALIBRATED  # the measured calibration is kept
+    assert [r["before_s"] for r in again.rows] == pytest.approx([r["after_s"] for r in again.rows])
+    other = run_fit.fit(first, [_obs("zero3", _step(truth, "zero3"))]).profile
+    assert other["from_runs"]["base_profile"] == CALIBRATED and "fitted to 1 run" in other["description"]
+
+
 def test_memory_overhead_is_what_the_peaks_leave_above_the_model():
     hw = from_profile(CALIBRATED)
     model = run_fit.model_memory(run_fit.predict(hw, _obs("ddp")), hw)

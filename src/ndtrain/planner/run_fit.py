@@ -242,20 +242,24 @@ def fit_knobs(base: dict, obs: list[Observation], iterations: int = 30) -> dict:
 
 def fit(base: dict, obs: list[Observation], description: str = "") -> Fit:
     """The profile `base` fitted to the runs `obs`: its three groups scaled, and (CPU) the
-    runtime's memory in `overhead_gib` where the runs recorded their peaks."""
+    runtime's memory in `overhead_gib` where the runs recorded their peaks. A profile that is
+    itself a fit is fitted again from the profile it came from (kept in it, `base_profile`):
+    the same runs give the same profile however often they are fitted, and the measured
+    calibration a fit started from is never lost."""
     if not obs:
         raise NdtrainError("calibrate --from-run: no run to fit")
-    knobs = fit_knobs(base, obs)
-    prof = scaled(base, knobs)
-    before_hw, after_hw = hardware(base), hardware(prof)
+    start = base.get("from_runs", {}).get("base_profile") or base
+    knobs = fit_knobs(start, obs)
+    prof = scaled(start, knobs)
+    before_hw, after_hw = hardware(base), hardware(prof)  # before: what the caller planned with
     peaks = [o for o in obs if o.peak_bytes]
-    if peaks and not is_gpu(base):
+    if peaks and not is_gpu(start):
         left = [o.peak_bytes - model_memory(predict(after_hw, o), after_hw) for o in peaks]
         prof["overhead_gib"] = max(0.05, statistics.median(left) / GiB)
         after_hw = hardware(prof)
     rows = []
     # set beside what a run records: a CPU rank's whole resident set, a GPU's allocated peak
-    shown = (lambda p, hw: model_memory(p, hw)) if is_gpu(base) else (lambda p, hw: p.memory["total"])
+    shown = (lambda p, hw: model_memory(p, hw)) if is_gpu(start) else (lambda p, hw: p.memory["total"])
     for o in obs:
         before, after = predict(before_hw, o), predict(after_hw, o)
         rows.append({"label": o.label, "layout": o.layout.short(), "world": o.world, "precision": o.precision,
@@ -263,11 +267,10 @@ def fit(base: dict, obs: list[Observation], description: str = "") -> Fit:
                      "measured_bytes": o.peak_bytes, "before_bytes": shown(before, before_hw),
                      "after_bytes": shown(after, after_hw)})
     prof["from_runs"] = {"knobs": knobs, "runs": [{k: r[k] for k in ("label", "layout", "world", "measured_s")}
-                                                  for r in rows], "base": description}
-    # a profile fitted again names its first origin once, not once per fit
-    if is_gpu(base):
-        prof["calibrated"] = f"{str(base.get('calibrated', '')).split(' fitted to')[0]} fitted to {len(obs)} run(s)".strip()
+                                                  for r in rows], "base": description,
+                         "base_profile": copy.deepcopy(start)}
+    if is_gpu(start):
+        prof["calibrated"] = f"{start.get('calibrated', '')} fitted to {len(obs)} run(s)".strip()
     else:
-        origin = (base.get("description") or "this machine").split("; fitted to")[0]
-        prof["description"] = f"{origin}; fitted to {len(obs)} run(s)"
+        prof["description"] = f"{start.get('description') or 'this machine'}; fitted to {len(obs)} run(s)"
     return Fit(profile=prof, knobs=knobs, rows=rows)
