@@ -146,6 +146,10 @@ def test_bad_input_is_one_line_exit_2_and_loses_nothing(tmp_path, capsys):
         assert cli(["calibrate", *argv]) == 2, argv
         err = capsys.readouterr().err.strip()
         assert expected in err and len(err.splitlines()) == 1 and "Traceback" not in err, (argv, err)
+    for profile, expected in ((tmp_path / "nope.json", "does not exist"), (good / "metrics.jsonl", "cannot read")):
+        assert cli(["report", str(good), "--out", str(tmp_path / "r.html"), "--profile", str(profile)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert expected in err and len(err.splitlines()) == 1, err
     assert _files(tmp_path) == before  # every file byte for byte, and nothing written
 
 
