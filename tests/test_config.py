@@ -70,7 +70,7 @@ BAD = [
     (["--train.timeout_s=0"], "train.timeout_s"),
     (["--train.batch_ramp=[[0]]"], "train.batch_ramp"),
     (["--parallel.zero=4"], "parallel.zero"),
-    (["--parallel.zero=2"], "parallel.zero"),  # changed meaning: must say which one (README)
+    (["--parallel.zero=2"], "parallel.zero"),  # changed meaning: must say which one (docs/layouts.md, The ZeRO stage)
     (["--parallel.zero=1", "--parallel.reshard_after_forward=true"], "parallel.reshard_after_forward"),
     (["--parallel.pp_schedule=Bogus"], "parallel.pp_schedule"),  # checked even with pp = 1
     (["--parallel.tp=3"], "parallel.tp"),  # no world needed to know 8 heads do not split 3 ways

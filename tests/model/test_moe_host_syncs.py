@@ -26,7 +26,7 @@ READS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu
          # hidden: CUDA's bincount reads its input's max to the host to size its output
          "bincount"}
 # The one read left per MoE layer and micro-batch: capacity dropping gathers the kept
-# assignments with nonzero(), whose output size is data-dependent (README, Mixture of experts).
+# assignments with nonzero(), whose output size is data-dependent (docs/moe.md).
 GATHER = "nonzero"
 
 

@@ -1,6 +1,6 @@
 """What stays in a checkpoints directory: retention, timelines, and checkpoints moved aside.
-Run by rank 0 only; renames within the directory, never copies. The rules (docs/checkpoints.md
-and README, "Checkpoints and recovery"):
+Run by rank 0 only; renames within the directory, never copies. The rules (docs/checkpoints.md,
+"Retention and timelines" and the sections after it):
 
 - Retention counts only checkpoints that verify: the newest `keep_last` intact ones stay, and
   every `keep_every`-th step; older ones are deleted. One that fails verification is never
