@@ -75,9 +75,9 @@ def init_values(name: str, global_shape: tuple[int, ...], std: float | None, see
 def _local_window(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(global_shape, offset, local_shape); DTensor-aware without the model depending on it."""
     if hasattr(param, "device_mesh") and hasattr(param, "placements"):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from ndtrain.compat.torch import local_shape_and_offset
 
-        local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        local_shape, offset = local_shape_and_offset(param.shape, param.device_mesh, param.placements)
         return tuple(param.shape), tuple(offset), tuple(local_shape)
     return tuple(param.shape), (0,) * param.dim(), tuple(param.shape)
 
@@ -87,6 +87,10 @@ def materialize(model: nn.Module, seed: int, device: str | torch.device = "cpu")
     """Allocate a meta-device (possibly sharded) model on `device` and fill every parameter from
     (seed, name). Tied parameters are filled once under their first name."""
     model.to_empty(device=device)
+    if torch.device(device).type == "cpu":
+        from ndtrain.model.linear import look_up_cpu_kernels
+
+        look_up_cpu_kernels()
     tie = getattr(model, "tie_weights", None)
     if callable(tie):
         tie()

@@ -19,25 +19,24 @@ parameter names, checkpoints, HF export, TP plans and the fp8 swap see no differ
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.flop_counter import register_flop_formula
 
+from ndtrain.compat.torch import find, onednn_linear
 from ndtrain.model.config import CPU_MATMUL_KERNELS
 
 
 def _onednn_matmul(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """a [n, k] @ w[m, k]^T (+ bias) through oneDNN."""
-    return torch.ops.mkldnn._linear_pointwise(a, w, bias, "none", [], "")
+    """a [n, k] @ w[m, k]^T (+ bias) through oneDNN (looked up on first use, and only on CPU:
+    a GPU run never touches the op; its FLOP formula comes with it, see compat.torch)."""
+    return find("onednn_linear")(a, w, bias, "none", [], "")
 
 
-@register_flop_formula(torch.ops.mkldnn._linear_pointwise)
-def _onednn_matmul_flops(a_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
-    """So torch's FlopCounterMode counts these matmuls as it counts the BLAS's."""
-    return 2 * math.prod(a_shape[:-1]) * a_shape[-1] * w_shape[0]
+def look_up_cpu_kernels() -> None:
+    """As a model lands on CPU: look up oneDNN's op now, so a FlopCounterMode opened before the
+    first forward already counts its matmuls."""
+    onednn_linear()
 
 
 class _OneDnnLinear(torch.autograd.Function):
@@ -68,11 +67,16 @@ def onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and type(x) is torch.Tensor and type(weight) in (torch.Tensor, nn.Parameter) and x.numel() > 0
             and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
-            and torch.backends.mkldnn.is_available())
+            and torch.backends.mkldnn.is_available() and onednn_linear() is not None)
 
 
 class Linear(nn.Linear):
     cpu_kernel = "onednn"  # or "blas"; set per model by set_cpu_kernel
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.weight.device.type == "cpu":
+            look_up_cpu_kernels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernel == "onednn" and onednn_applies(x, self.weight):

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ndtrain.compat.torch import recomputing
 from ndtrain.model.config import ModelConfig
 from ndtrain.model.feed_forward import FeedForward
 
@@ -111,7 +112,7 @@ class _AttachAuxLoss(torch.autograd.Function):
 
 def _recomputing() -> bool:
     # Activation checkpointing re-runs forward inside backward; its statistics were already counted.
-    return torch._C._current_graph_task_id() != -1
+    return recomputing()
 
 
 class MoE(nn.Module):

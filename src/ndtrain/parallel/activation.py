@@ -8,19 +8,13 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
-def _ops(*names: str) -> set:
-    """The default overloads of `names` ("namespace.op") that this torch build has: an op torch
-    does not ship (a CPU build's missing namespace, a renamed op) is simply not saved."""
-    found = set()
-    for name in names:
-        space, op = name.split(".")
-        packet = getattr(getattr(torch.ops, space), op, None) if hasattr(torch.ops, space) else None
-        if packet is not None and hasattr(packet, "default"):
-            found.add(packet.default)
-    return found
+from ndtrain.compat.torch import present_ops, profiler_markers, require
+
+# An op torch does not ship (a CPU build's missing namespace, a renamed private op) is simply
+# not saved: present_ops leaves it out.
+_ops = present_ops
 
 
 # What selective checkpointing keeps: outputs that are expensive to recompute and small beside
@@ -49,8 +43,7 @@ if hasattr(torch.ops.higher_order, "flex_attention"):
 # selective checkpointing (torch 2.13) then refuses the recompute as a different op sequence.
 # They are markers, not computation: let them run without being counted (torch's own list of
 # such ops, SAC_IGNORED_OPS, is the documented place for them).
-SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
-                        torch.ops.profiler._record_function_exit._RecordFunction})
+SAC_IGNORED_OPS.update(profiler_markers())
 
 
 def _policy(ctx, op, *args, **kwargs):
@@ -60,6 +53,7 @@ def _policy(ctx, op, *args, **kwargs):
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) -> None:
     if mode == "none":
         return
+    checkpoint_wrapper = require("checkpoint_wrapper")
     for i, (name, block) in enumerate(list(model.layers.items())):
         if mode == "every_n" and i % every:
             continue

@@ -36,8 +36,16 @@ from dataclasses import dataclass
 
 import torch
 
+from ndtrain.compat.torch import aten_op
+
 # Resolved at call time through this name, so a test can stand fake CUDA ops in for them.
 aten = torch.ops.aten
+
+
+def _op(key: str):
+    """A private aten kernel (compat.torch names them all), looked up in `aten` as it is now."""
+    return aten_op(key, aten)
+
 
 FLASH, EFFICIENT, CPU_FLASH, PORTABLE = "flash", "efficient", "cpu-flash", "portable"
 _LSE_ALIGN = 32  # the efficient kernel pads lse rows to this (kAlignLSE)
@@ -105,15 +113,15 @@ def forward(kernel: Kernel, q, k, v, causal: bool, scale: float, mask=None, rows
     bias = None if mask is None else _bias(mask, q.dtype, q.shape[1])
     causal = causal and mask is None  # a mask has causality folded in
     if kernel.name == CPU_FLASH:
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(
+        out, lse = _op("sdpa_cpu_flash")(
             q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
         aux = ()
     elif kernel.name == FLASH:
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention.default(
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = _op("sdpa_flash")(
             q, k, v, 0.0, causal, False, scale=scale)
         aux = (cum_q, cum_k, max_q, max_k, seed, offset)
     else:
-        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention.default(
+        out, lse, seed, offset = _op("sdpa_efficient")(
             q, k, v, bias, True, 0.0, causal, scale=scale)
         aux = (seed, offset, lse.shape[-1])
         lse = lse[..., :q.shape[-2]]  # drop the alignment tail
@@ -136,17 +144,17 @@ def backward(kernel: Kernel, go, q, k, v, out, lse, causal: bool, scale: float, 
     lse = lse.contiguous()
     if kernel.name == CPU_FLASH:
         lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+        return _op("sdpa_cpu_flash_backward")(
             go, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
     sq, sk = q.shape[-2], k.shape[-2]
     if kernel.name == FLASH:
         cum_q, cum_k, max_q, max_k, seed, offset = aux or (None, None, sq, sk, *_no_rng(q))
-        return aten._scaled_dot_product_flash_attention_backward.default(
+        return _op("sdpa_flash_backward")(
             go, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
     seed, offset, width = aux or (*_no_rng(q), math.ceil(sq / _LSE_ALIGN) * _LSE_ALIGN)
     if width > sq:  # give back the padded layout the forward produced; +inf rows weigh nothing
         lse = torch.cat([lse, lse.new_full((*lse.shape[:-1], width - sq), float("inf"))], dim=-1)
-    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward.default(
+    dq, dk, dv, _ = _op("sdpa_efficient_backward")(
         go, q, k, v, bias, _rows_dense(out), lse, seed, offset, 0.0, [True, True, True, False], causal,
         scale=scale)
     return dq, dk, dv

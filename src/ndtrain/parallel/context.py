@@ -82,7 +82,7 @@ class ContextParallelSDPA:
             self._docs = (doc_ids, parts)
         return self._docs[1]
 
-    @torch._dynamo.disable  # p2p collectives inside a custom autograd function: keep it eager
+    @torch.compiler.disable  # p2p collectives inside a custom autograd function: keep it eager
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         docs = None if doc_ids is None else self._gather_docs(doc_ids)

@@ -37,8 +37,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from ndtrain.compat.torch import find, require, set_unshard_async
 from ndtrain.parallel.expert import shard_experts
-from ndtrain.parallel.gloo_reduce_scatter import AllToAllReduceScatter
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool, mixed_precision: str,
@@ -72,9 +72,15 @@ def overlap_on_gloo(blocks: list[nn.Module], model: nn.Module) -> None:
     asynchronously); one block more stays gathered at a time. The gradient reduce-scatter goes
     through torch's all-to-all (gloo_reduce_scatter.py). GPUs keep FSDP2's stream-based defaults.
     Measured side by side on the peers' model (docs/benchmarks.md, run I)."""
-    model._set_unshard_async_op(True)  # every FSDP module under it
+    # Both hooks are private torch, looked up here, on the CPU path only (a GPU run never imports
+    # them); where a torch lacks one, FSDP2's own blocking all-gather or Gloo's reduce-scatter stays.
+    set_unshard_async(model)  # every FSDP module under it
     for module, nxt in zip([model, *blocks], blocks):
         module.set_modules_to_forward_prefetch([nxt])
+    if find("fsdp_reduce_scatter") is None:
+        return
+    from ndtrain.parallel.gloo_reduce_scatter import AllToAllReduceScatter
+
     for module in model.modules():  # the root, the blocks, and experts sharded on their own mesh
         if isinstance(module, FSDPModule):
             module.set_custom_reduce_scatter(AllToAllReduceScatter())
@@ -85,8 +91,7 @@ def apply_ddp(model: nn.Module, group) -> None:
     parameters may still be on the meta device here; it then broadcasts rank 0's values (the same
     values: every rank initialises from the same seed) and lays the gradients out as views of its
     buckets (no copy into and out of them)."""
-    from torch.distributed._composable.replicate import replicate
-
+    replicate = require("replicate")
     # Buffers (RoPE tables) are computed, not trained: no broadcast before every forward.
     replicate(model, process_group=group, gradient_as_bucket_view=True, forward_sync_buffers=False)
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ndtrain.compat.torch import foreach_add, foreach_add_, foreach_mul_
 from ndtrain.errors import NdtrainError
 from ndtrain.model.init import canonical_name
 from ndtrain.layout.diloco import fragment_of, last_send, sends_at
@@ -213,12 +214,12 @@ class DiLoCo:
         if idx:  # torch's foreach ops refuse an empty list (a fragment this stage holds nothing of)
             if self.mu > 0:
                 mom = [self.momentum[i] for i in idx]
-                torch._foreach_mul_(mom, self.mu)
-                torch._foreach_add_(mom, grads)
-                update = torch._foreach_add(grads, mom, alpha=self.mu)  # Nesterov: Δ̄ + μ·m
+                foreach_mul_(mom, self.mu)
+                foreach_add_(mom, grads)
+                update = foreach_add(grads, mom, alpha=self.mu)  # Nesterov: Δ̄ + μ·m
             else:
                 update = grads
-            torch._foreach_add_(synced, update, alpha=-self.lr)
+            foreach_add_(synced, update, alpha=-self.lr)
         late = merge and pend.apply_at > pend.sent_at  # inner steps ran while it was in flight
         for i, s in zip(idx, synced):
             local = _local(self.tracked[i].param)

@@ -7,6 +7,7 @@ readable message naming its key before any process group exists.
 
 from __future__ import annotations
 
+from ndtrain.compat.torch import flatten_mesh, unflatten_mesh
 from ndtrain.layout import Layout, from_config
 from ndtrain.layout import check as check_layout
 from ndtrain.layout.degrees import MESH_ORDER  # noqa: F401  (re-exported: the mesh's dimension names)
@@ -91,15 +92,15 @@ class Meshes:
             # Expert parallel: the same dp x cp ranks seen as (dp_replicate, dp_shard_cp / ep, ep);
             # 'ep' splits experts, 'ep_fsdp' shards them (one root, so FSDP can combine the two).
             d = self.dims
-            edp = self["dp_cp"]._unflatten(0, (d.dp_replicate, d.dp_shard * d.cp // d.ep, d.ep),
-                                           ("ep_replicate", "ep_shard", "ep"))
+            edp = unflatten_mesh(self["dp_cp"], 0, (d.dp_replicate, d.dp_shard * d.cp // d.ep, d.ep),
+                                 ("ep_replicate", "ep_shard", "ep"))
             return {"ep": edp["ep"], "ep_fsdp": edp["ep_replicate", "ep_shard"]}
         parts = tuple(n for n in VIEWS[name] if n in self.used)
         if not parts:
             return {name: ONE}
         if len(parts) == 1:
             return {name: self.root[parts[0]]}
-        return {name: self.root[parts]._flatten(name)}
+        return {name: flatten_mesh(self.root[parts], name)}
 
     def coordinate(self, name: str) -> tuple[int, int]:
         """(this rank's index, size) along a dimension or view, from the rank alone: no group."""

@@ -23,6 +23,7 @@ import os
 import torch
 from torch import nn
 
+from ndtrain.compat.torch import dtensor_local, torch_logger
 from ndtrain.errors import ConfigError
 from ndtrain.layout.fp8 import converts
 from ndtrain.model.init import canonical_name
@@ -32,7 +33,7 @@ from ndtrain.model.linear import Linear
 def torchao_float8():
     """Import torchao.float8 without its import-time noise on CPU: a CUDA-only kernel library that
     cannot load, and a torch deprecation notice about an Enum it registers."""
-    quiet = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    quiet = [logging.getLogger("torchao"), torch_logger("pytree_logger")]
     levels = [lg.level for lg in quiet]
     for lg in quiet:
         lg.setLevel(logging.ERROR)
@@ -126,8 +127,8 @@ def plain_state(state):
     unpickle the wrapper without torchao), and loading into them writes the live weights."""
     if isinstance(state, dict):
         return {k: plain_state(v) for k, v in state.items()}
-    local = getattr(state, "_local_tensor", state)
-    inner = getattr(local, "_tensor", None)
+    local = dtensor_local(state)  # DTensor._local_tensor is private torch: compat.torch
+    inner = getattr(local, "_tensor", None)  # torchao's wrapper holds the fp32 tensor here
     if type(local).__name__ != "WeightWithDynamicFloat8CastTensor" or inner is None:
         return state
     if local is state:

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from ndtrain.compat.torch import fsdp_reduce_scatter_base
 
 
-class AllToAllReduceScatter(ReduceScatter):
+# FSDP2's interface for a custom reduce-scatter is private torch (compat.torch); this module is
+# imported on the CPU path only (data_parallel.overlap_on_gloo, calibration), never on a GPU run.
+class AllToAllReduceScatter(fsdp_reduce_scatter_base()):
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 

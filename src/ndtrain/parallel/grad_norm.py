@@ -15,6 +15,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from ndtrain.compat.torch import splits_tensor
+
 
 def reduce_partial_grads(params) -> None:
     """Sequence-parallel norm weights come out of backward as Partial(sum) DTensors (each tp rank
@@ -33,12 +35,12 @@ def shard_count(p, t=None) -> int:
     t = p if t is None else t
     shards = 1
     if hasattr(t, "to_local"):
-        from torch.distributed.tensor.placement_types import _StridedShard
-
         mesh = t.device_mesh
         for dim, placement in enumerate(t.placements):
-            # FSDP over TP shards with _StridedShard, whose is_shard() answers False.
-            if placement.is_shard() or isinstance(placement, _StridedShard):
+            # FSDP over TP shards with the private _StridedShard, whose is_shard() answers False:
+            # compat.torch probes that it still splits as assumed, and refuses a placement it
+            # does not know rather than count it as replicated (a wrong norm, silently).
+            if splits_tensor(placement):
                 shards *= mesh.size(dim)
     return shards
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ndtrain.compat.torch import shape_inference_in_eval
 from ndtrain.errors import NdtrainError
 from ndtrain.layout import schedules as registry
 from ndtrain.layout.rules import microbatch_split_problem
@@ -70,8 +71,9 @@ class Pipeline:
         self._loss_sums: list[torch.Tensor] = []
         self._tokens = 1
         self.tied: TiedEmbedding | None = None
-        # Timeline recording for `ndtrain pipeline-report`: off while training normally.
-        self.trace = False
+        # Timeline recording for `ndtrain pipeline-report`: off while training normally, and the
+        # stages' chunk methods are wrapped only while it is on (see `trace`).
+        self._trace = False
         self.traces: list[dict] = []
         self._events: list[tuple] | None = None
         self._t0 = 0.0
@@ -79,7 +81,27 @@ class Pipeline:
             # First among the hooks: context parallel's check that positions are given runs after.
             part.register_forward_pre_hook(self._add_positions, with_kwargs=True, prepend=True)
         for stage in stages:
-            self._instrument(stage)
+            # On a schedule's first step torch infers shapes by running each stage once more; that
+            # forward runs in eval mode, out of MoE's routing statistics (private torch: compat).
+            shape_inference_in_eval(stage)
+
+    @property
+    def trace(self) -> bool:
+        return self._trace
+
+    @trace.setter
+    def trace(self, on: bool) -> None:
+        """Record each stage action's times (`traces`) from now on, or stop: the wrappers that
+        record them are put on the stages here and taken off again, so a run that never traces
+        runs torch's own methods."""
+        if on and not self._trace:
+            for stage in self.stages:
+                self._instrument(stage)
+        elif self._trace and not on:
+            for stage in self.stages:
+                for name in _CHUNK_METHODS:
+                    stage.__dict__.pop(name, None)  # torch's method, from the class, again
+        self._trace = bool(on)
 
     def _add_positions(self, module, args, kwargs):
         # A later stage receives hidden states, sequence-sharded under SP (and holding a cp
@@ -156,6 +178,8 @@ class Pipeline:
         return float(torch.stack([_full(t).reshape(()) for t in self._loss_sums[-m:]]).double().sum())
 
     def _instrument(self, stage) -> None:
+        """Wrap the stage's chunk methods (public PipelineStage methods, set on the instance) to
+        record each action; `trace = False` takes them off."""
         fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
         idx = stage.stage_index
 
@@ -189,21 +213,8 @@ class Pipeline:
         stage.backward_one_chunk = backward_one_chunk
         stage.backward_weight_one_chunk = backward_weight_one_chunk
 
-        # On a schedule's first step torch infers shapes by running each stage once more (on the
-        # first micro-batch, or on uninitialised tensors). That forward is not training: run it
-        # in eval mode so it stays out of per-step statistics (MoE routing loads, which drive the
-        # aux-loss-free bias update).
-        infer = stage._compute_outputs
 
-        def compute_outputs(*args, module, **kwargs):
-            was_training = module.training
-            module.train(False)
-            try:
-                return infer(*args, module=module, **kwargs)
-            finally:
-                module.train(was_training)
-
-        stage._compute_outputs = compute_outputs
+_CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

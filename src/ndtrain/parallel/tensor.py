@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -27,13 +26,15 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from ndtrain.compat.torch import async_collective_tensor
+
 
 class _Wait(torch.autograd.Function):
     """Identity that waits for an async collective's result: a plain tensor forward, the gradient
     passed straight back."""
 
     @staticmethod
-    def forward(ctx, x: AsyncCollectiveTensor) -> torch.Tensor:
+    def forward(ctx, x) -> torch.Tensor:  # an AsyncCollectiveTensor
         out = x.trigger_wait()
         return out.view_as(out)  # a fresh alias: autograd's metadata must not land on the ACT's own tensor
 
@@ -50,7 +51,8 @@ def _wait_embedding_output(module: nn.Module, args, out):
     backward returns None and the embedding's Redistribute backward fails on a plain tensor
     (AttributeError '_local_tensor'). Waiting here costs no overlap: the first block's norm reads
     the tensor at once. tests/parallel/test_tp_compile.py flags the day torch fixes it."""
-    return _Wait.apply(out) if isinstance(out, AsyncCollectiveTensor) else out
+    act = async_collective_tensor()  # private torch (compat.torch); without it there is nothing to wait for
+    return _Wait.apply(out) if act is not None and isinstance(out, act) else out
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:

@@ -226,6 +226,8 @@ def optimizer_seconds_per_param(params: int = 1 << 22, tensors: int = 16, reps: 
     (`optimizer.implementation = "fused"`; foreach costs ~2x on this CPU)."""
     import torch
 
+    from ndtrain.compat.torch import foreach_norm
+
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -235,7 +237,7 @@ def optimizer_seconds_per_param(params: int = 1 << 22, tensors: int = 16, reps: 
         opt = torch.optim.AdamW(ps, lr=1e-3, fused=True)
 
         def step():
-            torch._foreach_norm([p.grad for p in ps])
+            foreach_norm([p.grad for p in ps])
             opt.step()
 
         step()

@@ -106,7 +106,7 @@ def run_steps(cfg: JobConfig, steps: int) -> dict:
     if cfg.parallel.compile:
         # The next layout in this process compiles afresh: with TP, a graph cached for one layout's
         # local shapes was reused for the next one's ("shape '[64, 32]' is invalid", torch 2.13).
-        torch._dynamo.reset()
+        torch.compiler.reset()
     return {"losses": torch.tensor(losses, dtype=torch.float64), "grad_norms": torch.tensor(norms, dtype=torch.float64),
             "weights": weights}
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from ndtrain.compat.torch import order_staging_after_caller
+
 
 def staging_options(device) -> StagingOptions:
     """The staging a run on `device` uses (a torch.device or its name)."""
@@ -32,9 +34,7 @@ class OrderedStager(DefaultStager):
     finished writing."""
 
     def stage(self, state_dict, **kwargs):
-        side = self._staging_stream  # DefaultStager's own stream; None without async staging on an accelerator
-        if side is not None:
-            side.wait_stream(torch.accelerator.current_stream())
+        order_staging_after_caller(self)  # DefaultStager's own stream is private torch: compat.torch
         return super().stage(state_dict, **kwargs)
 
 

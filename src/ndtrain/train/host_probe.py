@@ -18,6 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ndtrain.compat.torch import find
 from ndtrain.planner import host_cache
 from ndtrain.planner.hardware import host_probe, probe_dir
 
@@ -85,13 +86,14 @@ def _small_rates() -> tuple[float, float]:
     n = SMALL_N
     a, b = torch.randn(n, n).to(torch.bfloat16), torch.randn(n, n).to(torch.bfloat16)
     bf16 = 2 * n**3 / _best(lambda: a @ b)
-    if not hasattr(torch, "_scaled_mm"):
+    scaled_mm = find("scaled_mm")  # private torch: compat.torch
+    if scaled_mm is None:
         return bf16, 0.0
     fp8 = torch.float8_e4m3fn
     a8, b8 = torch.randn(n, n).to(fp8), torch.randn(n, n).to(fp8).t().contiguous().t()  # column-major b
     one = torch.ones(())
     try:
-        t = _best(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), cap=FP8_CAP)
+        t = _best(lambda: scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), cap=FP8_CAP)
     except (RuntimeError, NotImplementedError):  # no CPU fp8 kernel in this build
         return bf16, 0.0
     return bf16, 2 * n**3 / t
