@@ -19,7 +19,7 @@ from ndtrain.errors import NdtrainError, UsageError
 from ndtrain.planner import run_fit
 from ndtrain.tools.run_data import Run, read_run
 
-MIN_STEPS = 5  # logged steps past the 3 of warm-up that Run.measured_step_time drops
+MIN_STEPS = 5  # timed steps past the 3 of warm-up that Run.timed_rows drops
 
 
 def observe(run: Run) -> run_fit.Observation:
@@ -34,8 +34,7 @@ def observe(run: Run) -> run_fit.Observation:
         cfg = from_dict(run.config)
     except NdtrainError as exc:
         raise NdtrainError(f"{where}/config.toml: {exc}") from None
-    first = run.starts[-1]["step"] if run.starts else 0
-    timed = [r for r in run.train if r["step"] > first + 3 and "step_time_s" in r]
+    timed = run.timed_rows()
     if len(timed) < MIN_STEPS:
         raise NdtrainError(f"{where}: {len(timed)} timed step(s) past warm-up in metrics.jsonl; a fit needs "
                            f"{MIN_STEPS} (train at least {MIN_STEPS + 3} steps)")
@@ -46,8 +45,9 @@ def observe(run: Run) -> run_fit.Observation:
         lay = resolve(from_config(cfg.parallel, cfg.train, cfg.data), world)
     except NdtrainError as exc:
         raise NdtrainError(f"{where}: its layout does not resolve for world {world}: {exc}") from None
-    peaks = [max(r["rank_peak_memory_mb"]) for r in run.ranks
-             if isinstance(r.get("rank_peak_memory_mb"), list) and r["rank_peak_memory_mb"]]
+    first = run.starts[-1]["step"] if run.starts else 0  # the last attempt's peaks
+    peaks = [max(r["rank_peak_memory_mb"]) for r in run.ranks if r["step"] > first
+             and isinstance(r.get("rank_peak_memory_mb"), list) and r["rank_peak_memory_mb"]]
     peaks += [r["peak_memory_mb"] for r in run.train if r["step"] > first and
               isinstance(r.get("peak_memory_mb"), (int, float))]
     return run_fit.Observation(
@@ -66,8 +66,7 @@ def busy_host(run: Run) -> float | None:
     process's threads), where that says the host was busy with other work; else None."""
     import statistics
 
-    first = run.starts[-1]["step"] if run.starts else 0
-    rows = [r for r in run.train if r["step"] > first + 3 and r.get("step_cpu_s") and r.get("step_time_s")]
+    rows = [r for r in run.timed_rows() if r.get("step_cpu_s") and r.get("step_time_s")]
     if not rows:
         return None
     ratio = statistics.median(r["step_time_s"] for r in rows) / statistics.median(r["step_cpu_s"] for r in rows)

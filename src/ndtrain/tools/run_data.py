@@ -58,10 +58,14 @@ class Run:
         autos = [e for e in self.events if e.get("event") == "auto"]
         return autos[-1] if autos else None
 
+    def timed_rows(self) -> list[dict]:
+        """The last attempt's training rows with a step time, past its first 3 steps (warm-up)."""
+        first = self.starts[-1]["step"] if self.starts else 0
+        return [r for r in self.train if r["step"] > first + 3 and "step_time_s" in r]
+
     def measured_step_time(self) -> float | None:
         """Median step time of the last attempt, past its first 3 steps (warm-up)."""
-        first = self.starts[-1]["step"] if self.starts else 0
-        times = [r["step_time_s"] for r in self.train if r["step"] > first + 3 and "step_time_s" in r]
+        times = [r["step_time_s"] for r in self.timed_rows()]
         return statistics.median(times) if times else None
 
     def section(self, name: str) -> dict:
