@@ -29,6 +29,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from ndtrain.compat.torch import find, require
 from ndtrain.errors import NdtrainError
 
 DEFAULT_GPU_PROFILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ndtrain" / "gpu.json"
@@ -57,6 +58,7 @@ def _time_cuda(fn, reps: int = 10, warmup: int = 3) -> float:
 def measure_gemm(shapes, reps: int, fp8: bool) -> list:
     import torch
 
+    scaled_mm = require("scaled_mm") if fp8 else None  # looked up once, outside the timed calls
     out = []
     for m, n, k in shapes:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -67,7 +69,7 @@ def measure_gemm(shapes, reps: int, fp8: bool) -> list:
             b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major second operand
             one = torch.ones((), device="cuda")
             out.append([m, n, k, "fp8", _time_cuda(
-                lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), reps)])
+                lambda: scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), reps)])
         del a, b
     return out
 
@@ -207,7 +209,7 @@ def calibrate_gpu(quick: bool = False):
     _init_context()
     measured = {"device_name": props.name, "gpus": world,
                 "calibrated": time.strftime("%Y-%m-%d"), "memory": measure_memory(layers=4 if quick else 16)}
-    measured["gemm"] = measure_gemm(shapes, reps, fp8=bool(hw.peak_fp8) and hasattr(torch, "_scaled_mm"))
+    measured["gemm"] = measure_gemm(shapes, reps, fp8=bool(hw.peak_fp8) and find("scaled_mm") is not None)
     measured["attention"] = measure_attention(seqs=(2048,) if quick else (2048, 8192), reps=reps)
     measured["hbm"] = measure_hbm(0.25 if quick else 1.0, reps)
     if got is not None:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from ndtrain.compat.torch import dcp_metadata_allowlist, dcp_set_element
 from ndtrain.errors import NdtrainError
 from ndtrain.model.config import ARCHITECTURE_KEYS, FUNCTION_KEYS
 
@@ -242,16 +243,7 @@ def leftovers(root: Path) -> tuple[list[Path], list[Path]]:
 
 
 # ---- reading without executing -------------------------------------------------------------
-_DCP_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorProperties", "MetadataIndex", "StorageMeta",
-                                              "TensorStorageMetadata", "ChunkStorageMetadata",
-                                              "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
-    "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "slice"},
-}
+_DCP_CLASSES = dcp_metadata_allowlist()  # DCP's classes, private ones included: compat.torch
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -322,9 +314,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         obj = torch.load(value, weights_only=True)
         fqn = read_item.dest_index.fqn
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
-
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
+            dcp_set_element()(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
 

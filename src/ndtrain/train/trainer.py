@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
+from ndtrain.compat.torch import torch_logger
 from ndtrain.config import JobConfig, global_batch_at, to_dict
 from ndtrain.data.loader import IGNORE, StatefulLoader, validation_batches
 from ndtrain.data.mixture import make_loader, open_dataset
@@ -368,7 +369,7 @@ class Trainer:
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Unsharded fp32 copies of this rank's parameters (a collective under FSDP/TP)."""
         # Gathering FSDP x TP (strided) shards warns about sequential all-gathers; that is expected.
-        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        torch_logger("redistribute_logger").setLevel(logging.ERROR)  # a private torch module's: compat.torch
         out = {}
         for part in self.model_parts:
             for name, t in part.state_dict().items():
