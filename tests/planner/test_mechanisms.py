@@ -237,3 +237,111 @@ def test_fragmentation_constant_moves_memory():
     lo = Evaluator(p.with_constants({"fragmentation": 0.05}))(lay, check=False).memory["total"]
     hi = Evaluator(p.with_constants({"fragmentation": 0.20}))(lay, check=False).memory["total"]
     assert hi > lo
+
+
+# ---- issue 30: power, HBM variants, launches, the loss, FSDP copies, long context, recompute ------
+
+
+def test_power_limit_lowers_the_clock_of_compute_bound_kernels_only():
+    from ndtrain.planner.gemm import clock_share
+
+    full, capped = pb(), pb(power_w=500)
+    assert clock_share(full) == 1.0 and clock_share(pb(power_w=700)) == 1.0  # at the TDP: as fitted
+    share = clock_share(capped)
+    # P = s TDP + (1 - s) TDP (f/f0)^n at the nominal s = 0.25, n = 2.5
+    assert share == pytest.approx(((500 - 0.25 * 700) / (0.75 * 700)) ** (1 / 2.5))
+    lo = clock_share(capped.with_constants({"static_power": 0.35, "power_exponent": 2.0}))
+    hi = clock_share(capped.with_constants({"static_power": 0.15, "power_exponent": 3.0}))
+    assert 0.7 < lo < share < hi < 0.9
+    big = (8192, 8192, 8192)
+    assert gemm_seconds(capped, *big) == pytest.approx(gemm_seconds(full, *big) / share)
+    skinny = (4, 16384, 8192)  # bound by HBM: the clock does not matter
+    assert gemm_seconds(capped, *skinny) == pytest.approx(gemm_seconds(full, *skinny))
+    with pytest.raises(Exception, match="power-limit"):
+        pb(power_w=100)
+
+
+def test_hbm2e_variant_prices_memory_bound_work_at_its_bandwidth():
+    lay = Layout(dp_shard=8, mb=2)
+    h80, h96 = pb(seq=8192, batch=16), pb(seq=8192, batch=16, gpu="h100-96")
+    assert CATALOG["h100-96"].hbm_bw == 2.4e12 and CATALOG["h100-96"].peak_bf16 == H100.peak_bf16
+    a = activation_bytes(h80.shape, h80.stack, 8192, 2)
+    kappa = h80.k["kappa_eager"]
+    # the GEMMs of this layer are compute-bound, so F differs by its elementwise third only
+    extra = kappa * a / 3 * (1 / 2.4e12 - 1 / 3.35e12)
+    assert layer_costs(h96, lay)["F"] - layer_costs(h80, lay)["F"] == pytest.approx(extra, rel=1e-6)
+    assert Evaluator(h96)(lay, check=False).memory["total"] == Evaluator(h80)(lay, check=False).memory["total"]
+
+
+def test_eager_launches_bound_small_layers_and_fused_kernels_launch_fewer():
+    from ndtrain.planner.layer import OPS_EAGER, OPS_FUSED
+
+    small = make_problem(preset("llama3-8b", dim=256, n_heads=4, n_kv_heads=4, ffn_dim=768, n_layers=4), 256, 8, 8,
+                         "h100")
+    lay = Layout(dp_shard=8, mb=1)
+    lc = layer_costs(small, lay)
+    assert lc["launch"] > 0 and lc["F"] == pytest.approx(OPS_EAGER * small.k["launch_s"])
+    fused = layer_costs(small, dataclasses.replace(lay, compile=True))
+    assert fused["F"] == pytest.approx(OPS_FUSED * small.k["launch_s"])
+    assert layer_costs(pb(seq=8192, batch=16), Layout(dp_shard=8, mb=2))["launch"] == 0.0  # 8B: kernels are longer
+
+
+def test_loss_over_a_128k_vocabulary_eager_and_fused():
+    from ndtrain.planner.gemm import head_seconds
+    from ndtrain.planner.layer import LOSS_BYTES_EAGER, LOSS_BYTES_FUSED, head_cost
+
+    lay = Layout(dp_shard=8, mb=2)
+    eager, fused = pb(seq=8192, batch=16), pb(seq=8192, batch=16, stack="megatron-core-2024")
+    logits = 2 * 8192 * 128256
+    assert head_cost(eager, lay) - head_seconds(eager, lay) == pytest.approx(LOSS_BYTES_EAGER * logits / H100.hbm_bw)
+    assert head_cost(fused, lay) - head_seconds(fused, lay) == pytest.approx(LOSS_BYTES_FUSED * logits / H100.hbm_bw)
+    # its memory: bf16 logits and the fp32 softmax kept, an fp32 gradient transient (10 B/logit)
+    assert Evaluator(eager)(lay, check=False).memory["logits"] == pytest.approx(logits * 10)
+
+
+def test_fsdp2_copies_cost_hbm_time_per_gather_and_reduce():
+    from ndtrain.planner.stack import STACKS
+    from ndtrain.planner.timing import fsdp_copy_seconds
+
+    lay = Layout(dp_shard=8, zero=3, mb=1)
+    ours = pb(seq=8192, batch=16)
+    flat = make_problem(preset("llama3-8b"), 8192, 16, 8, "h100", stack=dataclasses.replace(STACKS["ndtrain"],
+                                                                                              fsdp_copies=False))
+    params = 1e9
+    per_mb = (2 * 2 * 2 * params + (2 + 4) * params) / (H100.hbm_bw * ours.k["hbm_eff"])  # 2 gathers + 1 reduce
+    assert fsdp_copy_seconds(ours, lay, params, 2) == pytest.approx(2 * per_mb)
+    assert fsdp_copy_seconds(flat, lay, params, 2) == 0.0
+    diff = step_breakdown(ours, lay)["total"] - step_breakdown(flat, lay)["total"]
+    assert diff > 0.01 * step_breakdown(flat, lay)["total"]
+
+
+def test_fsdp_traffic_exposed_at_small_local_batch_hidden_at_large():
+    lay = Layout(dp_shard=128, zero=3, mb=1)
+    small = step_breakdown(pb(seq=1024, batch=128, world=128), lay)
+    large = step_breakdown(pb(seq=8192, batch=128, world=128), lay)
+    assert small["comm"]["dp"] / small["total"] > 2 * large["comm"]["dp"] / large["total"]
+
+
+def test_long_context_kernel_efficiency_and_ring_merges():
+    from ndtrain.planner.gemm import attention_efficiency
+
+    p = pb(seq=131072, batch=8, world=64)
+    eff = [attention_efficiency(p, n) for n in (512, 2048, 8192, 131072)]
+    assert eff == sorted(eff) and eff[0] < 0.6 * eff[-1] and eff[-1] < p.k["attn_eff"]
+    lay = Layout(dp_shard=4, cp=16, mb=1)
+    ring = layer_costs(p, lay)
+    gathered = layer_costs(p, dataclasses.replace(lay, cp_attention="allgather"))
+    q = 131072 / 16 * p.shape.heads * p.shape.head_dim
+    assert ring["cp_merge"] == pytest.approx(15 * (12 + 16) * q / H100.hbm_bw) and gathered["cp_merge"] == 0.0
+
+
+def test_selective_recompute_as_each_stack_recomputes():
+    lay = Layout(dp_shard=8, mb=1, ac="selective")
+    ours = pb(seq=8192, batch=16)
+    a = activation_bytes(ours.shape, ours.stack, 8192, 1)
+    # ndtrain's policy keeps every matmul and attention output: the whole forward elementwise work again
+    assert layer_costs(ours, lay)["recompute"] == pytest.approx(ours.k["kappa_eager"] * a / H100.hbm_bw / 3)
+    # Megatron's keeps all but the scores, which flash attention never stores: nothing to recompute
+    assert layer_costs(pb(seq=8192, batch=16, stack="megatron-core-2024"), lay)["recompute"] == 0.0
+    full = layer_costs(ours, dataclasses.replace(lay, ac="full"))
+    assert full["recompute"] > 10 * layer_costs(ours, lay)["recompute"]

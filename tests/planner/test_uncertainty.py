@@ -85,7 +85,8 @@ def test_sensitivity_reports_the_first_move_that_changes_the_plan():
 
     pb = make_problem(preset("llama3-8b"), 8192, 128, 64, "h100")
     read = constants_read(pb)
-    assert {"gemm_eff", "attn_eff", "fragmentation", "overhead_gib"} <= read
+    # the ndtrain stack's flash kernels are FlashAttention-2-class: attn_eff_fa2, not the generation's attn_eff
+    assert {"gemm_eff", "attn_eff_fa2", "fragmentation", "overhead_gib"} <= read and "attn_eff" not in read
     assert not {"moe_imbalance", "fp8_gemm_eff", "fp8_cast_bytes"} & read  # a dense bf16 model
     rows = {r["constant"]: r for r in sensitivity(pb, names=["moe_imbalance", "fragmentation"])}
     assert not rows["moe_imbalance"]["used"] and "down" not in rows["moe_imbalance"]
@@ -99,3 +100,33 @@ def test_sensitivity_reports_the_first_move_that_changes_the_plan():
     # a move that changes nothing is reported as such
     r = scan(pb, "overhead_gib", (1.0,), base)
     assert r["change"] is None and r["matters"] is None
+
+
+def test_model_error_folds_published_misses_into_the_interval():
+    """Issue 30, item 4: the interval carries the model's own error (validation residuals of the
+    plan's stack and generation), leave-one-out for a published row itself."""
+    from ndtrain.planner import model_error as M
+
+    errs, group = M.residuals("megatron-core-2024", "hopper")
+    assert group == "megatron-core-2024/hopper" and len(errs) >= M.MIN_GROUP
+    first = next(r[0] for r in M.RESIDUALS if r[1] == "megatron-core-2024")
+    assert len(M.residuals("megatron-core-2024", "hopper", exclude=first)[0]) == len(errs) - 1
+    assert M.residuals("ndtrain", "hopper")[1] == "hopper"  # no published ndtrain run: its generation's
+    names = {r[0] for r in M.RESIDUALS}
+    from ndtrain.planner.published import rows
+
+    assert names == {r.name for r in rows("validation")}  # validation rows only, never the fitted ones
+    import math
+
+    # three residuals: the conformal quantiles are their extremes; twenty: inside them
+    assert M.interval(1.0, [-0.2, 0.0, 0.3]) == pytest.approx((math.exp(-0.2), math.exp(0.3)))
+    many = [i / 100 for i in range(-10, 10)]
+    lo, hi = M.interval(2.0, many)
+    assert 2.0 * math.exp(-0.10) < lo < 2.0 * math.exp(M.quantile(many, 0.1))
+    assert hi > 2.0 * math.exp(M.quantile(many, 0.9))
+    assert M.interval(2.0, [], [1.0, 3.0]) == pytest.approx((1.2, 2.8))  # no residuals: the constants' interval
+    pb = make_problem(preset("llama3-8b"), 8192, 128, 64, "h100", stack="megatron-core-2024")
+    rob = assess(pb, search(pb, top_k=2), worlds=8)
+    c = rob.chosen
+    assert rob.model_interval(c) == pytest.approx(M.interval(c.step_time, errs))
+    assert rob.error_group == "megatron-core-2024/hopper"

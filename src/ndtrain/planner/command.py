@@ -15,6 +15,7 @@ from ndtrain.layout.schedules import NAMES as SCHEDULES
 from ndtrain.layout.schedules import canonical_schedule
 from ndtrain.planner.problem import make_problem
 from ndtrain.planner.stack import PLANNED_AC, PRECISIONS, STACKS
+from ndtrain.planner.refusal import refusal_lines
 from ndtrain.planner.report import check_command, compile_for_budget, goodput_text, plan_text, robust_json
 from ndtrain.planner.search import Evaluator, SearchResult, search
 from ndtrain.planner.shapes import parse_count, parse_duration, resolve_model
@@ -61,6 +62,9 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--stack", default="ndtrain", choices=list(STACKS),
                    help="the software the run uses: which kernels it has and which communication it overlaps "
                         "(docs/planner.md, Stacks)")
+    p.add_argument("--power-limit", type=float, metavar="WATTS",
+                   help="the board power the GPUs are held to (nvidia-smi -pl); below the TDP compute-bound "
+                        "kernels run at a lower sustained clock (docs/planner.md, power)")
     p.add_argument("--network", help="the network as built: nvlink=GPUS (NVLink domain), pod=GPUS (full bisection "
                    "below), oversub=R (above the pod), nic=GB/s (per GPU and direction), e.g. pod=3072,oversub=7")
     p.add_argument("--samples", type=int, default=32,
@@ -148,7 +152,8 @@ def plan_main(argv: list[str]) -> int:
     if args.samples < 0:
         raise NdtrainError("--samples must be 0 (off) or a positive number of sampled worlds")
     pb = make_problem(cfg, args.seq, batch, args.gpus, args.gpu, stack=args.stack, precision=args.precision,
-                      strict=not args.relaxed, profile=args.profile, network=_network(args.network))
+                      strict=not args.relaxed, profile=args.profile, network=_network(args.network),
+                      power_w=args.power_limit or 0.0)
     if args.layout:
         lay = dataclasses.replace(parse_layout(parse_items(args.layout, "--layout"), args.gpus),  # errors name the flag
                                   mp=args.precision)
@@ -180,10 +185,11 @@ def plan_main(argv: list[str]) -> int:
             "precision": args.precision, "stack": args.stack, "token_budget": budget,
             "search": {"considered": res.considered, "sized": res.sized, "evaluated": res.evaluated, "fitting": res.fitting,
                        "seconds": res.seconds},
-            "layouts": [{**p.to_json(budget, args.gpus, pb.hw.tdp_w), "layout_text": p.layout.text(),
+            "layouts": [{**p.to_json(budget, args.gpus, pb.hw.board_w), "layout_text": p.layout.text(),
                          "config_check": check_command(pb, p.layout), "compile": compile_for_budget(pb, p, budget),
                          **robust_json(rob, p)} for p in shown],
             "fastest_over_cap": res.fastest_over_cap.to_json() if res.fastest_over_cap else None,
+            **({"refusal": refusal_lines(pb, res)} if not res.top else {}),
             "robustness": {"worlds": rob.worlds, "share_within_2pct": rob.share, "reason": rob.reason,
                            "constants": pb.k} if rob else None,
             **({"replicas_across": across} if across else {}),

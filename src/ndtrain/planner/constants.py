@@ -35,8 +35,8 @@ class Constant:
 
 # Fitted values (published.fit_* redo each fit; tests check these are their optimum).
 AMPERE_GEMM_EFF = 0.665
-HOPPER_GEMM_EFF = 0.61
-HOPPER_FP8_GEMM_EFF = 0.50
+HOPPER_GEMM_EFF = 0.615  # 0.61 before issue 30's mechanisms (refitted on the same two rows)
+HOPPER_FP8_GEMM_EFF = 0.505  # 0.50 before issue 30's mechanisms (refitted on the same row)
 EAGER_KAPPA = 4.0
 
 CONSTANTS: tuple[Constant, ...] = (
@@ -56,10 +56,24 @@ CONSTANTS: tuple[Constant, ...] = (
     Constant("attn_eff", "ampere", 0.50, 0.40, 0.65, "of bf16 peak",
              "flash attention forward + backward, long sequences, head dim 128",
              "FlashAttention-2 (Dao 2023): 50-73% of peak forward, less backward, on A100"),
-    Constant("attn_eff", "hopper", 0.45, 0.35, 0.65, "of bf16 peak", "flash attention forward + backward",
-             "FlashAttention-3 (Shah et al. 2024): FA2 reaches 35-45% of H100 peak, FA3/cuDNN up to 75% forward"),
-    Constant("attn_eff", "blackwell", 0.45, 0.30, 0.70, "of bf16 peak", "flash attention forward + backward",
+    Constant("attn_eff", "hopper", 0.53, 0.45, 0.65, "of bf16 peak",
+             "Hopper-native flash kernels (cuDNN, FlashAttention-3, TE), forward + backward (backward at 2.5x "
+             "the forward FLOPs)",
+             "FlashAttention-3 (Shah et al. 2024), fig. 5-6: 60-75% of H100 peak forward, 45-55% backward, i.e. "
+             "3.5 / (1/0.65 + 2.5/0.5) = 0.53 over both; FlashAttention-2-class kernels: attn_eff_fa2"),
+    Constant("attn_eff", "blackwell", 0.53, 0.35, 0.70, "of bf16 peak", "flash attention forward + backward",
              "not measured: Hopper's value, range widened"),
+    # Ampere-era flash kernels (FlashAttention-2, Triton's, PyTorch SDPA's flash backend) on newer
+    # GPUs: written for mma.sync, they use neither Hopper's wgmma nor TMA (Stack.attention_kernel)
+    Constant("attn_eff_fa2", "ampere", 0.50, 0.40, 0.65, "of bf16 peak",
+             "FlashAttention-2-class kernels, forward + backward: on Ampere the generation's own kernel",
+             "FlashAttention-2 (Dao 2023): the same figures as attn_eff"),
+    Constant("attn_eff_fa2", "hopper", 0.32, 0.25, 0.40, "of bf16 peak",
+             "FlashAttention-2-class kernels on H100, forward + backward",
+             "FlashAttention-3 (Shah et al. 2024), abstract and fig. 5-6: FlashAttention-2 reaches ~35% of H100's "
+             "peak forward and less backward (FA3: 75% forward)"),
+    Constant("attn_eff_fa2", "blackwell", 0.32, 0.20, 0.45, "of bf16 peak",
+             "FlashAttention-2-class kernels on Blackwell", "not measured: Hopper's value, range widened"),
     Constant("gemm_k0", "all", 128.0, 64.0, 256.0, "elements",
              "per-tile fixed cost in units of K: a GEMM of inner size K runs at K / (K + k0) of its ceiling",
              "assumed: prologue/epilogue of a CUTLASS/cuBLAS main loop is ~1-2 K-tiles of 64-128"),
@@ -90,6 +104,24 @@ CONSTANTS: tuple[Constant, ...] = (
     Constant("contention", "all", 0.08, 0.0, 0.20, "of hidden comm time",
              "compute slowdown from collectives running beside it (SMs and HBM taken by NCCL kernels)",
              "assumed: NCCL uses 8-32 SMs of 108-132 while it runs"),
+    # --- power, launch, kernel size (issue 30's mechanisms) ------------------------------------
+    Constant("static_power", "all", 0.25, 0.15, 0.35, "of TDP",
+             "board power that does not scale with the SM clock (leakage, HBM, VRM losses) under a GEMM load",
+             "assumed: idle-to-TDP ratios of 10-20% plus HBM and regulator losses that persist at lower clocks"),
+    Constant("power_exponent", "all", 2.5, 2.0, 3.0, "P_dyn ~ f^n",
+             "how dynamic power grows with the sustained clock: P = a C V^2 f with V rising with f",
+             "CMOS dynamic power (Weste & Harris, CMOS VLSI Design, 5.1): n = 3 where V is proportional to f, "
+             "n = 2 nearer the voltage floor"),
+    Constant("launch_s", "all", 10e-6, 5e-6, 20e-6, "s per op",
+             "host time per eager op (dispatch, autograd record, kernel launch): a layer waits for its host "
+             "when its kernels are shorter",
+             "He 2022, 'Making Deep Learning Go Brrrr From First Principles' (overhead): ~10 us per eager "
+             "PyTorch op; range 5-20 us over server CPUs"),
+    Constant("attn_s0", "all", 384.0, 192.0, 1024.0, "tokens",
+             "flash attention at L tokens per kernel call runs at L / (L + s0) of `attn_eff` (fewer tiles "
+             "than SMs and a fixed prologue per call at short L)",
+             "FlashAttention-2 (Dao 2023) fig. 5 and FlashAttention-3 (Shah et al. 2024) fig. 5, causal, head "
+             "dim 128: 512 tokens reach about 1/3 to 1/2 of the 16K rate"),
     # --- MoE ----------------------------------------------------------------------------------
     Constant("moe_imbalance", "all", 1.10, 1.0, 1.30, "max / mean", "tokens on the busiest expert rank",
              "assumed: auxiliary-loss or bias balancing keeps the busiest rank within ~10-30% of the mean"),
@@ -104,7 +136,7 @@ CONSTANTS: tuple[Constant, ...] = (
 TIME_CONSTANTS = ("gemm_eff", "fp8_gemm_eff", "attn_eff", "gemm_k0", "hbm_eff", "kappa_eager", "kappa_fused",
                   "fp8_cast_bytes",
                   "nvlink_eff", "nic_eff", "alpha_intra", "alpha_inter", "overlap_eff", "contention",
-                  "moe_imbalance")
+                  "moe_imbalance", "static_power", "power_exponent", "launch_s", "attn_s0", "attn_eff_fa2")
 MEMORY_CONSTANTS = ("fragmentation", "overhead_gib")
 
 
@@ -152,7 +184,7 @@ def sample(base: dict[str, float], bounds: dict[str, tuple[float, float]], n: in
         rng.shuffle(strata)
         for world, s in zip(worlds, strata):
             u = (s + rng.random()) / n
-            if name.startswith("alpha"):
+            if name.startswith("alpha") or name == "launch_s":
                 world[name] = math.exp(math.log(lo) + u * (math.log(hi) - math.log(lo)))
             else:
                 world[name] = lo + u * (hi - lo)

@@ -27,6 +27,23 @@ from ndtrain.layout.fp8 import block_linears, converts
 from ndtrain.planner.problem import Problem
 
 
+def clock_share(pb: Problem) -> float:
+    """The sustained SM clock under the board's power limit, as a share of the clock at its TDP
+    (where `gemm_eff` and `attn_eff` were fitted or measured: 1 there and above).
+
+    Mechanism: a compute-bound kernel on Hopper holds the board at its power limit, so a lower
+    limit lowers the clock until P = s TDP + (1 - s) TDP (f / f_tdp)^n: `static_power` s does not
+    scale with the clock, the dynamic part grows as f^n (`power_exponent`; CMOS P = a C V^2 f with
+    V rising with f). Memory-bound kernels keep the HBM's rate. Range: a limit from 30% of the
+    TDP (the lowest `nvidia-smi -pl` accepts on H100/A100 boards) to the TDP."""
+    hw = pb.hw
+    if not hw.power_w or hw.power_w >= hw.tdp_w:  # CPU ranks: 0
+        return 1.0
+    s, n = pb.k["static_power"], pb.k["power_exponent"]
+    dynamic = (hw.power_w - s * hw.tdp_w) / ((1 - s) * hw.tdp_w)
+    return max(0.05, dynamic) ** (1 / n)
+
+
 def gemm_seconds(pb: Problem, m: float, n: float, kk: float, fp8: bool = False, count: float = 1.0,
                  fp32_matmul: str = "tf32") -> float:
     """Seconds of `count` same-shaped GEMMs (M, N, K) run as one grouped/batched call; in fp32 at
@@ -38,6 +55,7 @@ def gemm_seconds(pb: Problem, m: float, n: float, kk: float, fp8: bool = False, 
         peak = hw.peak("fp8") * k["fp8_gemm_eff"]
     else:
         peak = hw.peak("bf16" if pb.precision != "fp32" else "fp32", fp32_matmul) * k["gemm_eff"]
+    peak *= clock_share(pb)
     flops = 2.0 * m * n * kk * count
     best = math.inf
     tm, tn = hw.tile
@@ -115,6 +133,17 @@ def layer_matmuls(pb: Problem, lay: Layout, layer: int) -> dict:
     return out
 
 
+def attention_efficiency(pb: Problem, length: float) -> float:
+    """What a flash kernel reaches of the peak on `length` query rows per call: `attn_eff` (the
+    generation's own kernels; `attn_eff_fa2` for a stack whose kernels are FlashAttention-2-class, its
+    long-sequence rate) x L / (L + attn_s0). Short calls launch fewer tiles than the GPU has SMs
+    and pay a fixed prologue per call: FlashAttention-2/3's benchmarks (causal, head dim 128)
+    run 512 tokens at a third to a half of their 16K rate. Under CP each rank's calls cover its
+    s/cp queries (each ring step one block of them), so 131K over cp=16 runs at the 8K rate."""
+    base = pb.k["attn_eff_fa2"] if pb.stack.attention_kernel == "fa2" else pb.k["attn_eff"]
+    return base * length / (length + pb.k["attn_s0"])
+
+
 def attention_seconds(pb: Problem, lay: Layout) -> float:
     """Forward seconds of one layer's attention core per micro-batch on one device. Flash kernels:
     the causal half (plus the diagonal 128-blocks they compute whole) at `attn_eff` of the peak;
@@ -124,7 +153,7 @@ def attention_seconds(pb: Problem, lay: Layout) -> float:
     s_loc = pb.seq / lay.cp
     if pb.stack.flash_attention:
         flops = 4 * b * s_loc * pb.seq * heads * cfg.head_dim / 2 * (1 + 128 / pb.seq)
-        return flops / (pb.hw.peak("bf16") * pb.k["attn_eff"])
+        return flops / (pb.hw.peak("bf16") * attention_efficiency(pb, s_loc) * clock_share(pb))
     qk = gemm_seconds(pb, s_loc, pb.seq, cfg.head_dim, count=b * heads, fp32_matmul=lay.fp32_matmul_precision)
     pv = gemm_seconds(pb, s_loc, cfg.head_dim, pb.seq, count=b * heads, fp32_matmul=lay.fp32_matmul_precision)
     return qk + pv

@@ -107,6 +107,14 @@ class Hardware:
     # CPU ranks: False where `ndtrain calibrate` did not measure this host (the host probe's
     # compute rates or the defaults; host and collective costs unmeasured)
     calibrated: bool = True
+    # The board power limit (`nvidia-smi -pl`, `plan --power-limit`), W; 0 = the TDP. Below the TDP
+    # compute-bound kernels run at a lower sustained clock (planner/gemm.py, clock_share).
+    power_w: float = 0.0
+
+    @property
+    def board_w(self) -> float:
+        """What one GPU draws while training: its power limit, else its TDP (energy figures)."""
+        return self.power_w or self.tdp_w
 
     def peak(self, precision: str, fp32_matmul: str = "tf32") -> float:
         """Dense matmul FLOP/s in `precision`. fp32 on a GPU runs as `fp32_matmul` says
@@ -200,6 +208,9 @@ CATALOG: dict[str, Hardware] = {
         _gpu("a100-80", "NVIDIA A100 SXM 80GB, HDR IB", 312, 0, 80, 2.039, 600, 25, 400, "ampere", 108),
         # H100 SXM: ~989 TFLOP/s bf16, NVLink4 900 GB/s, NDR 400 Gb/s = 50 GB/s per GPU.
         _gpu("h100", "NVIDIA H100 SXM 80GB, NDR IB", 989, 1979, 79.6, 3.35, 900, 50, 700, "hopper", 132),
+        # The 96 GB HBM2e H100 (Meta's fleet in the torchtitan paper, Liang et al. 2024, 4.1):
+        # H100 SXM compute and links, 2.4 TB/s HBM2e; often held below 700 W (`--power-limit`).
+        _gpu("h100-96", "NVIDIA H100 SXM 96GB HBM2e, NDR IB", 989, 1979, 95.5, 2.4, 900, 50, 700, "hopper", 132),
         _gpu("h200", "NVIDIA H200 SXM 141GB, NDR IB", 989, 1979, 140.4, 4.8, 900, 50, 700, "hopper", 132),
         # B200 (HGX): 2.25 PFLOP/s dense bf16, NVLink5 1.8 TB/s, ConnectX-7 400 Gb/s.
         _gpu("b200", "NVIDIA B200 180GB, NDR IB", 2250, 4500, 179, 8.0, 1800, 50, 1000, "blackwell", 148),
@@ -217,7 +228,7 @@ CATALOG: dict[str, Hardware] = {
         _gpu("h200-nvl", "NVIDIA H200 NVL 141GB, NDR IB", 835, 1671, 140.4, 4.8, 128, 50, 600, "hopper", 132),
     ]
 }
-ALIASES = {"a100": "a100-80", "h100-sxm": "h100", "h100sxm": "h100", "a100-80gb": "a100-80",
+ALIASES = {"a100": "a100-80", "h100-sxm": "h100", "h100-96gb": "h100-96", "h100sxm": "h100", "a100-80gb": "a100-80",
            "a100-40gb": "a100-40", "h100pcie": "h100-pcie", "h100nvl": "h100-nvl", "h200nvl": "h200-nvl",
            "local": "this-machine", "cpu": "this-machine"}
 

@@ -33,6 +33,22 @@ from ndtrain.planner.problem import Problem
 # the host time of one such op plus its backward).
 OPS_PER_LAYER = 32
 OPS_HEAD = 8
+# GPUs: kernels one decoder layer's forward launches. Eager (counted on model/llama.py's block):
+# two RMSNorms of ~8 ops each, 7 Linears, RoPE ~6 ops each on Q and K, SDPA and its layout copies,
+# SiLU and the gate product, two residual adds, casts and FSDP's per-unit hooks: ~50. Fused
+# kernels (TE, torch.compile): norm, RoPE and activation each one kernel around the same GEMMs: ~20.
+OPS_EAGER = 50
+OPS_FUSED = 20
+# Bytes of HBM traffic per logit element for loss + its gradient. Eager PyTorch cross-entropy over
+# bf16 logits: the fp32 upcast (read 2, write 4), log_softmax (read 4 twice, write 4), the NLL
+# backward's dense zeros (4), log_softmax's backward (read 4 + 4, write 4) and the bf16 downcast
+# of the gradient (read 4, write 2): 40. A fused vocab-parallel kernel (Megatron-Core, TE, Llama 3's
+# and DeepSeek's fused stacks) reads the logits twice and writes the gradient in place: ~20.
+# flash-attn's bf16 cross-entropy (LLM Foundry's default loss_fn) reads the bf16 logits once forward
+# and once backward and writes a bf16 gradient: ~8 (flash_attn/losses/cross_entropy.py).
+LOSS_BYTES_EAGER = 40
+LOSS_BYTES_FUSED = 20
+LOSS_BYTES = {"eager": LOSS_BYTES_EAGER, "fused": LOSS_BYTES_FUSED, "flash": 8}
 
 
 def layer_costs(pb: Problem, lay: Layout) -> dict:
@@ -52,15 +68,35 @@ def layer_costs(pb: Problem, lay: Layout) -> dict:
     if mm["cast_f"] or mm["cast_b"]:  # fp8 scaling and casts, only where a Linear runs in fp8
         cast_f, cast_b = (k["fp8_cast_bytes"] * mm[x] / hw.hbm_bw for x in ("cast_f", "cast_b"))
     fwd = mm["F"] + attn + elem / 3 + cast_f
-    bwd = mm["dgrad"] + 2 * attn + 2 * elem / 3 + cast_b
+    # A flash backward recomputes QK^T and the probabilities from the saved log-sum-exp: 5 matmuls
+    # to the forward's 2, i.e. 2.5x its FLOPs (FlashAttention-2, section 3.1.2; flash-attn's
+    # benchmarks count it so, and `attn_eff` comes from them); unfused kernels run 2x (4 GEMMs).
+    attn_b = (2.5 if st.flash_attention else 2.0) * attn
+    bwd = mm["dgrad"] + attn_b + 2 * elem / 3 + cast_b
+    merge_f = merge_b = 0.0
+    if c > 1 and st.cp_overlap and lay.cp_attention == "ring":  # the ring form (as the CP traffic below)
+        # Each of the cp - 1 later ring steps rescales and merges the running output with the
+        # new block's (online softmax: read and write the fp32 output and log-sum-exp, 12 bytes
+        # per local query element) and, backward, accumulates dQ in fp32 and dK/dV for the hop
+        # (16 bytes): HBM traffic beside the block kernels (parallel/ring_attention.py; the same
+        # rule in Megatron-Core's and TE's CP). The all-gather form runs one kernel: no merge.
+        q_elems = tok * sh.heads * sh.head_dim / t
+        merge_f, merge_b = ((c - 1) * nb * q_elems / hw.hbm_bw for nb in (12, 16))
+    fwd += merge_f
+    bwd += merge_b
     rec = 0.0
     if lay.ac == "full":
         rec = fwd
     elif lay.ac == "selective":
-        a_sel = activation_bytes(sh, st, pb.seq, b, t, sp, c, "selective", elt)
-        rec = kappa * (a_none - a_sel) / hw.hbm_bw / 3 + (0.0 if st.flash_attention else attn)
-        if st.selective == "ops":
-            rec += mm["F"] / 2  # half the forward matmuls run again
+        if st.selective in ("elementwise", "ops"):
+            # SAC policies that keep matmul (and attention) outputs only recompute every other
+            # forward op: the layer's whole forward elementwise work (and fp8's casts)
+            rec = elem / 3 + cast_f
+            if st.selective == "ops":
+                rec += mm["F"] / 2  # half the forward matmuls run again
+        else:
+            a_sel = activation_bytes(sh, st, pb.seq, b, t, sp, c, "selective", elt)
+            rec = kappa * (a_none - a_sel) / hw.hbm_bw / 3 + (0.0 if st.flash_attention else attn)
     n_rec = 1 if lay.ac == "full" else 0
     comm_f = comm_b = hidden = 0.0
     tp = cp = ep = 0.0
@@ -80,7 +116,7 @@ def layer_costs(pb: Problem, lay: Layout) -> dict:
             hop = coll(hw, "p2p", c, t, kv, k)
             blk = attn / c
             f_exp = (c - 1) * max(0.0, hop - blk)
-            b_exp = (c - 1) * max(0.0, 2 * hop - 2 * blk)  # K/V and their gradients travel back
+            b_exp = (c - 1) * max(0.0, 2 * hop - attn_b / c)  # K/V and their gradients travel back
             hidden += (c - 1) * 3 * hop - f_exp - b_exp
         else:  # K/V gathered before attention, their gradients reduce-scattered after
             f_exp = coll(hw, "all_gather", c, t, kv * c, k)
@@ -103,9 +139,18 @@ def layer_costs(pb: Problem, lay: Layout) -> dict:
         comm_f += total / 2
         comm_b += total / 2
     extra = k["contention"] * hidden  # hidden traffic slows the compute it hides behind
-    return {"F": fwd + comm_f + extra / 3, "B": bwd + rec + comm_b + extra / 3, "W": mm["wgrad"] + extra / 3,
-            "compute": fwd + bwd + mm["wgrad"] + rec + extra, "recompute": rec, "tp": tp, "cp": cp, "ep": ep,
-            "head": head_cost(pb, lay)}
+    f_dev, b_dev, w_dev = fwd + comm_f + extra / 3, bwd + rec + comm_b + extra / 3, mm["wgrad"] + extra / 3
+    # The host issues every kernel: a pass whose kernels are shorter than their launches waits for
+    # its host (small layers, small local batches). Eager ops count OPS_EAGER per forward, fused
+    # stacks and compiled blocks OPS_FUSED; a backward launches about twice its forward's.
+    ops = OPS_FUSED if st.fused_elementwise or lay.compile else OPS_EAGER
+    host_f = ops * k["launch_s"]
+    host_b = (2 + (1 if lay.ac == "full" else 0.5 if lay.ac == "selective" else 0)) * host_f
+    launch = max(0.0, host_f - f_dev) + max(0.0, host_b - (b_dev + w_dev))
+    f_dev, b_dev = max(f_dev, host_f), b_dev + max(0.0, host_b - (b_dev + w_dev))
+    return {"F": f_dev, "B": b_dev, "W": w_dev,
+            "compute": fwd + bwd + mm["wgrad"] + rec + extra + launch, "recompute": rec, "tp": tp, "cp": cp,
+            "ep": ep, "launch": launch, "cp_merge": merge_f + merge_b, "head": head_cost(pb, lay)}
 
 
 def _average_matmuls(pb: Problem, lay: Layout) -> dict:
@@ -127,7 +172,10 @@ def head_cost(pb: Problem, lay: Layout) -> float:
     if not pb.gpu:
         return cpu_head_cost(pb, lay)
     tok = lay.mb * pb.seq / lay.cp
-    loss = 2 * (pb.act_bytes + 8) * tok * pb.shape.vocab / lay.tp / pb.hw.hbm_bw  # fp32 softmax over the logits
+    # The loss over the vocabulary (128K for Llama 3: 2 x 10^9 logits per 16K tokens): its softmax
+    # traffic through HBM by the stack's loss kernel (LOSS_BYTES), beside the head GEMMs priced by shape.
+    per_elem = LOSS_BYTES[pb.stack.loss]
+    loss = per_elem * tok * pb.shape.vocab / lay.tp / pb.hw.hbm_bw
     return head_seconds(pb, lay) + loss
 
 

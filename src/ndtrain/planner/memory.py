@@ -53,8 +53,12 @@ def activation_terms(shape: Shape, stack: Stack, ac: str, fp8: bool = False) -> 
         # attention projection, the MLP's up/gate outputs, its down projection)
         mm_out = 2.0 + 4.0 * shape.gqa_ratio + 2.0 + (2.0 if shape.gelu else 4.0) * w / h + 2.0
         return 2.0, 2.0 + mm_out / 2 + moe, 0.0
-    if ac == "selective" and stack.selective == "act":
-        mlp /= 2  # the activation function's output is recomputed from its stored input
+    if ac == "selective" and stack.selective in ("act", "elementwise"):
+        # the activation function's output is recomputed from its stored input. ndtrain's policy
+        # ("elementwise": every matmul and attention output kept, every other op recomputed)
+        # keeps x, Q, K, V, the attention, wo, w1, w3 and w2 outputs: 25 sbh for Llama 3 8B
+        # against this count's 27, close enough to keep one formula for both
+        mlp /= 2
     s = 4.0 + 4.0 * shape.gqa_ratio + mlp + moe + (1.0 if fp8 else 0.0)
     if stack.flash_attention or ac == "selective":
         score = 0.0  # selective recompute exists to drop exactly this term
@@ -146,7 +150,10 @@ def memory_breakdown(pb: Problem, lay: Layout, split: Split) -> dict:
         acts = layers * per_layer * inf + working
         # the loss's backward follows its forward at once, except where all forwards run first
         held = m if p > 1 and registry.get(lay.schedule).forwards_first else 1
-        logits = logit_elems * ((elt + 4) * held + 4) if head else 0.0
+        if st.loss == "flash":  # bf16 logits kept, a bf16 gradient transient (flash-attn's kernel)
+            logits = logit_elems * elt * (held + 1) if head else 0.0
+        else:  # bf16 logits and the fp32 softmax kept, an fp32 gradient transient
+            logits = logit_elems * ((elt + 4) * held + 4) if head else 0.0
         if zero == 3 and lay.reshards_after_forward:
             layer_psi = (sh.dense_params_layer / t + sh.expert_params_layer / lay.ep)
             buffers = layer_psi * (2 * pbytes + st.grad_reduce_bytes)  # two gathered layers + one layer's grads

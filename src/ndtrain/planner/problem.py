@@ -60,18 +60,24 @@ class Problem:
 
     def why_invalid(self, lay: Layout) -> str | None:
         """The first of ndtrain.layout.problems() for this layout, or None: the planner's only
-        validity rule."""
+        validity rule. A `Problem` (a str whose `.key` is the config key it is about)."""
         found = problems(lay, self.cfg, self.world, self.seq, self.global_batch, self.strict)
-        return str(found[0]) if found else None
+        return found[0] if found else None
+
+    def lifted_by_relaxed(self, lay: Layout) -> bool:
+        """Whether only the strict runtime's rules refuse `lay` (`--relaxed` admits it)."""
+        return self.strict and not problems(lay, self.cfg, self.world, self.seq, self.global_batch, False)
 
 
 def make_problem(cfg: ModelConfig, seq: int, global_batch: int, world: int, hardware: str | Hardware,
                  stack: str | Stack = "ndtrain", precision: str = "bf16", strict: bool = True,
-                 profile: str | None = None, constants: dict | None = None, network: dict | None = None) -> Problem:
+                 profile: str | None = None, constants: dict | None = None, network: dict | None = None,
+                 power_w: float = 0.0) -> Problem:
     """`profile`: for "this-machine" its calibration; for a catalog GPU a GPU calibration profile
     (`ndtrain calibrate` on that GPU), whose measured constants replace the catalog's. `constants`
     overrides constants by name; `network` the network as built (planner/hardware.py:
-    gpus_per_node, pod_gpus, oversubscription, nic_bw in bytes/s)."""
+    gpus_per_node, pod_gpus, oversubscription, nic_bw in bytes/s); `power_w` the board power
+    limit the GPUs are held to (0: their TDP)."""
     if seq < 1 or global_batch < 1 or world < 1:
         raise NdtrainError("seq, global batch and GPU count must be positive")
     if precision not in PRECISIONS:
@@ -82,6 +88,13 @@ def make_problem(cfg: ModelConfig, seq: int, global_batch: int, world: int, hard
     hw = hardware_for(hardware, profile).for_world(world)
     if network:
         hw = dataclasses.replace(hw, **network)
+    if power_w:
+        # nvidia-smi accepts limits from about 30% of the TDP (200 of 700 W on H100 SXM) up to it
+        if hw.generation == "cpu" or not 0.3 * hw.tdp_w <= power_w <= hw.tdp_w:
+            raise NdtrainError(f"--power-limit {power_w:g} W: " + (
+                "CPU ranks have no board power limit" if hw.generation == "cpu" else
+                f"{hw.name} accepts {0.3 * hw.tdp_w:.0f}-{hw.tdp_w:.0f} W (its TDP)"))
+        hw = dataclasses.replace(hw, power_w=float(power_w))
     hw.peak(precision)  # raises for fp8 on hardware without it
     if hw.generation == "cpu":
         k = {"fragmentation": FRAGMENTATION_CPU}

@@ -11,14 +11,17 @@ fits (`fit_ampere`, `fit_hopper`, `fit_hopper_fp8`).
 
 from __future__ import annotations
 
+import math
 import sys
 
 from ndtrain.layout.flops import flops_per_token, recompute_flops_per_token
 from ndtrain.model.config import ModelConfig
+from ndtrain.planner.hardware import get_hardware
 from ndtrain.planner.problem import make_problem
 from ndtrain.planner.published_data import ROWS, SOURCES, Row
 from ndtrain.planner.search import Prediction, search
 from ndtrain.planner.shapes import resolve_model
+from ndtrain.planner.uncertainty import assess
 
 # ZeRO paper, section 5 example: 7.5B parameters, N_d = 64, K = 12 -> GB per device.
 ZERO_EXAMPLE = {"params": 7.5e9, "dp": 64, "gb": {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}}
@@ -121,7 +124,7 @@ def table(role: str, constants: dict | None = None) -> list[dict]:
     for r in rows(role):
         pred, value = predict(r, constants)
         out.append({"row": r, "predicted": value, "error": error(r, value), "layout": pred.layout.short(),
-                    "memory_gib": pred.memory["total"] / 2**30})
+                    "fits": pred.fits, "memory_gib": pred.memory["total"] / 2**30})
     return out
 
 
@@ -138,10 +141,60 @@ def markdown(entries: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def generation(row: Row) -> str:
+    return get_hardware(row.gpu).generation
+
+
+def residual_table(entries: list[dict] | None = None) -> list[tuple[str, str, str, float]]:
+    """(name, stack, generation, log(predicted / published throughput)) of every validation row:
+    what planner/model_error.py's RESIDUALS holds."""
+    entries = entries if entries is not None else table("validation")
+    return [(e["row"].name, e["row"].stack, generation(e["row"]), round(math.log1p(e["error"]), 4)) for e in entries]
+
+
+def coverage(worlds: int = 32) -> list[dict]:
+    """Per validation row: whether the published figure lies inside the 80% interval of its
+    prediction, over sampled constants alone and with the model's error, the row's own residual
+    left out (leave-one-out: the interval a new run of that stack and generation would get)."""
+    out = []
+    for r in rows("validation"):
+        pb = row_problem(r)
+        res = search(pb, top_k=1, fixed=dict(r.fixed), mb_options=list(r.mb) or None)
+        pred = res.top[0]
+        rob = assess(pb, res, worlds=worlds, exclude=r.name)
+        # the published step: the predicted one scaled by predicted over published throughput
+        published = pred.step_time * (1 + error(r, metric(r, pred, pb.cfg)))
+        lo, hi = rob.interval(pred)
+        mlo, mhi = rob.model_interval(pred)
+        out.append({"row": r, "constants": lo <= published <= hi, "model": mlo <= published <= mhi,
+                    "group": rob.error_group, "width": mhi / mlo - 1})
+    return out
+
+
+def coverage_text(cov: list[dict]) -> str:
+    n = len(cov)
+    a, b = sum(c["constants"] for c in cov), sum(c["model"] for c in cov)
+    lines = [f"80% intervals, {n} validation rows, leave-one-out: the published figure lies inside the interval "
+             f"over sampled constants alone for {a} ({a / n:.0%}), with the model's error for {b} ({b / n:.0%})"]
+    for group in sorted({c["group"] for c in cov}):
+        sel = [c for c in cov if c["group"] == group]
+        lines.append(f"  {group}: {sum(c['model'] for c in sel)} of {len(sel)} inside; median width "
+                     f"{sorted(c['width'] for c in sel)[len(sel) // 2]:.0%}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(argv or [])
+    if "--residuals" in argv:  # the RESIDUALS table of planner/model_error.py, as Python
+        for name, stack, gen, res in residual_table():
+            print(f"    ({name!r}, {stack!r}, {gen!r}, {res}),")
+        return 0
     for role in ("fit", "validation"):
         print(f"## {role} rows\n")
         print(markdown(table(role)))
+        print()
+    if "--coverage" in argv:
+        print(coverage_text(coverage()))
         print()
     print("sources:")
     for key, text in SOURCES.items():

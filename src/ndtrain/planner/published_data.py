@@ -36,6 +36,10 @@ SOURCES = {
     "bloom": "BigScience 2022, 'BigScience 176B Model' training page and BLOOM paper (Le Scao et al. 2022, "
              "section 3.4): 384 A100 80GB, one replica on 48 GPUs (TP4 x PP12), 'training throughput: about 150 "
              "TFLOPs'; 4 x 100 Gb/s Omni-Path per node",
+    "llmfoundry": "MosaicML LLM Foundry, scripts/train/benchmarking/README.md (mosaicml/llm-foundry at commit "
+                  "061f2c7c): MPT on 'H100 80GB BF16', 'H100 80GB FP8' and 'A100 80GB with 1600 Gbps node-node "
+                  "interconnect (RoCE)', FSDP FULL_SHARD, Throughput (T/s/GPU); shapes from "
+                  "scripts/train/yamls/pretrain/mpt-{3b,7b,13b,30b}.yaml",
 }
 
 # Models named by their published shape (`--model-shape` syntax); presets are named as such.
@@ -88,6 +92,20 @@ def _mcore(source, name, model, gpus, batch, mb, seq, tp, pp, cp, vp, value, zer
         fixed["schedule"] = DEFAULT_INTERLEAVED if vp > 1 else DEFAULT
     return Row(source, name, model, "h100", gpus, seq, batch, fixed, "megatron-core-2024", "fp8", "tokens_per_gpu",
                value, kw.pop("role", "validation"), mb=(mb,), **kw)
+
+
+# MPT shapes (GeLU MLP of 4h, tied embeddings, vocab 50368; learned positions are left out: under
+# 0.3% of the parameters at 2K); the benchmark table's parameter counts match them.
+MPT = {size: GPT.format(l=l, h=h, a=a, v=50368) for size, (l, h, a) in
+       {"3b": (32, 2560, 20), "7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 56)}.items()}
+
+
+def _mpt(size, gpu, gpus, seq, mb, batch, ac, value, precision="bf16") -> Row:
+    fixed = dict(tp=1, pp=1, cp=1, ep=1, dp_shard=gpus, dp_replicate=1, zero=3, mb=mb, ac="full" if ac else "none")
+    return Row("llmfoundry", f"MPT-{size} {seq // 1024}K, {gpus} {gpu.split('-')[0].upper()}"
+               + (" fp8" if precision == "fp8" else "") + (", AC" if ac else ""), MPT[size], gpu, gpus, seq, batch,
+               fixed, "llm-foundry-2023", precision, "tokens_per_gpu", value, "validation", mb=(mb,),
+               note="Composer's FSDP1 FULL_SHARD; the H100 network is not stated (NDR assumed)")
 
 
 def _titan(name, model, seq, local, ac, value) -> Row:
@@ -146,6 +164,16 @@ ROWS: tuple[Row, ...] = (
     _titan("torchtitan Llama 2 13B, selective", LLAMA2["llama2-13b"], 4096, 2, "selective", 1904),
     _titan("torchtitan Llama 2 70B, selective", LLAMA2["llama2-70b"], 4096, 1, "selective", 355),
     _titan("torchtitan Llama 2 70B, full", LLAMA2["llama2-70b"], 4096, 2, "full", 353),
+    # --- MPT on LLM Foundry (FSDP FULL_SHARD on one to eight nodes): sizes 3B-30B, 2K-32K
+    # tokens, with and without full recompute, H100 bf16 and fp8, A100; a spread of sizes and
+    # sequence lengths from the tables, not chosen by their errors
+    _mpt("3b", "h100", 64, 2048, 6, 1152, False, 22525), _mpt("3b", "h100", 8, 8192, 3, 144, False, 16578),
+    _mpt("7b", "h100", 8, 2048, 6, 48, False, 10643), _mpt("7b", "h100", 8, 8192, 8, 128, True, 6935),
+    _mpt("7b", "h100", 8, 32768, 2, 32, True, 3318), _mpt("13b", "h100", 64, 2048, 2, 128, False, 4800),
+    _mpt("13b", "h100", 8, 4096, 10, 240, True, 4717), _mpt("30b", "h100", 32, 2048, 14, 1344, True, 2308),
+    _mpt("3b", "h100", 8, 2048, 10, 480, False, 30586, "fp8"), _mpt("3b", "h100", 8, 8192, 3, 144, False, 19146, "fp8"),
+    _mpt("3b", "a100-80", 8, 8192, 3, 144, False, 7695), _mpt("7b", "a100-80", 8, 2048, 6, 96, False, 4641),
+    _mpt("13b", "a100-80", 8, 4096, 10, 240, True, 2060), _mpt("30b", "a100-80", 8, 2048, 3, 504, True, 916),
     # --- MT-NLG 530B (Megatron TP + DeepSpeed 1F1B pipeline, full recompute): seconds per step
     *(Row("mtnlg", f"MT-NLG 530B, {n} A100", GPT.format(l=105, h=20480, a=128, v=51200), "a100-80", n, 2048, 1920,
           dict(tp=8, pp=35, cp=1, ep=1, dp_shard=1, dp_replicate=n // 280, ac="full", sp=False, schedule=DEFAULT),

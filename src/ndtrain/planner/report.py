@@ -7,6 +7,7 @@ import dataclasses
 from ndtrain.model.config import PRESETS, num_params
 from ndtrain.planner.compile_choice import compile_choice
 from ndtrain.planner.problem import Problem
+from ndtrain.planner.refusal import refusal_lines
 from ndtrain.planner.search import Prediction, SearchResult
 from ndtrain.planner.uncertainty import headroom, moving_parts
 
@@ -61,15 +62,22 @@ def robust_json(rob, p: Prediction) -> dict:
     if rob is None:
         return {}
     lo, hi = rob.interval(p)
-    return {"step_time_interval_s": [lo, hi], "within_2pct_share": rob.share_within(p),
-            "moving_parts": moving_parts(p)}
+    mlo, mhi = rob.model_interval(p)
+    return {"step_time_interval_s": [lo, hi], "step_time_interval_with_model_error_s": [mlo, mhi],
+            "model_error_group": rob.error_group, "model_error_runs": len(rob.errors),
+            "within_2pct_share": rob.share_within(p), "moving_parts": moving_parts(p)}
 
 
 def _interval(rob, pred: Prediction, pb: Problem) -> str:
     if rob is None:
         return ""
     lo, hi = rob.interval(pred)
-    return f" ({human(pb.tokens_per_step / hi)}-{human(pb.tokens_per_step / lo)} over sampled constants)"
+    tok = pb.tokens_per_step
+    if not rob.errors:
+        return f" ({human(tok / hi)}-{human(tok / lo)} over sampled constants)"
+    mlo, mhi = rob.model_interval(pred)
+    return (f" (80%: {human(tok / mhi)}-{human(tok / mlo)} with the model's error on {len(rob.errors)} published "
+            f"{rob.error_group} runs; {human(tok / hi)}-{human(tok / lo)} over sampled constants alone)")
 
 
 def layout_block(rank: str, pred: Prediction, pb: Problem, budget: float, rob=None) -> list[str]:
@@ -79,7 +87,7 @@ def layout_block(rank: str, pred: Prediction, pb: Problem, budget: float, rob=No
     fits = "" if pred.fits else "   DOES NOT FIT"
     where = mem["device"] + f" rank, {mem['layers']} layers"
     days = budget / pred.tokens_per_s / 86400
-    mwh = pb.world * pb.hw.tdp_w * days * 86400 / 3.6e9
+    mwh = pb.world * pb.hw.board_w * days * 86400 / 3.6e9
     compiled = compile_for_budget(pb, pred, budget)
     return [
         f"{rank} {pred.layout.short()}",
@@ -92,7 +100,8 @@ def layout_block(rank: str, pred: Prediction, pb: Problem, budget: float, rob=No
         f"    memory {mem['total'] / GiB:.1f} of {pb.hw.hbm_bytes / GiB:.1f} GiB ({where}) = "
         + " + ".join(f"{k} {mem[k] / GiB:.1f}" for k in MEM_KEYS) + fits,
         f"    {human(budget)} tokens: {days:,.1f} days, {mwh:,.0f} MWh" if mwh >= 100 else
-        f"    {human(budget)} tokens: {days:,.1f} days, {mwh:.3g} MWh" + " (GPUs at TDP)",
+        f"    {human(budget)} tokens: {days:,.1f} days, {mwh:.3g} MWh"
+        + (f" (GPUs at {pb.hw.power_w:.0f} W)" if pb.hw.power_w else " (GPUs at TDP)"),
     ] + ([f"    {compiled['description']}; `[parallel] compile_auto` decides so for a run this long"] if compiled else [])
 
 
@@ -112,9 +121,7 @@ def plan_text(pb: Problem, res: SearchResult, budget: float, explain: bool, rob=
                  f"searched {res.considered:,} layouts in {res.seconds:.2f} s: {res.sized:,} sized, {res.fitting:,} fit "
                  f"in memory, {res.evaluated:,} timed (the rest were dominated or bounded out)", ""]
     if not res.top:
-        floor = 16 * num_params(pb.cfg) / pb.world
-        lines.append(f"no layout fits in memory: model states alone need {floor / GiB:.1f} GiB per GPU even when "
-                     f"fully sharded, activations come on top, and the GPU has {pb.hw.hbm_bytes / GiB:.1f} GiB")
+        lines += refusal_lines(pb, res)  # the rule or refusal that emptied the search, and what lifts it
         if res.fastest_over_cap:
             lines += layout_block("closest:", res.fastest_over_cap, pb, budget)
         return "\n".join(lines)

@@ -118,7 +118,9 @@ class Evaluator:
         if check:
             why = pb.why_invalid(lay)
             if why:
-                raise NdtrainError(f"layout {lay.short()}: {why}")
+                lift = " (only the ndtrain runtime refuses it: --relaxed admits it)" \
+                    if pb.lifted_by_relaxed(lay) else ""
+                raise NdtrainError(f"layout {lay.short()}: {why}{lift}")
         return self.finish(lay, *self.memory(lay))
 
 
@@ -136,6 +138,11 @@ class SearchResult:
     sized: int = 0  # layouts whose memory was computed
     fastest_over_cap: Prediction | None = None
     best_by_mesh: dict = field(default_factory=dict)  # (tp, cp, pp, ep) -> fastest fitting Prediction
+    # Why layouts were dropped, for an empty search to name its cause (planner/refusal.py):
+    # "meshes": meshes enumerated; "rules": {config key: [count, first message, its Layout]} of
+    # problems() refusals; "states": (bytes, Layout) of the smallest model states that exceeded
+    # the GPU before activations (None if none did)
+    refusals: dict = field(default_factory=dict)
 
 
 def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: list[int] | None = None,
@@ -164,9 +171,14 @@ def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: l
     heap: list = []
     by_mesh: dict = {}
     stats = {"considered": 0, "fitting": 0, "over": None, "over_lb": math.inf, "n": 0}
+    refusals: dict = {"meshes": 0, "rules": {}, "states": None, "fixed": dict(fixed)}
 
     def allowed(key, value):
         return key not in fixed or fixed[key] == value
+
+    def refused(lay: Layout, why) -> None:
+        entry = refusals["rules"].setdefault(getattr(why, "key", "layout"), [0, str(why), lay])
+        entry[0] += 1
 
     def offer(pred: Prediction) -> None:
         lay = pred.layout
@@ -195,6 +207,11 @@ def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: l
     def inner(t, c, p, dp, ds, e):
         shard = ds * c
         zeros = [z for z in zero_options if allowed("zero", z)] if shard > 1 else [fixed.get("zero", 3)]
+        for z in zeros:
+            need = states_lower_bound(t, p, e, z, shard)
+            if need > cap and (refusals["states"] is None or need < refusals["states"][0]):
+                refusals["states"] = (need, layout(dp, ds, t, c, p, e, z, 1, 1, acs[0] if acs else "none",
+                                                   t > 1, DEFAULT))
         zeros = [z for z in zeros if states_lower_bound(t, p, e, z, shard) <= cap]
         if not zeros:
             return
@@ -220,7 +237,9 @@ def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: l
                     for i, ac in enumerate(acs[:ac_limit]):
                         stats["considered"] += 1
                         lay = layout(dp, ds, t, c, p, e, z, mb, v, ac, sp, sched)
-                        if pb.why_invalid(lay):
+                        why = pb.why_invalid(lay)
+                        if why:
+                            refused(lay, why)
                             continue
                         try:
                             mem, lc, split = ev.memory(lay)
@@ -255,6 +274,7 @@ def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: l
                 dp = W // (t * c * p)
                 if allowed("pp", p) and p <= sh.layers and batch_splits(pb.global_batch, dp):
                     meshes.append((_estimate(ev, t, c, p, dp), t, c, p, dp))
+    refusals["meshes"] = len(meshes)
     # Promising meshes first, so that the top k fills early and the bound prunes the rest.
     for _, t, c, p, dp in sorted(meshes):
         for ds in divisors(dp):
@@ -267,8 +287,8 @@ def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: l
     over = ev(stats["over"], check=False) if stats["over"] is not None else None
     over = over if over and (not top or over.step_time < top[0].step_time) else None
     return SearchResult(top=top, considered=stats["considered"], evaluated=ev.evaluated, fitting=stats["fitting"],
-                        sized=ev.sized,
-                        seconds=time.perf_counter() - start, fastest_over_cap=over, best_by_mesh=by_mesh)
+                        sized=ev.sized, seconds=time.perf_counter() - start, fastest_over_cap=over,
+                        best_by_mesh=by_mesh, refusals=refusals)
 
 
 def _estimate(ev: Evaluator, t: int, c: int, p: int, dp: int) -> float:

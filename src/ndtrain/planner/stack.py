@@ -27,9 +27,11 @@ class Stack:
     dp_overlap: bool  # gradient reduction overlaps the backward pass
     grad_reduce_bytes: int  # bytes per gradient element on the wire
     # what `ac = selective` recomputes: "scores" (Korthikanti et al.: the attention scores only),
-    # "act" (also the MLP activation function, ndtrain's policy), "ops" (torchtitan's op-level
-    # policy: keeps the layer input, the attention output and every other matmul output, and
-    # recomputes the rest, half of the forward matmuls included)
+    # "act" (also the MLP activation function), "elementwise" (ndtrain's policy,
+    # parallel/activation.py: every matmul and attention output kept, every other forward op
+    # recomputed: norms, RoPE, the activation function, residuals, casts), "ops" (torchtitan's
+    # op-level policy: keeps the layer input, the attention output and every other matmul output,
+    # and recomputes the rest, half of the forward matmuls included)
     selective: str
     # parameter all-gathers (ZeRO-1/2 once per step, ZeRO-3 per layer) prefetched behind compute
     param_overlap: bool = True
@@ -54,6 +56,21 @@ class Stack:
     # each token's expert all-to-all reaches at most this many nodes (DeepSeek-V3's node-limited
     # routing: IB carries one copy per node, NVLink fans it out); 0 = no limit
     ep_node_limit: int = 0
+    # FSDP2's per-parameter sharding (torch.distributed.fsdp.fully_shard): every all-gather is
+    # copied out of its flat buffer into the parameters (foreach_all_gather_copy_out) and every
+    # reduce-scatter's input is copied in, cast to the reduce dtype (foreach_reduce's _chunk_cat),
+    # HBM traffic on the compute stream. Flat-buffer implementations (FSDP1, DeepSpeed, Megatron's
+    # distributed optimizer) gather into and reduce from the parameters' own storage.
+    fsdp_copies: bool = False
+    # the loss kernel over the vocabulary (planner/layer.py LOSS_BYTES, planner/memory.py):
+    # "eager" PyTorch cross-entropy (fp32 upcast, log-softmax, dense NLL gradient), "fused"
+    # (a vocab-parallel fused kernel in fp32: Megatron-Core, TE, fused stacks), "flash"
+    # (flash-attn's bf16 cross-entropy kernel: keeps only the bf16 logits; LLM Foundry's default)
+    loss: str = "eager"
+    # which flash kernels: "" the GPU generation's own (cuDNN / FlashAttention-3 on Hopper:
+    # `attn_eff`), "fa2" FlashAttention-2-class kernels written for Ampere (FA2, Triton's, PyTorch
+    # SDPA's flash backend), which reach far less of Hopper's peak (`attn_eff_fa2`)
+    attention_kernel: str = ""
     source: str = ""
 
 
@@ -65,7 +82,7 @@ STACKS = {
     # in turn (torch's default OVERLAP_F_B), so expert all-to-alls are exposed; eager elementwise
     # ops unless [parallel] compile = true.
     "ndtrain": Stack("ndtrain", flash_attention=True, dropout=False, dp_overlap=True, grad_reduce_bytes=4,
-                     selective="act", source="src/ndtrain/parallel"),
+                     selective="elementwise", fsdp_copies=True, attention_kernel="fa2", source="src/ndtrain/parallel"),
     # Megatron-LM as of Narayanan et al. 2021: unfused softmax over s x s with dropout, fp16
     # gradients all-reduced after the backward (the local DDP of that release), blocking p2p.
     "megatron-2021": Stack("megatron-2021", flash_attention=False, dropout=True, dp_overlap=False,
@@ -76,13 +93,14 @@ STACKS = {
     # overlap_p2p_comm for interleaved pipelines, CP ring with overlapped p2p; bf16 gradient
     # reduction (grad_reduce_in_fp32 off).
     "megatron-core-2024": Stack("megatron-core-2024", flash_attention=True, dropout=False, dp_overlap=True,
-                                grad_reduce_bytes=2, selective="scores", tp_overlap=True, fused_elementwise=True,
+                                grad_reduce_bytes=2, selective="scores", tp_overlap=True, fused_elementwise=True, loss="fused",
                                 fp8_saves_fp8=True, source="Megatron-Core / NeMo performance recipes (NeMo 24.07, Megatron-Bridge 25.11)"),
     # torchtitan (Liang et al. 2024): FSDP2 with prefetch and fp32 reduction, SDPA flash kernels,
     # torch.distributed.pipelining; async TP and torch.compile are options (compile = fused
     # elementwise through the layout's `compile` knob; async TP is not assumed).
     "torchtitan-2024": Stack("torchtitan-2024", flash_attention=True, dropout=False, dp_overlap=True,
-                             grad_reduce_bytes=4, selective="ops", source="Liang et al. 2024; torchtitan docs"),
+                             grad_reduce_bytes=4, selective="ops", fsdp_copies=True, attention_kernel="fa2",
+                             source="Liang et al. 2024; torchtitan docs"),
     # Meta's Llama 3 stack as the paper describes it (Dubey et al. 2024, section 3.3.2): FSDP-style
     # sharding of optimizer states and gradients with parameters kept after the forward, gradient
     # reduction overlapped, all-gather based context parallelism (K/V gathered before attention,
@@ -90,14 +108,25 @@ STACKS = {
     # not assumed; nor is the recompute policy: the 8K layout fits 80 GB only if at least the
     # MLP activation is recomputed, so selective recompute ("act") is assumed.
     "llama3-2024": Stack("llama3-2024", flash_attention=True, dropout=False, dp_overlap=True, grad_reduce_bytes=4,
-                         selective="act", cp_overlap=False, fused_elementwise=True, pp_inside_dp=True,
+                         selective="act", cp_overlap=False, fused_elementwise=True, pp_inside_dp=True, loss="fused",
                          source="Dubey et al. 2024, section 3.3"),
     # DeepSeek-V3's HAI-LLM (DeepSeek-AI 2024, section 3.2-3.3): DualPipe overlaps the expert
     # all-to-all and pipeline traffic with another micro-batch's compute; routing limited to 4
     # nodes per token; fine-grained fp8 GEMMs including the experts; ZeRO-1 overlapped.
     "deepseek-2024": Stack("deepseek-2024", flash_attention=True, dropout=False, dp_overlap=True, grad_reduce_bytes=4,
-                           selective="act", ep_overlap=True, fused_elementwise=True, fp8_experts=True,
+                           selective="act", ep_overlap=True, fused_elementwise=True, fp8_experts=True, loss="fused",
                            fp8_saves_fp8=True, ep_node_limit=4, source="DeepSeek-AI 2024 (DeepSeek-V3 technical report), 3.2-3.3"),
+    # MosaicML's LLM Foundry on Composer (the MPT benchmarks): FSDP1 FULL_SHARD over flat
+    # parameters (limit_all_gathers, backward prefetch), flash/Triton attention, no dropout, eager
+    # elementwise ops (low-precision LayerNorm, no compile), fp32 gradient reduction under the
+    # DEFAULT mixed-precision mode, full activation checkpointing where the table says "True";
+    # fp8 through Transformer Engine's Linear, which saves its fp8 inputs; the loss is flash-attn's
+    # bf16 cross-entropy kernel (loss_fn: fused_crossentropy, the default) (mosaicml/llm-foundry
+    # scripts/train/benchmarking/README.md and scripts/train/yamls/pretrain/mpt-*.yaml).
+    "llm-foundry-2023": Stack("llm-foundry-2023", flash_attention=True, dropout=False, dp_overlap=True,
+                              grad_reduce_bytes=4, selective="scores", fp8_saves_fp8=True, loss="flash",
+                              attention_kernel="fa2",
+                              source="mosaicml/llm-foundry benchmarking README and MPT yamls"),
 }
 
 

@@ -88,6 +88,25 @@ def dp_comm(pb: Problem, lay: Layout, layers_on_device: int) -> tuple[float, flo
     return ag, again, rs + rep, 0.0
 
 
+def fsdp_copy_seconds(pb: Problem, lay: Layout, params: float, m: int) -> float:
+    """HBM seconds per step of FSDP2's copies on the compute stream (Stack.fsdp_copies): each
+    all-gather copied out of its flat buffer into `params` parameters (read + write), each
+    reduce-scatter's input copied in and cast to the reduce dtype (read the gradient, write it).
+    ZeRO-3 gathers every micro-batch (twice when it reshards after the forward), ZeRO-1/2 once
+    per step; gradients reduce every micro-batch where they are sharded per micro-batch."""
+    if not pb.gpu or not pb.stack.fsdp_copies or not lay.effective_zero or lay.shard_degree <= 1:
+        return 0.0
+    pbytes = 4 if pb.precision == "fp32" else 2
+    gbytes = 4 if pb.precision == "fp32" else pb.stack.grad_reduce_bytes
+    gather, reduce = 2 * pbytes * params, (pbytes + gbytes) * params
+    if lay.effective_zero == 3:
+        gathers = m * (2 if lay.reshards_after_forward else 1)
+    else:
+        gathers = 1
+    reduces = m if lay.grads_sharded_per_microbatch else 1
+    return (gathers * gather + reduces * reduce) / (pb.hw.hbm_bw * pb.k["hbm_eff"])
+
+
 def cores_shared(pb: Problem) -> float:
     """Ranks per core when CPU ranks outnumber the machine's cores (1 on accelerators)."""
     cores = pb.hw.cores
@@ -177,7 +196,8 @@ def step_breakdown(pb: Problem, lay: Layout, lc: dict | None = None, split: Spli
         expert / (lay.expert_shard_degree if lay.effective_zero else 1)
     optimizer = local * pb.hw.optimizer_s_per_param or OPTIMIZER_BYTES_PER_PARAM * local / pb.hw.hbm_bw
 
-    busy = m * dev
+    copies = fsdp_copy_seconds(pb, lay, dense + expert, m)
+    busy = m * dev + copies
     head_here = p == 1 or split.last_work * per_layer + lc["head"] >= split.first_work * per_layer
     tp_fixed = m * tp_head(pb, lay) if head_here else 0.0  # in lc["head"], so in busy: move it to comm
     # Layer communication on the critical device: its layers' share (the head has none)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ndtrain.planner import constants as consts
+from ndtrain.planner import model_error
 from ndtrain.planner.problem import Problem
 from ndtrain.planner.search import Evaluator, Prediction, SearchResult
 
@@ -67,11 +68,21 @@ class Robustness:
     share: float  # worlds in which `chosen` is within 2% of the best candidate
     overlapping: list[tuple[Prediction, float]] = field(default_factory=list)  # (candidate, share faster)
     reason: str = ""
+    # the model's own error on published runs like this plan (planner/model_error.py): log
+    # residuals of throughput, and the group they come from
+    errors: list[float] = field(default_factory=list)
+    error_group: str = "none"
 
     def interval(self, p: Prediction) -> tuple[float, float]:
-        """10th-90th percentile of the step time of `p` over the sampled worlds."""
+        """10th-90th percentile of the step time of `p` over the sampled worlds (constants only)."""
         i = self._index(p)
         return _quantile(self.times[i], QUANTILES[0]), _quantile(self.times[i], QUANTILES[1])
+
+    def model_interval(self, p: Prediction) -> tuple[float, float]:
+        """The 80% interval of the step time of `p` with the model's own error: its nominal step
+        at the split-conformal quantiles of the residuals of published runs of its stack and GPU
+        generation (model_error.interval); the constants' interval where there are none."""
+        return model_error.interval(p.step_time, self.errors, self.times[self._index(p)])
 
     def share_within(self, p: Prediction) -> float:
         i = self._index(p)
@@ -101,7 +112,8 @@ def candidates_of(res: SearchResult, limit: int = 16) -> list[Prediction]:
     return out[:limit]
 
 
-def assess(pb: Problem, res: SearchResult, worlds: int = 32, seed: int = 0, limit: int = 16) -> Robustness | None:
+def assess(pb: Problem, res: SearchResult, worlds: int = 32, seed: int = 0, limit: int = 16,
+           exclude: str | None = None) -> Robustness | None:
     """Re-time the search's candidates in `worlds` sampled worlds; None for CPU ranks (their
     constants are measured, not ranged) or when nothing fits."""
     cands = candidates_of(res, limit)
@@ -114,6 +126,9 @@ def assess(pb: Problem, res: SearchResult, worlds: int = 32, seed: int = 0, limi
         for i, c in enumerate(cands):
             times[i][w] = ev(c.layout, check=False).step_time
     rob = Robustness(worlds=worlds, candidates=cands, times=times, chosen=cands[0], nominal=cands[0], share=0.0)
+    # the model's own error on published runs of this stack and generation (`exclude`: a published
+    # row left out of its own interval)
+    rob.errors, rob.error_group = model_error.residuals(pb.stack.name, pb.hw.generation, exclude)
     _choose(pb, rob)
     rob.share = rob.share_within(rob.chosen)
     return rob
