@@ -16,7 +16,7 @@ from ndtrain.errors import ConfigError, NdtrainError
 from ndtrain.layout.schedules import DEFAULT as DEFAULT_SCHEDULE
 from ndtrain.model.config import PRESETS, ModelConfig
 
-__all__ = ["DataConfig", "OptimizerConfig", "ParallelConfig", "TrainConfig", "CheckpointConfig", "LoggingConfig",
+__all__ = ["DataConfig", "OptimizerConfig", "ParallelConfig", "TrainConfig", "CheckpointConfig", "LoggingConfig", "ResilienceConfig",
            "JobConfig", "SECTIONS", "TRACKERS", "DP_CHOICE_KEYS", "load_config", "validate", "global_batch_at",
            "layout_batches", "parse_value", "parse_overrides", "to_dict", "to_toml", "from_dict"]
 
@@ -188,6 +188,16 @@ class LoggingConfig:
 
 
 @dataclass
+class ResilienceConfig:
+    # What a run does about a rank that keeps straggling or a host that keeps failing
+    # (docs/self-healing.md). log: name it (as always); exclude: save, take that rank's host out
+    # of torchrun's elastic rendezvous and let the others re-form, re-planned for their world.
+    on_straggler: str = "log"  # log | exclude
+    straggler_windows: int = 3  # K: slow in this many train.straggler_window windows running
+    min_world: int = 1  # no exclusion leaves fewer ranks than this
+
+
+@dataclass
 class JobConfig:
     name: str = "debug"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -197,6 +207,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
 
 
 SECTIONS = [f.name for f in dataclasses.fields(JobConfig) if f.name != "name"]

@@ -82,6 +82,10 @@ def validate(cfg) -> None:
         ("logging.trackers", len(set(cfg.logging.trackers)) == len(cfg.logging.trackers), f"names a tracker twice: {cfg.logging.trackers}"),
         ("logging.wandb_mode", cfg.logging.wandb_mode in ("offline", "online"), f"must be offline or online, got {cfg.logging.wandb_mode!r}"),
         ("logging.pipeline_trace_step", cfg.logging.pipeline_trace_step >= 0, f"must be >= 0 (0 = never), got {cfg.logging.pipeline_trace_step}"),
+        ("resilience.on_straggler", cfg.resilience.on_straggler in ("log", "exclude"), f"must be log or exclude, got {cfg.resilience.on_straggler!r}"),
+        ("resilience.straggler_windows", cfg.resilience.straggler_windows >= 1, f"must be >= 1, got {cfg.resilience.straggler_windows}"),
+        ("resilience.on_straggler", cfg.resilience.on_straggler == "log" or t.straggler_threshold > 0, "exclude needs train.straggler_threshold > 0 (0 turns straggler detection off)"),
+        ("resilience.min_world", cfg.resilience.min_world >= 1, f"must be >= 1, got {cfg.resilience.min_world}"),
         # The outer optimizer is no part of the layout (layout/diloco.py checks the sync keys).
         ("parallel.diloco_outer_lr", p.diloco_outer_lr > 0, f"must be positive, got {p.diloco_outer_lr}"),
         ("parallel.diloco_outer_momentum", 0 <= p.diloco_outer_momentum < 1, f"must be in [0, 1), got {p.diloco_outer_momentum}"),

@@ -185,6 +185,10 @@ def _run(cfg) -> int:
             sys.stdout.flush()
             os._exit(EXIT_PREEMPTED)
         return EXIT_PREEMPTED  # saved and stopped on a signal: nonzero so schedulers run it again
+    if summary.get("leave"):  # a host was taken out, its checkpoint saved: exit so the group re-forms
+        from ndtrain.train.resilience import leave
+
+        leave(summary["leave"], int(os.environ.get("RANK", "0") or 0))
     _destroy_groups()
     from ndtrain.train.job import closing_sample
 

@@ -18,7 +18,7 @@ import torch
 from ndtrain.config import JobConfig, to_toml
 from ndtrain.layout.flops import MFU_CONVENTION
 from ndtrain.model.config import num_params
-from ndtrain.train import distributed, recovery
+from ndtrain.train import distributed, recovery, resilience
 from ndtrain.train.checkpoint import list_checkpoints
 from ndtrain.train.ckpt_resume import group_active
 
@@ -109,6 +109,9 @@ def _loop(plan, run_dir: Path, progress: dict, make_trainer) -> dict:
         if ckpt.resume(spec) is not None:
             break
     log.start(trainer.step)
+    if rt.is_main and (change := resilience.membership_change(run_dir, rt.world_size, trainer.dims.describe())):
+        log.log({"step": trainer.step, **change[0]})  # the previous attempt excluded a host: old and new layout
+        log.info(change[1])
     # Each attempt's first row: the report marks restarts and changes of world or layout by it.
     log.log({"step": trainer.step, "event": "restart" if ckpt.loaded_from or recovery.restart_count() else "start",
              "attempt": recovery.restart_count(), "world": rt.world_size, "layout": trainer.dims.describe(),
@@ -161,6 +164,8 @@ def _loop(plan, run_dir: Path, progress: dict, make_trainer) -> dict:
             if cfg.train.val_interval and (result.step % cfg.train.val_interval == 0 or result.step == cfg.train.steps):
                 last_val = trainer.validate()
                 log.log({"step": result.step, "val_loss": last_val})
+            if action == "leave":  # a host is taken out (resilience.py): save, then the group re-forms
+                break
             if action == "stop":
                 preempted = True
                 log.info(f"stop requested (SIGTERM/SIGUSR1) at step {trainer.step}: saving, then exiting; "
@@ -183,8 +188,8 @@ def _loop(plan, run_dir: Path, progress: dict, make_trainer) -> dict:
                  f"{plan.prediction.step_s:.3f} s/step" + (f" ({note})" if note else ""))
     summary = {"run_dir": str(run_dir), "steps": trainer.step, "val_loss": last_val, "checkpoint": str(path),
                "preempted": preempted, "interrupted": interrupted,
-               "stop_signal": guard.preemption.signal_name if preempted else ""}
-    if rt.is_main and cfg.train.sample_tokens > 0 and path is not None and not (preempted or interrupted):
+               "stop_signal": guard.preemption.signal_name if preempted else "", "leave": guard.leave}
+    if rt.is_main and cfg.train.sample_tokens > 0 and path is not None and not (preempted or interrupted or guard.leave):
         # Only rank 0 samples, so not now: the other ranks would wait for it in a collective under
         # the collective timeout. closing_sample runs once no rank can be waiting.
         summary["sample_from"] = {"checkpoint": str(path), "device": str(rt.device),

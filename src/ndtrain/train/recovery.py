@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ndtrain.errors import NdtrainError
+from ndtrain.train import resilience
 from ndtrain.train.distributed import under_launcher
 from ndtrain.train.metrics import busy_timer, compute_modules, peak_memory_mb
 
@@ -238,13 +239,16 @@ class InterruptRecord:
 
 # ---- fault injection -----------------------------------------------------------------------
 class FaultPlan:
-    """NDTRAIN_FAULTS="attempt:rank:step:point[:delay],..." kills (SIGKILL) or hangs this rank on
-    restart attempt `attempt`. Points: `step` (`delay` seconds after step `step` starts: inside
+    """NDTRAIN_FAULTS="attempt:rank:step:point[:delay],..." kills (SIGKILL), hangs or slows this
+    rank on restart attempt `attempt` (rank `*`: whichever rank this process is: an agent's own
+    environment then picks the host). Points: `step` (`delay` seconds after step `step` starts: inside
     it, or in what follows if the step is shorter), `save` (right after the async save of step `step` starts writing), `publish`
     (rank 0, manifest written, marker not yet), `rename` (marker written, not yet renamed),
-    `hang` (the step never ends: exercises the watchdog). For tests and benchmarks only."""
+    `hang` (the step never ends: exercises the watchdog), `slow` (from step `step` on, every step
+    burns `delay` s of this rank's CPU: a straggler, as the busy-time comparison sees one). For
+    tests and benchmarks only."""
 
-    POINTS = ("step", "save", "publish", "rename", "hang")
+    POINTS = ("step", "save", "publish", "rename", "hang", "slow")
 
     def __init__(self, faults: list[tuple[int, str, float]], rank: int, log_path: Path | None = None):
         self.faults, self.rank, self.log_path = faults, rank, log_path
@@ -260,7 +264,7 @@ class FaultPlan:
             if len(parts) < 4 or parts[3] not in cls.POINTS:
                 raise NdtrainError(f"{FAULTS_ENV}: {item!r} is not attempt:rank:step:point[:delay] "
                                    f"(points: {', '.join(cls.POINTS)})")
-            if int(parts[0]) == attempt and int(parts[1]) == rank:
+            if int(parts[0]) == attempt and (parts[1] == "*" or int(parts[1]) == rank):
                 faults.append((int(parts[2]), parts[3], float(parts[4]) if len(parts) > 4 else 0.0))
         return cls(faults, rank, log_path)
 
@@ -276,6 +280,10 @@ class FaultPlan:
 
     def at_step(self, step: int) -> None:
         for at, point, delay in self.faults:
+            if point == "slow" and step >= at:
+                end = time.thread_time() + delay  # CPU time, not a sleep: busy time counts only work
+                while time.thread_time() < end:
+                    pass
             if at != step:
                 continue
             if point == "step":
@@ -303,7 +311,11 @@ class Recovery:
         tc = cfg.train
         self.watchdog = Watchdog(tc.step_deadline_s, rank) if tc.step_deadline_s > 0 else None
         self.guard = NonFiniteGuard(tc.nonfinite_skip)
-        self.stragglers = StragglerMonitor(tc.straggler_threshold, tc.straggler_window)
+        self.stragglers = StragglerMonitor(tc.straggler_threshold, tc.straggler_window,
+                                           cfg.resilience.straggler_windows)
+        self.leave: resilience.Leave | None = None  # set when a host is taken out (resilience.py)
+        self.exclusion = resilience.Exclusion.start(cfg, self.stragglers.persist)
+        self.run_dir = run_dir
         self.preemption = Preemption()
         log_path = Path(run_dir) / "faults.log" if run_dir is not None else None
         self.faults = FaultPlan.from_env(rank, log_path)
@@ -345,8 +357,12 @@ class Recovery:
         if action == "rollback":
             self.rollback(window)
             return "rollback"
+        if os.environ.get(resilience.SAMPLE_LOG_ENV) and self.run_dir is not None:
+            resilience.log_samples(self.run_dir, t, result.step, restart_count())
         if self.stragglers.add(busy):
             self._report_stragglers(result.step)
+        if self.leave is not None:
+            return "leave"
         return "stop" if self.preemption.agreed(t.rt.device) else "ok"
 
     def rollback(self, window: list[int]) -> None:
@@ -377,11 +393,14 @@ class Recovery:
         dist.all_reduce(vec)
         per_rank, memory = vec.cpu().tolist()
         t.logger.log({"step": step, "rank_busy_s": per_rank, "rank_peak_memory_mb": memory})
-        for rank, ratio in self.stragglers.judge(per_rank):
+        named = self.stragglers.judge(per_rank)
+        for rank, ratio in named:
             self._event({"event": "straggler", "rank": rank, "ratio": ratio},
                         f"straggler: rank {rank} is {ratio:.2f}x the median busy time per step "
                         f"({per_rank[rank]:.3f} s vs {statistics.median(per_rank):.3f} s) for "
                         f"{self.stragglers.strikes[rank]} windows of {self.stragglers.window} steps")
+        if named and self.exclusion is not None and self.leave is None:
+            self.leave = self.exclusion.decide(step, named, t.rt.rank, t.rt.world_size, t.dims.describe(), self._event)
 
     def close(self) -> None:
         if self.watchdog:

@@ -274,6 +274,7 @@ class Trainer:
         gb = global_batch_at(cfg, self.tokens_seen)
         t_data = time.perf_counter()
         batch = self.loader.next_batch(gb)
+        self.last_sample_ids = batch.global_ids  # what this rank trains on (the exactly-once checks)
         data_wait = time.perf_counter() - t_data  # ~0 when prefetching keeps ahead of the step
         lr = lr_at(self.step, cfg.optimizer, cfg.train.steps)
         set_lr(self.optimizer, lr)

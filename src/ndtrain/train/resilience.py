@@ -1,0 +1,189 @@
+"""Self-healing runs: a host whose rank keeps straggling is taken out of the job, and the rest
+re-form without it under torchrun's elastic rendezvous (`--nnodes MIN:MAX`), re-planned for the
+smaller world ([resilience] keys, docs/self-healing.md).
+
+Membership is torch elastic's, not ours. Every rank takes the decision together, at a step
+boundary, from values that are already all-reduced (the straggler comparison), so no rank can
+disagree. Then the job saves, and:
+- the workers of the excluded host signal their agent (SIGTERM) and exit EXIT_EXCLUDED. An agent
+  that dies on a signal leaves the rendezvous open (torch.distributed.launcher.api.launch_agent
+  skips its shutdown there, so that the others can re-form); one that ended on a failed worker
+  would close it for everybody;
+- the others exit EXIT_REFORM, a failure, so their agents restart them (one of --max-restarts);
+  they re-rendezvous without the excluded agent, resolve the plan for the new world as a fresh run
+  does (train/plan.py) and resume from the checkpoint just saved (resume-anywhere), the global
+  batch kept through accumulation. The next attempt's first lines say old and new layout, and why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ndtrain.errors import NdtrainError
+
+EXIT_EXCLUDED = 73  # this rank's host was taken out: its agent leaves the rendezvous
+EXIT_REFORM = 75  # a peer's host was taken out: the agent restarts this worker into the smaller group
+HOST_ENV = "NDTRAIN_HOST_ID"  # a host's name in the policy (default: the hostname); tests run agents on one machine
+SAMPLE_LOG_ENV = "NDTRAIN_TEST_SAMPLE_LOG"  # tests only: each rank appends the sample numbers of every step
+AGENT_GRACE_S = 5.0  # how long an excluded worker waits for its agent's SIGTERM before exiting on its own
+
+
+def host_id() -> str:
+    return os.environ.get(HOST_ENV) or socket.gethostname()
+
+
+def group_rank() -> int:
+    """This worker's agent in the current rendezvous round (torchrun's GROUP_RANK)."""
+    return int(os.environ.get("GROUP_RANK", "0") or 0)
+
+
+def agents() -> int:
+    return int(os.environ.get("GROUP_WORLD_SIZE", "1") or 1)
+
+
+def restarts_left() -> int:
+    """Restarts the agents still have (torchrun sets TORCHELASTIC_MAX_RESTARTS for its workers)."""
+    total = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    return total - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+@dataclass(frozen=True)
+class Leave:
+    """What this rank does once the exclusion's checkpoint is saved."""
+
+    code: int  # EXIT_EXCLUDED or EXIT_REFORM
+    reason: str  # one line: who, why, what happens next
+
+
+def refusal(cfg, world: int, leaving: int, agent_count: int, restarts: int) -> str:
+    """Why a host with `leaving` of the `world` ranks cannot be taken out now ('' where it can)."""
+    res = cfg.resilience
+    if agent_count <= 1:
+        return ("it is the only agent in the rendezvous (exclusion needs several torchrun agents, "
+                "--nnodes MIN:MAX with MAX > 1)")
+    new_world = world - leaving
+    if new_world < res.min_world:
+        return f"the run would shrink to {new_world} ranks, below resilience.min_world={res.min_world}"
+    if restarts < 1:
+        return "the other agents have no restart left to re-form with (torchrun --max-restarts)"
+    return plan_problem(cfg, new_world)
+
+
+def plan_problem(cfg, world: int) -> str:
+    """'' where the job resolves for `world` ranks as a fresh run would; else its first line.
+    The configured degrees are checked as written; with parallel.auto the planner chooses again."""
+    from ndtrain.train.plan import resolve_plan
+
+    try:
+        resolve_plan(cfg, world, measure_host=False)
+    except NdtrainError as exc:
+        return f"the job does not resolve for {world} ranks: {str(exc).splitlines()[0]}"
+    return ""
+
+
+def choose(named: list[tuple[int, float]], groups: list[int], hosts: list[str]) -> tuple[int, list[int], str]:
+    """The slowest named rank's agent (group rank), every rank it holds, and its host's name."""
+    rank, _ = max(named, key=lambda rr: rr[1])
+    group = groups[rank]
+    return group, [r for r, g in enumerate(groups) if g == group], hosts[rank]
+
+
+class Exclusion:
+    """The straggler policy of one attempt: who is who (gathered once, at start) and whether an
+    exclusion was already refused (said once; the strikes go on and would repeat it every window)."""
+
+    def __init__(self, cfg, persist: int, groups: list[int], hosts: list[str]):
+        self.cfg, self.persist, self.groups, self.hosts = cfg, persist, groups, hosts
+        self.refused = False
+
+    @classmethod
+    def start(cls, cfg, persist: int) -> Exclusion | None:
+        """None where the policy is `log` or the run is one process. A collective otherwise: every
+        rank calls it at the same point (Recovery's construction)."""
+        import torch.distributed as dist
+
+        if cfg.resilience.on_straggler != "exclude" or not (dist.is_initialized() and dist.get_world_size() > 1):
+            return None
+        table: list = [None] * dist.get_world_size()
+        dist.all_gather_object(table, (group_rank(), host_id()))
+        return cls(cfg, persist, [g for g, _ in table], [h for _, h in table])
+
+    def decide(self, step: int, named: list[tuple[int, float]], rank: int, world: int, layout: str,
+               event) -> Leave | None:
+        """From the all-reduced comparison: every rank decides alike. `event(row, text)` logs."""
+        group, ranks, host = choose(named, self.groups, self.hosts)
+        worst = max(named, key=lambda rr: rr[1])
+        why = f"rank {worst[0]} ran {worst[1]:.2f}x the median busy time in {self.persist} straggler windows running"
+        refused = refusal(self.cfg, world, len(ranks), agents(), restarts_left())
+        if refused:
+            if not self.refused:
+                event({"event": "exclude_refused", "host": host, "reason": why, "refused": refused},
+                      f"not excluding host {host}: {why}, but {refused}; logging only")
+            self.refused = True
+            return None
+        reason = (f"host {host} (agent {group}, ranks {ranks}) excluded at step {step}: {why} "
+                  f"(resilience.on_straggler=exclude); the other {world - len(ranks)} ranks re-form from this "
+                  f"step's checkpoint")
+        event({"event": "exclude", "host": host, "agent": group, "ranks": ranks, "reason": reason, "world": world,
+               "new_world": world - len(ranks), "layout": layout, "time": time.time()}, reason)
+        return Leave(EXIT_EXCLUDED if rank in ranks else EXIT_REFORM, reason)
+
+
+def log_samples(run_dir: Path, trainer, step: int, attempt: int) -> None:
+    """Tests: the global sample numbers this rank trained on in `step` (the exactly-once check)."""
+    ids = getattr(trainer, "last_sample_ids", None)
+    if ids is None:
+        return
+    with open(Path(run_dir) / f"samples.rank{trainer.rt.rank}.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, "world": trainer.rt.world_size, "attempt": attempt,
+                            "ids": [int(i) for i in ids]}) + "\n")
+
+
+def leave(decision: Leave, rank: int) -> None:
+    """Exit for a membership change (never returns). The excluded host's local rank 0 signals
+    its agent first, so that the agent leaves the rendezvous instead of restarting its workers."""
+    from ndtrain.train.recovery import hold_sigterm
+
+    hold_sigterm()  # the agent's own SIGTERM (forwarded to its workers) must not turn the code into -15
+    if decision.code == EXIT_EXCLUDED or rank == 0:
+        print(f"ndtrain train: rank {rank}: {decision.reason}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    if decision.code == EXIT_EXCLUDED and int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+        os.kill(os.getppid(), signal.SIGTERM)
+        time.sleep(AGENT_GRACE_S)  # the agent stops its workers now; this exit is the fallback
+    os._exit(decision.code)
+
+
+def membership_change(run_dir: Path, world: int, layout: str) -> tuple[dict, str] | None:
+    """At an attempt's start: the metrics row and log line of a membership change, where the
+    previous attempt ended by excluding a host (its last event after its start row)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    last_start, last_exclude = None, None
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a crash
+            continue
+        if row.get("event") in ("start", "restart"):
+            last_start, last_exclude = row, None
+        elif row.get("event") == "exclude":
+            last_exclude = row
+    if last_exclude is None or last_start is None:
+        return None
+    row = {"event": "membership", "old_world": last_start.get("world"), "world": world,
+           "old_layout": last_start.get("layout"), "layout": layout, "reason": last_exclude.get("reason"),
+           "excluded_host": last_exclude.get("host"), "excluded_at": last_exclude.get("time")}
+    text = (f"membership change: world {row['old_world']} -> {world}, layout {row['old_layout']} -> {layout} "
+            f"({last_exclude.get('reason')})")
+    return row, text
