@@ -160,25 +160,54 @@ def _train_all(cfgs):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_a_run_of_one_layout_calibrates_the_others_on_this_host(corpus_dir, tmp_path):
     """Four layouts trained here at world 2 (one spawn), each fitted alone: the fit's prediction
-    for every other layout is closer to its measured step than the uncalibrated planner's."""
-    from ndtrain.parallel.launch import run_ranks
+    for every other layout is closer to its measured step than the uncalibrated planner's.
 
-    cfgs = [_cfg(name, tmp_path / name, str(corpus_dir)) for name in LAYOUTS]
-    assert run_ranks(2, _train_all, cfgs, timeout_s=600) == [[12] * len(cfgs)] * 2
-    obs = {name: observe(read_run(tmp_path / name)) for name in LAYOUTS}
+    A shared host's load drifts over minutes, and the fit prices the load it saw: the layouts run
+    twice, in the order A B C D D C B A, so that every layout's steps sit at the same mean time
+    and a steady drift weighs on all of them alike. A layout's measured step is the median over
+    both of its runs; the fit on A sees both runs of A. On a host busy with other work (a wall
+    step 2x its CPU time or more, as run_calibrate.busy_host says) no drift correction holds: a
+    Gloo collective then waits for both ranks to be scheduled, which stretched ZeRO-3's step to
+    2.3x DDP's in one measurement here and 1.2x in another, minutes apart. There the check is
+    made on the CPU seconds of each step, the part of the step the other jobs do not stretch,
+    fitted and compared alike; both tables are printed."""
+    import dataclasses
+    import statistics
+
+    from ndtrain.parallel.launch import run_ranks
+    from ndtrain.tools.run_calibrate import busy_host
+
+    order = [(name, 1) for name in LAYOUTS] + [(name, 2) for name in reversed(LAYOUTS)]
+    cfgs = [_cfg(name, tmp_path / f"{name}-{i}", str(corpus_dir), steps=10) for name, i in order]
+    assert run_ranks(2, _train_all, cfgs, timeout_s=1200) == [[10] * len(cfgs)] * 2
+    runs = {name: [read_run(tmp_path / f"{name}-{i}") for i in (1, 2)] for name in LAYOUTS}
+    busy = {f"{n}-{i + 1}": x for n, pair in runs.items() for i, r in enumerate(pair) if (x := busy_host(r))}
     base, _ = base_profile(None, None)
     before_hw = run_fit.hardware(base)
     err = lambda hw, o: math.log(run_fit.predict(hw, o).step_time / o.step_s)  # noqa: E731
-    table = []
-    for a in LAYOUTS:
-        after_hw = run_fit.hardware(run_fit.fit(base, [obs[a]]).profile)
-        for b in LAYOUTS:
-            table.append((a, b, err(before_hw, obs[b]), err(after_hw, obs[b])))
-    print("\n".join(f"fit on {a:<6} predict {b:<6} uncalibrated {100 * (math.exp(x) - 1):+6.0f}%  "
-                    f"calibrated {100 * (math.exp(y) - 1):+6.0f}%" for a, b, x, y in table))
-    for a, b, before, after in table:
+
+    def compare(key: str) -> list:
+        def median(rows):
+            return statistics.median(r[key] for r in rows)
+
+        fitted_on = {n: [dataclasses.replace(observe(r), step_s=median(r.timed_rows())) for r in pair]
+                     for n, pair in runs.items()}
+        measured = {n: dataclasses.replace(fitted_on[n][0], step_s=median([r for run in pair for r in run.timed_rows()]))
+                    for n, pair in runs.items()}
+        table = []
+        for a in LAYOUTS:
+            after_hw = run_fit.hardware(run_fit.fit(base, fitted_on[a]).profile)
+            table += [(a, b, err(before_hw, measured[b]), err(after_hw, measured[b])) for b in LAYOUTS]
+        print(f"\n{key}: " + ", ".join(f"{n} {o.step_s:.3f} s" for n, o in measured.items()))
+        print("\n".join(f"fit on {a:<6} predict {b:<6} uncalibrated {100 * (math.exp(x) - 1):+6.0f}%  "
+                        f"calibrated {100 * (math.exp(y) - 1):+6.0f}%" for a, b, x, y in table))
+        return table
+
+    wall, cpu = compare("step_time_s"), compare("step_cpu_s")
+    print("busy host (wall / CPU): " + (", ".join(f"{k} {v:.1f}x" for k, v in busy.items()) or "no"))
+    for a, b, before, after in cpu if busy else wall:
         if a != b:
             assert abs(after) < abs(before), (a, b, before, after)
