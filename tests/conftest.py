@@ -195,6 +195,28 @@ def _host_slowdown(ref: dict) -> tuple[float, str]:
                    f"fp32 matmul {gflops:.0f} GFLOP/s (ref {ref['matmul_gflops']})")
 
 
+_SESSION_START = time.monotonic()  # conftest import: the start of collection
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Under pytest-xdist (`make test` runs two workers, one file per worker at a time), the files
+    with the largest budgets go first, so the last file to start is a short one and the two
+    workers end together (longest-first list scheduling: the makespan is within a third of the
+    best possible). Within a file the order is unchanged; without xdist nothing moves."""
+    if not getattr(config.option, "numprocesses", None):
+        return
+    files = tomllib.loads(Path(__file__).with_name("budgets.toml").read_text())["files"]
+    per_test = {}
+    for item in items:
+        key = item.nodeid.split("::")[0].removeprefix("tests/")
+        per_test[key] = per_test.get(key, 0) + 1
+    weight = {k: files.get(k, float(n)) for k, n in per_test.items()}  # an unlisted file: ~1 s a test
+    first_seen = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(item.nodeid.split("::")[0].removeprefix("tests/"), i)
+    items.sort(key=lambda it: (-weight[k := it.nodeid.split("::")[0].removeprefix("tests/")], first_seen[k]))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """Each test file's total time (setup + call + teardown) against its budget; files over it are
     warnings, never failures (time on a shared host is not a property of the code)."""
@@ -228,8 +250,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             tw.write_line(f"{'OVER BUDGET ' if late else ''}{spent:7.1f} s / {budget:6.1f} s{origin}  {path}",
                           yellow=late, bold=late)
     total, suite = sum(per_file.values()), scale * table["suite"]["total_s"]
-    tw.write_line(f"{total:7.1f} s / {suite:6.1f} s  all {len(per_file)} file(s) run "
+    tw.write_line(f"{total:7.1f} s / {suite:6.1f} s  all {len(per_file)} file(s) run, summed over workers "
                   "(the budget is the whole default suite's)", yellow=judge and total > suite)
+    # The promise itself is wall time and absolute: CI's clock does not scale with its host's speed
+    # (an Intel host with 4x this reference's per-op cost took 15m37s for the suite run serially).
+    wall, promise = time.monotonic() - _SESSION_START, table["suite"]["total_s"]
+    tw.write_line(f"{wall:7.1f} s wall of the {promise:.0f} s promised (unscaled), "
+                  f"{getattr(config.option, 'numprocesses', None) or 1} worker(s)",
+                  yellow=judge and wall > promise, bold=judge and wall > promise)
     if over:
         tw.write_line(f"{over} file(s) over budget: split them or move their long tests to slow (make test-slow)",
                       yellow=True)
