@@ -126,11 +126,9 @@ PRIVATE: dict[str, Private] = {
 
 _DCP_PUBLIC = {
     "torch.distributed.checkpoint.metadata": {"Metadata", "TensorProperties", "MetadataIndex", "StorageMeta",
-                                              "TensorStorageMetadata", "ChunkStorageMetadata",
-                                              "BytesStorageMetadata"},
+                                              "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata"},
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
-    "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "slice"},
+    "collections": {"OrderedDict"}, "builtins": {"set", "frozenset", "slice"},
 }
 
 
@@ -247,12 +245,8 @@ def aten_op(key: str, namespace=None):
 def profiler_markers() -> set:
     """The profiler's range ops (FSDP marks its work with them), for SAC_IGNORED_OPS."""
     enter, exit_ = find("record_function_enter"), find("record_function_exit")
-    out = set()
-    if enter is not None:
-        out.add(enter.default)
-    if exit_ is not None and hasattr(exit_, "_RecordFunction"):
-        out.add(exit_._RecordFunction)
-    return out
+    return ({enter.default} if enter is not None else set()) | \
+        ({exit_._RecordFunction} if exit_ is not None and hasattr(exit_, "_RecordFunction") else set())
 
 
 def splits_tensor(placement) -> bool:
