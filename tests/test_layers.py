@@ -11,7 +11,8 @@
     compat     torch's private names, behind one door (compat/torch.py)      -> (itself)
 
 Every floor may also use `errors`, and those that use torch (model, parallel, train) `compat`;
-train and data use `paths` (checks that an output path can be written, before work starts).
+train, data and config use `paths` (checks that an output path can be written, before work starts,
+and that a name is one path component).
 Imports inside functions count like module-level ones, for the floors, for torch and for cycles
 between files: an import deferred into a function hides a cycle from Python, not from the reader.
 Each check is shown to fail on a small package with the violation in it.
@@ -33,7 +34,7 @@ ALLOWED = {
     "train": {"train", "planner", "parallel", "model", "data", "layout", "config", "compat", "errors", "paths"},
     "planner": {"planner", "layout", "model", "errors"},
     "parallel": {"parallel", "model", "layout", "config", "compat", "errors"},
-    "config": {"config", "model", "layout", "errors"},
+    "config": {"config", "model", "layout", "errors", "paths"},
     "data": {"data", "errors", "paths"},
     "layout": {"layout", "model", "errors"},
     "model": {"model", "compat", "errors"},

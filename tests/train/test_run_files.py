@@ -15,8 +15,8 @@ from ndtrain.config import load_config
 from ndtrain.errors import ConfigError, NdtrainError
 from ndtrain.train import run_files
 from ndtrain.train.run_files import (LOCK_NAME, RUN_ENTRIES, RUN_MARKER, check_entries, open_run_log,
-                                     write_run_file, written_entries)
-from ndtrain.train.rundir import RunLock, check_derived, claim
+                                     write_run_file)
+from ndtrain.train.rundir import RunLock, check_derived, claim, written_entries
 
 
 def _cfg(out: Path | None = None, **train):

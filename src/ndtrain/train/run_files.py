@@ -53,21 +53,6 @@ def _made_by_older_ndtrain(run_dir: Path) -> bool:
     return any(_CKPT_NAME.match(p.name) and (p / MARKER).is_file() for p in root.iterdir())
 
 
-def written_entries(cfg) -> tuple[str, ...]:
-    """The run entries this run's config writes in its directory: a user's own `wandb/` or
-    `checkpoints/` there is no concern of a run that writes neither."""
-    from ndtrain.train.recovery import FAULTS_ENV
-    from ndtrain.train.trackers import STATE_FILE, enabled
-
-    trackers = enabled(cfg.logging)
-    names = {"config.toml": True, "metrics.jsonl": True, "checkpoints": not cfg.checkpoint.dir,
-             "tensorboard": "tensorboard" in trackers, "wandb": "wandb" in trackers,
-             "mlruns": "mlflow" in trackers and not cfg.logging.mlflow_uri,
-             STATE_FILE: "wandb" in trackers or "mlflow" in trackers,
-             "pipeline_trace.json": cfg.logging.pipeline_trace_step > 0, "faults.log": bool(os.environ.get(FAULTS_ENV))}
-    return tuple(name for name in RUN_ENTRIES if names.get(name))
-
-
 def check_entries(run_dir: Path, entries: tuple[str, ...] = RUN_ENTRIES) -> bool:
     """Refuses (one line naming the entry) a directory where a run would write one of `entries`
     through a link or over a file no run created. Returns whether it is already a run's (marked)."""

@@ -31,10 +31,26 @@ from pathlib import Path
 
 from ndtrain.errors import ConfigError, NdtrainError
 from ndtrain.paths import check_creatable, component_problem
-from ndtrain.train.run_files import (LOCK_NAME, RUN_ENTRIES, RUN_MARKER, check_entries, mark,
-                                     written_entries)
+from ndtrain.train.run_files import LOCK_NAME, RUN_ENTRIES, RUN_MARKER, check_entries, mark
 
 LAUNCHER_ENV = "NDTRAIN_RUN_LOCK_PID"  # set by `ndtrain train --nproc` for its workers: the lock's holder
+
+
+# Lives here, not in run_files: it reads the trackers' and the fault plan's names, and those
+# modules write through run_files (which would make an import cycle).
+def written_entries(cfg) -> tuple[str, ...]:
+    """The run entries this run's config writes in its directory: a user's own `wandb/` or
+    `checkpoints/` there is no concern of a run that writes neither."""
+    from ndtrain.train.recovery import FAULTS_ENV
+    from ndtrain.train.trackers import STATE_FILE, enabled
+
+    trackers = enabled(cfg.logging)
+    names = {"config.toml": True, "metrics.jsonl": True, "checkpoints": not cfg.checkpoint.dir,
+             "tensorboard": "tensorboard" in trackers, "wandb": "wandb" in trackers,
+             "mlruns": "mlflow" in trackers and not cfg.logging.mlflow_uri,
+             STATE_FILE: "wandb" in trackers or "mlflow" in trackers,
+             "pipeline_trace.json": cfg.logging.pipeline_trace_step > 0, "faults.log": bool(os.environ.get(FAULTS_ENV))}
+    return tuple(name for name in RUN_ENTRIES if names.get(name))
 
 
 def checkpoint_root(cfg, run_dir: Path) -> Path:
