@@ -33,8 +33,50 @@ from ndtrain.train.recovery import FaultPlan, StragglerMonitor
 def test_bad_policy_is_one_error_naming_the_key(override, key):
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
-    assert info.value.key == key if hasattr(info.value, "key") else key in str(info.value)
     assert key in str(info.value) and "\n" not in str(info.value)
+
+
+def test_bad_policy_on_the_command_line_is_exit_2_and_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ndtrain", "train", "--resilience.on_straggler=drop",
+                           f"--train.output_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "resilience.on_straggler" in lines[0], proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def _exclusion(corpus_dir, *more: str, restarts: int = 2) -> resilience.Exclusion:
+    cfg = load_config(None, ["--resilience.on_straggler=exclude", f"--data.path={corpus_dir}", "--train.global_batch=12",
+                             "--train.micro_batch=2", "--parallel.dp_shard=-1", *more])
+    return resilience.Exclusion(cfg, 2, groups=[0, 1, 2], hosts=["h0", "h1", "h2"], restarts=restarts)
+
+
+def test_every_rank_decides_alike_from_the_same_numbers(corpus_dir, monkeypatch):
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "3")
+    decisions, rows = [], []
+    for rank in range(3):  # what each of three ranks decides from the same all-reduced comparison
+        decisions.append(_exclusion(corpus_dir).decide(6, [(2, 1.8)], rank, 3, "dp_shard=3",
+                                                       lambda row, text: rows.append((row, text))))
+    assert [d.code for d in decisions] == [resilience.EXIT_REFORM, resilience.EXIT_REFORM, resilience.EXIT_EXCLUDED]
+    assert len({d.reason for d in decisions}) == 1 and "host h2 (agent 2, ranks [2]) excluded at step 6" in decisions[0].reason
+    assert rows[0][0]["event"] == "exclude" and rows[0][0]["new_world"] == 2 and rows[0][1] == decisions[0].reason
+    # No restart left for the others: refused, said once however many windows name the rank again.
+    rows.clear()
+    ex = _exclusion(corpus_dir, restarts=0)
+    for _ in range(3):
+        assert ex.decide(6, [(2, 1.8)], 0, 3, "dp_shard=3", lambda row, text: rows.append((row, text))) is None
+    assert len(rows) == 1 and rows[0][0]["event"] == "exclude_refused" and "logging only" in rows[0][1]
+
+
+def test_grow_back_false_excludes_a_returning_host_before_any_step(corpus_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "3")
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 4, "event": "exclude", "host": "h1"}) + "\n")
+    rows = []
+    assert _exclusion(corpus_dir).rejoined(tmp_path, 8, 1, 3, lambda *a: rows.append(a)) is None  # grow_back=true
+    leave = _exclusion(corpus_dir, "--resilience.grow_back=false").rejoined(tmp_path, 8, 1, 3, lambda *a: rows.append(a))
+    assert leave.code == resilience.EXIT_EXCLUDED and "host h1 was excluded earlier" in leave.reason
+    assert rows[0][0]["event"] == "exclude" and rows[0][0]["host"] == "h1"
+    assert _exclusion(corpus_dir, "--resilience.grow_back=false").rejoined(tmp_path, 8, 0, 3, lambda *a: None).code \
+        == resilience.EXIT_REFORM
 
 
 def test_exclude_needs_straggler_detection():
@@ -62,7 +104,8 @@ def test_the_slowest_named_ranks_agent_leaves_whole():
 
 
 def test_straggler_windows_is_k():
-    mon = StragglerMonitor(threshold=0.25, window=1, persist=2)
+    mon = StragglerMonitor.from_config(load_config(None, ["--resilience.straggler_windows=2", "--train.straggler_window=1"]))
+    assert mon.window == 1 and mon.persist == 2
     assert mon.judge([1.0, 1.0, 2.0]) == []
     assert mon.judge([1.0, 1.0, 2.0]) == [(2, 2.0)]
     assert mon.judge([1.0, 1.0, 1.0]) == [] and mon.strikes == {}
@@ -90,36 +133,45 @@ def test_membership_change_reads_the_previous_attempt(tmp_path):
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write("\n" + json.dumps({"step": 6, "event": "restart", "world": 2}) + "\n")
     assert resilience.membership_change(tmp_path, 2, "dp_shard=2") is None
+    # An agent joined (torch elastic stopped the workers, they saved): the world grew, said as such.
+    row, text = resilience.membership_change(tmp_path, 3, "dp_shard=3")
+    assert (row["old_world"], row["world"], row["excluded_host"]) == (2, 3, None) and "1 more rank(s) joined" in text
 
 
 # ---- real agents ------------------------------------------------------------------------------
-STEPS = 16
+STEPS = 60
 GLOBAL_BATCH = 12  # divides over 3 and 2 data-parallel ranks: the global batch survives the shrink
+# The two-rank phase must outlast a new agent's start (importing torch, the rendezvous, a worker's
+# start: 10-30 s on a loaded 2-core machine): the survivors' attempt burns this much CPU per step
+# on every rank alike (so nobody straggles), ~20 s over the steps left.
+THROTTLE = "1:*:1:slow:0.35"
 
 
 def _args(corpus: Path, out: Path, *more: str) -> list[str]:
     return ["--model.preset=debug", f"--data.path={corpus}", "--data.seq_len=64", f"--train.steps={STEPS}",
             f"--train.global_batch={GLOBAL_BATCH}", "--train.micro_batch=2", "--train.val_interval=0",
             "--train.sample_tokens=0", "--train.log_interval=1", "--train.timeout_s=120",
-            "--checkpoint.interval_steps=4", "--logging.tensorboard=false", "--logging.progress=off",
+            "--checkpoint.interval_steps=10", "--logging.tensorboard=false", "--logging.progress=off",
             "--parallel.dp_shard=-1", "--parallel.compile_auto=false", "--optimizer.warmup_steps=0",
             f"--train.output_dir={out}", "--checkpoint.resume=auto", *more]
 
 
 def _samples(out: Path) -> dict[int, list[int]]:
-    """step -> the global sample numbers trained on, in rank order (the global order for plain dp),
-    from the attempt that trained the step last."""
-    by_step: dict[int, dict] = {}
+    """step -> the global sample numbers trained on, in rank order (the global order for plain dp).
+    Each step must be trained once by one whole world: a step trained again (a replay, or by a
+    later world) shows a rank twice; the logging ranks of an attempt need not agree on its number
+    (an agent that joined later counts its restarts from 0)."""
+    by_step: dict[int, list] = {}
     for path in out.glob("samples.rank*.jsonl"):
         rank = int(path.name.split("rank")[1].split(".")[0])
         for line in path.read_text().splitlines():
             row = json.loads(line)
-            by_step.setdefault(row["step"], {}).setdefault((row["attempt"], row["world"]), {})[rank] = row["ids"]
+            by_step.setdefault(row["step"], []).append((rank, row["world"], row["ids"]))
     out_ = {}
-    for step, attempts in by_step.items():
-        assert len(attempts) == 1, f"step {step} was trained more than once: {sorted(attempts)}"
-        ranks = next(iter(attempts.values()))
-        out_[step] = [i for r in sorted(ranks) for i in ranks[r]]
+    for step, got in by_step.items():
+        ranks, worlds = sorted(r for r, _, _ in got), {w for _, w, _ in got}
+        assert len(worlds) == 1 and ranks == list(range(worlds.pop())), f"step {step} was trained more than once: {got}"
+        out_[step] = [i for _, _, ids in sorted(got) for i in ids]
     return out_
 
 
@@ -128,20 +180,27 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+def _reference(corpus_dir: Path, out: Path, env: dict) -> None:
+    out.mkdir()  # resume=auto needs the run directory to exist (a first attempt that later ones continue)
+    ref = subprocess.run([sys.executable, "-m", "ndtrain", "train", "--nproc", "2", *_args(corpus_dir, out)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_a_straggling_agent_is_excluded_and_the_rest_go_on(corpus_dir, tmp_path):
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("grow_back", [True, False])
+def test_a_straggling_agent_is_excluded_the_rest_go_on_and_it_comes_back(corpus_dir, tmp_path, grow_back):
     """Three agents x one rank; the third agent's rank burns 0.4 s of CPU per step from step 2.
-    With windows of 2 steps and K=2 it is named at step 4 and 6... excluded at the second
-    window running, the others save, re-form as two ranks (dp_shard 3 -> 2, accumulation 2 -> 3)
-    and finish. Every sample once, in order; loss close to the uninterrupted run."""
+    With windows of 2 steps and K=2 it is excluded at step 4: the others save, re-form as two
+    ranks (dp_shard 3 -> 2, accumulation 2 -> 3) and go on. Then the excluded host's agent is
+    started again (healthy): with grow_back the run takes it in at a step boundary (3 ranks
+    again); without, it is excluded again before any step. Every sample once, in the
+    uninterrupted order; the final loss close to the uninterrupted run's."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
            resilience.SAMPLE_LOG_ENV: "1"}
     ref_out = tmp_path / "reference"
-    ref_out.mkdir()  # resume=auto needs the run directory to exist (a first attempt that later ones continue)
-    ref = subprocess.run([sys.executable, "-m", "ndtrain", "train", "--nproc", "2", *_args(corpus_dir, ref_out)],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    _reference(corpus_dir, ref_out, env)
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -149,27 +208,34 @@ def test_a_straggling_agent_is_excluded_and_the_rest_go_on(corpus_dir, tmp_path)
     out = tmp_path / "run"
     out.mkdir()
     policy = ["--resilience.on_straggler=exclude", "--resilience.straggler_windows=2", "--train.straggler_window=2",
-              "--resilience.min_world=2"]
+              "--resilience.min_world=2", f"--resilience.grow_back={str(grow_back).lower()}"]
     # Generous for a loaded 2-core machine: three Python processes importing torch may take 10 s or
     # more each to reach the rendezvous; the survivors then wait out last_call before re-forming.
+    # A dead agent's heartbeats are missed for 3 s before the rendezvous drops it.
     conf = "last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=300"
 
-    def agent(name: str, is_host: bool, extra_env: dict):
+    def agent(name: str, is_host: bool, extra_env: dict, host: str = ""):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2:3", "--nproc-per-node=1",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=self-healing",
                f"--rdzv-conf={conf},is_host={str(is_host).lower()}", "--max-restarts=3", "--monitor-interval=0.5",
                "-m", "ndtrain", "train", *_args(corpus_dir, out, *policy)]
         log = open(tmp_path / f"{name}.log", "w")
-        proc = subprocess.Popen(cmd, env={**env, resilience.HOST_ENV: name, **extra_env}, stdout=log,
+        proc = subprocess.Popen(cmd, env={**env, resilience.HOST_ENV: host or name, **extra_env}, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         return proc, log
 
-    agents = {"host": agent("host", True, {}), "a": agent("a", False, {}),
+    agents = {"host": agent("host", True, {"NDTRAIN_FAULTS": THROTTLE}), "a": agent("a", False, {"NDTRAIN_FAULTS": THROTTLE}),
               "slow": agent("slow", False, {"NDTRAIN_FAULTS": "0:*:2:slow:0.4"})}
     try:
-        agents["host"][0].wait(timeout=800)
-        agents["a"][0].wait(timeout=60)
-        agents["slow"][0].wait(timeout=60)
+        deadline = time.time() + 600
+        while time.time() < deadline and not any(r.get("event") == "membership" for r in _rows(out)):
+            assert agents["host"][0].poll() is None, (tmp_path / "host.log").read_text()[-3000:]
+            time.sleep(0.2)
+        shrunk_at = max(r["step"] for r in _rows(out) if "loss" in r)
+        agents["back"] = agent("back", False, {}, host="slow")  # the same host, healthy again
+        agents["host"][0].wait(timeout=600)
+        for name in ("a", "slow", "back"):
+            agents[name][0].wait(timeout=60)
     finally:
         for proc, log in agents.values():
             if proc.poll() is None:
@@ -182,20 +248,30 @@ def test_a_straggling_agent_is_excluded_and_the_rest_go_on(corpus_dir, tmp_path)
     assert agents["slow"][0].returncode != 0, everything  # its agent left on the signal
 
     rows = _rows(out)
-    [excluded] = [r for r in rows if r.get("event") == "exclude"]
-    assert excluded["host"] == "slow" and excluded["world"] == 3 and excluded["new_world"] == 2, excluded
-    [change] = [r for r in rows if r.get("event") == "membership"]
-    assert change["old_world"] == 3 and change["world"] == 2 and change["layout"] != change["old_layout"], change
-    assert "membership change: world 3 -> 2" in logs["host"] + logs["a"], everything
-    assert f"excluded at step {excluded['step']}" in logs["slow"], everything
-    # The checkpoint of the exclusion's step is where the two ranks resumed.
-    assert f"at step {excluded['step']}" in logs["host"] + logs["a"]
+    excluded = [r for r in rows if r.get("event") == "exclude"]
+    changes = [(r["old_world"], r["world"]) for r in rows if r.get("event") == "membership"]
+    assert excluded[0]["host"] == "slow" and excluded[0]["world"] == 3 and excluded[0]["new_world"] == 2, excluded
+    assert f"excluded at step {excluded[0]['step']}" in logs["slow"], everything
+    assert f"resumed from {out / 'checkpoints'}/step_{excluded[0]['step']:08d} at step {excluded[0]['step']}" in logs["host"]
+    assert "membership change: world 3 -> 2, layout dp_shard=3 -> dp_shard=2" in logs["host"], everything
+    if grow_back:
+        assert agents["back"][0].returncode == 0, everything
+        assert len(excluded) == 1 and changes == [(3, 2), (2, 3)], (changes, everything)
+        grown_at = next(r["step"] for r in rows if r.get("event") == "membership" and r["world"] == 3)
+        assert shrunk_at <= grown_at < STEPS, (shrunk_at, grown_at)
+    else:
+        assert agents["back"][0].returncode != 0, everything
+        assert len(excluded) == 2 and "grow_back=false" in excluded[1]["reason"], excluded
+        assert changes == [(3, 2), (2, 3), (3, 2)], changes  # it joined, and left before any step
+        assert "grow_back=false" in logs["back"], everything
 
     # Exactly once, in the uninterrupted order.
     ran, want = _samples(out), _samples(ref_out)
     assert sorted(ran) == list(range(1, STEPS + 1)) == sorted(want)
     assert ran == want
-    # The loss: only the reduction order changed (3 and then 2 ranks vs 2).
+    # The loss: only the reduction order changed (3, 2 and 3 ranks against 2).
     last = {r["step"]: r["loss"] for r in rows if "loss" in r}
     ref_last = {r["step"]: r["loss"] for r in _rows(ref_out) if "loss" in r}
-    assert abs(last[STEPS] - ref_last[STEPS]) < 1e-3 * abs(ref_last[STEPS]), (last[STEPS], ref_last[STEPS])
+    print(f"final loss {last[STEPS]:.6f} vs uninterrupted {ref_last[STEPS]:.6f}")
+    # fp32 sums in another order: 2.4e-6 relative after 60 steps through 3, 2 and 3 ranks (measured)
+    assert abs(last[STEPS] - ref_last[STEPS]) < 1e-4 * abs(ref_last[STEPS]), (last[STEPS], ref_last[STEPS])

@@ -16,8 +16,8 @@ from ndtrain.errors import ConfigError, NdtrainError
 from ndtrain.layout.schedules import DEFAULT as DEFAULT_SCHEDULE
 from ndtrain.model.config import PRESETS, ModelConfig
 
-__all__ = ["DataConfig", "OptimizerConfig", "ParallelConfig", "TrainConfig", "CheckpointConfig", "LoggingConfig", "ResilienceConfig",
-           "JobConfig", "SECTIONS", "TRACKERS", "DP_CHOICE_KEYS", "load_config", "validate", "global_batch_at",
+__all__ = ["DataConfig", "OptimizerConfig", "ParallelConfig", "TrainConfig", "CheckpointConfig", "LoggingConfig",
+           "ResilienceConfig", "JobConfig", "SECTIONS", "TRACKERS", "DP_CHOICE_KEYS", "load_config", "validate", "global_batch_at",
            "layout_batches", "parse_value", "parse_overrides", "to_dict", "to_toml", "from_dict"]
 
 
@@ -154,7 +154,7 @@ class TrainConfig:
     step_deadline_s: float = 0.0  # watchdog: abort a rank whose step exceeds this (0 = off)
     nonfinite_skip: int = 3  # consecutive non-finite steps tolerated before rolling back
     straggler_threshold: float = 0.25  # name a rank this much slower than the median (0 = off)
-    straggler_window: int = 20  # steps per straggler comparison (3 slow windows in a row name a rank)
+    straggler_window: int = 20  # steps per straggler comparison (resilience.straggler_windows in a row name a rank)
     sample_prompt: str = "def "
     sample_tokens: int = 200
 
@@ -195,6 +195,10 @@ class ResilienceConfig:
     on_straggler: str = "log"  # log | exclude
     straggler_windows: int = 3  # K: slow in this many train.straggler_window windows running
     min_world: int = 1  # no exclusion leaves fewer ranks than this
+    # true: an agent that joins the rendezvous again (an excluded host back, or a new one) is taken
+    # in: torch elastic stops the workers with SIGTERM, they finish the step and save, and the run
+    # re-plans for the larger world. false: a host this run excluded is excluded again at once.
+    grow_back: bool = True
 
 
 @dataclass

@@ -141,7 +141,7 @@ def _loop(plan, run_dir: Path, progress: dict, make_trainer) -> dict:
     last_val, preempted, interrupted, path = None, False, False, None
     guard = recovery.Recovery(cfg, trainer, ckpt, run_dir)  # watchdog, non-finite rollback, stragglers
     try:
-        while trainer.step < cfg.train.steps:
+        while trainer.step < cfg.train.steps and guard.leave is None:  # leave: a host refused at start
             guard.before_step()
             trace = trainer.pipeline is not None and trainer.step + 1 == cfg.logging.pipeline_trace_step
             if trace:

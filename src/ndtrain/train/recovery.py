@@ -136,6 +136,11 @@ class StragglerMonitor:
         self.samples: list[float] = []
         self.strikes: dict[int, int] = {}
 
+    @classmethod
+    def from_config(cls, cfg) -> StragglerMonitor:
+        """K, the windows running that name a rank, is resilience.straggler_windows."""
+        return cls(cfg.train.straggler_threshold, cfg.train.straggler_window, cfg.resilience.straggler_windows)
+
     def add(self, busy_s: float) -> bool:
         self.samples.append(busy_s)
         return len(self.samples) >= self.window
@@ -240,13 +245,12 @@ class InterruptRecord:
 # ---- fault injection -----------------------------------------------------------------------
 class FaultPlan:
     """NDTRAIN_FAULTS="attempt:rank:step:point[:delay],..." kills (SIGKILL), hangs or slows this
-    rank on restart attempt `attempt` (rank `*`: whichever rank this process is: an agent's own
-    environment then picks the host). Points: `step` (`delay` seconds after step `step` starts: inside
-    it, or in what follows if the step is shorter), `save` (right after the async save of step `step` starts writing), `publish`
+    rank on restart attempt `attempt` (rank `*`: any rank; one agent's environment picks a host).
+    Points: `step` (`delay` seconds after step `step` starts: inside it, or in what follows if the
+    step is shorter), `save` (right after the async save of step `step` starts writing), `publish`
     (rank 0, manifest written, marker not yet), `rename` (marker written, not yet renamed),
-    `hang` (the step never ends: exercises the watchdog), `slow` (from step `step` on, every step
-    burns `delay` s of this rank's CPU: a straggler, as the busy-time comparison sees one). For
-    tests and benchmarks only."""
+    `hang` (the step never ends: exercises the watchdog), `slow` (from step `step` on, each step
+    burns `delay` s of CPU: a straggler to the busy-time comparison). Tests and benchmarks only."""
 
     POINTS = ("step", "save", "publish", "rename", "hang", "slow")
 
@@ -311,11 +315,12 @@ class Recovery:
         tc = cfg.train
         self.watchdog = Watchdog(tc.step_deadline_s, rank) if tc.step_deadline_s > 0 else None
         self.guard = NonFiniteGuard(tc.nonfinite_skip)
-        self.stragglers = StragglerMonitor(tc.straggler_threshold, tc.straggler_window,
-                                           cfg.resilience.straggler_windows)
+        self.stragglers = StragglerMonitor.from_config(cfg)
         self.leave: resilience.Leave | None = None  # set when a host is taken out (resilience.py)
         self.exclusion = resilience.Exclusion.start(cfg, self.stragglers.persist)
         self.run_dir = run_dir
+        if self.exclusion is not None:  # grow_back=false: a host excluded before leaves again, before any step
+            self.leave = self.exclusion.rejoined(run_dir, trainer.step, rank, trainer.rt.world_size, self._event)
         self.preemption = Preemption()
         log_path = Path(run_dir) / "faults.log" if run_dir is not None else None
         self.faults = FaultPlan.from_env(rank, log_path)

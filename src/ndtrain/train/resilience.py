@@ -99,8 +99,11 @@ class Exclusion:
     """The straggler policy of one attempt: who is who (gathered once, at start) and whether an
     exclusion was already refused (said once; the strikes go on and would repeat it every window)."""
 
-    def __init__(self, cfg, persist: int, groups: list[int], hosts: list[str]):
+    def __init__(self, cfg, persist: int, groups: list[int], hosts: list[str], restarts: int):
         self.cfg, self.persist, self.groups, self.hosts = cfg, persist, groups, hosts
+        # The fewest restarts any agent has left: agents that joined later count theirs from 0, and
+        # every rank must judge "no restart left" alike.
+        self.restarts = restarts
         self.refused = False
 
     @classmethod
@@ -112,8 +115,30 @@ class Exclusion:
         if cfg.resilience.on_straggler != "exclude" or not (dist.is_initialized() and dist.get_world_size() > 1):
             return None
         table: list = [None] * dist.get_world_size()
-        dist.all_gather_object(table, (group_rank(), host_id()))
-        return cls(cfg, persist, [g for g, _ in table], [h for _, h in table])
+        dist.all_gather_object(table, (group_rank(), host_id(), restarts_left()))
+        return cls(cfg, persist, [g for g, _, _ in table], [h for _, h, _ in table], min(r for _, _, r in table))
+
+    def rejoined(self, run_dir: Path | None, step: int, rank: int, world: int, event) -> Leave | None:
+        """With resilience.grow_back=false, before the first step: a host this run excluded
+        before, back in the rendezvous, leaves again (the same on every rank: the same file)."""
+        if self.cfg.resilience.grow_back or run_dir is None:
+            return None
+        before = excluded_hosts(run_dir)
+        back = next((h for h in self.hosts if h in before), None)
+        if back is None:
+            return None
+        ranks = [r for r, h in enumerate(self.hosts) if h == back]
+        why = f"host {back} was excluded earlier in this run and resilience.grow_back=false"
+        refused = refusal(self.cfg, world, len(ranks), agents(), self.restarts)
+        if refused:
+            event({"event": "exclude_refused", "host": back, "reason": why, "refused": refused},
+                  f"not excluding host {back}: {why}, but {refused}; it trains with the others")
+            return None
+        reason = (f"host {back} (ranks {ranks}) excluded at step {step}: {why}; the other {world - len(ranks)} ranks "
+                  f"re-form from this step's checkpoint")
+        event({"event": "exclude", "host": back, "ranks": ranks, "reason": reason, "world": world,
+               "new_world": world - len(ranks), "time": time.time()}, reason)
+        return Leave(EXIT_EXCLUDED if rank in ranks else EXIT_REFORM, reason)
 
     def decide(self, step: int, named: list[tuple[int, float]], rank: int, world: int, layout: str,
                event) -> Leave | None:
@@ -121,7 +146,7 @@ class Exclusion:
         group, ranks, host = choose(named, self.groups, self.hosts)
         worst = max(named, key=lambda rr: rr[1])
         why = f"rank {worst[0]} ran {worst[1]:.2f}x the median busy time in {self.persist} straggler windows running"
-        refused = refusal(self.cfg, world, len(ranks), agents(), restarts_left())
+        refused = refusal(self.cfg, world, len(ranks), agents(), self.restarts)
         if refused:
             if not self.refused:
                 event({"event": "exclude_refused", "host": host, "reason": why, "refused": refused},
@@ -134,6 +159,23 @@ class Exclusion:
         event({"event": "exclude", "host": host, "agent": group, "ranks": ranks, "reason": reason, "world": world,
                "new_world": world - len(ranks), "layout": layout, "time": time.time()}, reason)
         return Leave(EXIT_EXCLUDED if rank in ranks else EXIT_REFORM, reason)
+
+
+def excluded_hosts(run_dir: Path) -> set[str]:
+    """Every host an `exclude` event of this run's metrics.jsonl names."""
+    out = set()
+    try:
+        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("event") == "exclude" and row.get("host"):
+            out.add(row["host"])
+    return out
 
 
 def log_samples(run_dir: Path, trainer, step: int, attempt: int) -> None:
@@ -162,8 +204,9 @@ def leave(decision: Leave, rank: int) -> None:
 
 
 def membership_change(run_dir: Path, world: int, layout: str) -> tuple[dict, str] | None:
-    """At an attempt's start: the metrics row and log line of a membership change, where the
-    previous attempt ended by excluding a host (its last event after its start row)."""
+    """At an attempt's start: the metrics row and log line of a change of world since the
+    previous attempt (its start row), with the reason: the host it excluded, else that an agent
+    joined (torch elastic stops the workers with SIGTERM, they finish the step and save) or left."""
     path = Path(run_dir) / "metrics.jsonl"
     try:
         lines = path.read_text().splitlines()
@@ -179,11 +222,16 @@ def membership_change(run_dir: Path, world: int, layout: str) -> tuple[dict, str
             last_start, last_exclude = row, None
         elif row.get("event") == "exclude":
             last_exclude = row
-    if last_exclude is None or last_start is None:
+    if last_start is None or (last_exclude is None and last_start.get("world") == world):
         return None
-    row = {"event": "membership", "old_world": last_start.get("world"), "world": world,
-           "old_layout": last_start.get("layout"), "layout": layout, "reason": last_exclude.get("reason"),
-           "excluded_host": last_exclude.get("host"), "excluded_at": last_exclude.get("time")}
-    text = (f"membership change: world {row['old_world']} -> {world}, layout {row['old_layout']} -> {layout} "
-            f"({last_exclude.get('reason')})")
+    old = last_start.get("world")
+    if last_exclude is not None:
+        reason = last_exclude.get("reason")
+    elif isinstance(old, int) and world > old:
+        reason = f"{world - old} more rank(s) joined the rendezvous; the previous attempt saved at a step boundary"
+    else:
+        reason = "an agent left the rendezvous or died; resumed from the newest checkpoint"
+    row = {"event": "membership", "old_world": old, "world": world, "old_layout": last_start.get("layout"),
+           "layout": layout, "reason": reason, "excluded_host": (last_exclude or {}).get("host")}
+    text = f"membership change: world {old} -> {world}, layout {row['old_layout']} -> {layout} ({reason})"
     return row, text
