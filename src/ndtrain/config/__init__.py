@@ -194,6 +194,11 @@ class ResilienceConfig:
     # of torchrun's elastic rendezvous and let the others re-form, re-planned for their world.
     on_straggler: str = "log"  # log | exclude
     straggler_windows: int = 3  # K: slow in this many train.straggler_window windows running
+    # log | exclude: a host whose ranks failed (died without a word) or hung (train.step_deadline_s)
+    # `failures` times within `failure_window_s` is excluded at the start of the next attempt.
+    on_failure: str = "log"
+    failures: int = 3
+    failure_window_s: float = 3600.0
     min_world: int = 1  # no exclusion leaves fewer ranks than this
     # true: an agent that joins the rendezvous again (an excluded host back, or a new one) is taken
     # in: torch elastic stops the workers with SIGTERM, they finish the step and save, and the run

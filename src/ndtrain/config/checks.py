@@ -85,6 +85,9 @@ def validate(cfg) -> None:
         ("resilience.on_straggler", cfg.resilience.on_straggler in ("log", "exclude"), f"must be log or exclude, got {cfg.resilience.on_straggler!r}"),
         ("resilience.straggler_windows", cfg.resilience.straggler_windows >= 1, f"must be >= 1, got {cfg.resilience.straggler_windows}"),
         ("resilience.on_straggler", cfg.resilience.on_straggler == "log" or t.straggler_threshold > 0, "exclude needs train.straggler_threshold > 0 (0 turns straggler detection off)"),
+        ("resilience.on_failure", cfg.resilience.on_failure in ("log", "exclude"), f"must be log or exclude, got {cfg.resilience.on_failure!r}"),
+        ("resilience.failures", cfg.resilience.failures >= 1, f"must be >= 1, got {cfg.resilience.failures}"),
+        ("resilience.failure_window_s", cfg.resilience.failure_window_s > 0, f"must be positive, got {cfg.resilience.failure_window_s}"),
         ("resilience.min_world", cfg.resilience.min_world >= 1, f"must be >= 1, got {cfg.resilience.min_world}"),
         # The outer optimizer is no part of the layout (layout/diloco.py checks the sync keys).
         ("parallel.diloco_outer_lr", p.diloco_outer_lr > 0, f"must be positive, got {p.diloco_outer_lr}"),

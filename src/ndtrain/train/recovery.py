@@ -25,11 +25,11 @@ import torch.distributed as dist
 from ndtrain.errors import NdtrainError
 from ndtrain.train import resilience
 from ndtrain.train.distributed import under_launcher
+from ndtrain.train.faults import FAULTS_ENV, FaultPlan  # noqa: F401  (FAULTS_ENV: re-exported for rundir and tests)
 from ndtrain.train.metrics import busy_timer, compute_modules, peak_memory_mb
 
 EXIT_HANG = 70  # a watchdog abort: nonzero, so torchrun restarts the group
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: the job was told to stop and saved; schedulers retry nonzero exits
-FAULTS_ENV = "NDTRAIN_FAULTS"
 MAX_ROLLBACKS = 5  # more than this and the problem is the run, not a few batches
 
 
@@ -242,85 +242,22 @@ class InterruptRecord:
             self.previous = None
 
 
-# ---- fault injection -----------------------------------------------------------------------
-class FaultPlan:
-    """NDTRAIN_FAULTS="attempt:rank:step:point[:delay],..." kills (SIGKILL), hangs or slows this
-    rank on restart attempt `attempt` (rank `*`: any rank; one agent's environment picks a host).
-    Points: `step` (`delay` seconds after step `step` starts: inside it, or in what follows if the
-    step is shorter), `save` (right after the async save of step `step` starts writing), `publish`
-    (rank 0, manifest written, marker not yet), `rename` (marker written, not yet renamed),
-    `hang` (the step never ends: exercises the watchdog), `slow` (from step `step` on, each step
-    burns `delay` s of CPU: a straggler to the busy-time comparison). Tests and benchmarks only."""
-
-    POINTS = ("step", "save", "publish", "rename", "hang", "slow")
-
-    def __init__(self, faults: list[tuple[int, str, float]], rank: int, log_path: Path | None = None):
-        self.faults, self.rank, self.log_path = faults, rank, log_path
-        self.timer: threading.Timer | None = None
-
-    @classmethod
-    def from_env(cls, rank: int, log_path: Path | None = None) -> FaultPlan:
-        text = os.environ.get(FAULTS_ENV, "").strip()
-        attempt = restart_count()
-        faults = []
-        for item in filter(None, (s.strip() for s in text.split(","))):
-            parts = item.split(":")
-            if len(parts) < 4 or parts[3] not in cls.POINTS:
-                raise NdtrainError(f"{FAULTS_ENV}: {item!r} is not attempt:rank:step:point[:delay] "
-                                   f"(points: {', '.join(cls.POINTS)})")
-            if int(parts[0]) == attempt and (parts[1] == "*" or int(parts[1]) == rank):
-                faults.append((int(parts[2]), parts[3], float(parts[4]) if len(parts) > 4 else 0.0))
-        return cls(faults, rank, log_path)
-
-    def _note(self, what: str, step: int, point: str) -> None:
-        if self.log_path is not None:
-            with open(self.log_path, "a") as f:
-                f.write(f"{time.time():.6f} {what} rank={self.rank} step={step} point={point} "
-                        f"attempt={restart_count()}\n")
-
-    def _kill(self, step: int, point: str) -> None:
-        self._note("kill", step, point)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def at_step(self, step: int) -> None:
-        for at, point, delay in self.faults:
-            if point == "slow" and step >= at:
-                end = time.thread_time() + delay  # CPU time, not a sleep: busy time counts only work
-                while time.thread_time() < end:
-                    pass
-            if at != step:
-                continue
-            if point == "step":
-                self.timer = threading.Timer(delay, self._kill, args=(step, point))
-                self.timer.daemon = True
-                self.timer.start()
-            elif point == "hang":
-                self._note("hang", step, point)
-                time.sleep(1e9)
-
-    def at_checkpoint(self, step: int, point: str) -> None:
-        if any(at == step and p == point for at, p, _ in self.faults):
-            self._kill(step, point)
-
-    def cancel(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-
-
 # ---- the per-run coordinator ---------------------------------------------------------------
 class Recovery:
     def __init__(self, cfg, trainer, ckpt, run_dir: Path | None):
         self.cfg, self.trainer, self.ckpt = cfg, trainer, ckpt
         rank = trainer.rt.rank
         tc = cfg.train
-        self.watchdog = Watchdog(tc.step_deadline_s, rank) if tc.step_deadline_s > 0 else None
+        if run_dir is not None and cfg.resilience.on_failure == "exclude":
+            resilience.mark_alive(run_dir, rank)  # before Exclusion.start's gather: its successor's ledger
+        self.watchdog = Watchdog(tc.step_deadline_s, rank, self._hung) if tc.step_deadline_s > 0 else None
         self.guard = NonFiniteGuard(tc.nonfinite_skip)
         self.stragglers = StragglerMonitor.from_config(cfg)
         self.leave: resilience.Leave | None = None  # set when a host is taken out (resilience.py)
         self.exclusion = resilience.Exclusion.start(cfg, self.stragglers.persist)
         self.run_dir = run_dir
-        if self.exclusion is not None:  # grow_back=false: a host excluded before leaves again, before any step
-            self.leave = self.exclusion.rejoined(run_dir, trainer.step, rank, trainer.rt.world_size, self._event)
+        if self.exclusion is not None:  # a host excluded before, or failing too often, leaves before any step
+            self.leave = self.exclusion.at_start(run_dir, trainer.step, rank, trainer.rt.world_size, self._event)
         self.preemption = Preemption()
         log_path = Path(run_dir) / "faults.log" if run_dir is not None else None
         self.faults = FaultPlan.from_env(rank, log_path)
@@ -407,7 +344,15 @@ class Recovery:
         if named and self.exclusion is not None and self.leave is None:
             self.leave = self.exclusion.decide(step, named, t.rt.rank, t.rt.world_size, t.dims.describe(), self._event)
 
+    def _hung(self) -> None:
+        if self.run_dir is not None and self.cfg.resilience.on_failure == "exclude":
+            resilience.strike(self.run_dir, self.trainer.rt.rank, f"rank {self.trainer.rt.rank} hung (watchdog)")
+            resilience.mark_ended(self.run_dir)
+        os._exit(EXIT_HANG)
+
     def close(self) -> None:
+        if self.run_dir is not None and self.cfg.resilience.on_failure == "exclude":
+            resilience.mark_ended(self.run_dir)
         if self.watchdog:
             self.watchdog.close()
         self.faults.cancel()

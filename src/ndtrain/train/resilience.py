@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ndtrain.errors import NdtrainError
+from ndtrain.train.run_files import open_run_log, write_run_file
 
 EXIT_EXCLUDED = 73  # this rank's host was taken out: its agent leaves the rendezvous
 EXIT_REFORM = 75  # a peer's host was taken out: the agent restarts this worker into the smaller group
@@ -112,37 +113,18 @@ class Exclusion:
         rank calls it at the same point (Recovery's construction)."""
         import torch.distributed as dist
 
-        if cfg.resilience.on_straggler != "exclude" or not (dist.is_initialized() and dist.get_world_size() > 1):
+        res = cfg.resilience
+        if "exclude" not in (res.on_straggler, res.on_failure) or not (dist.is_initialized() and dist.get_world_size() > 1):
             return None
         table: list = [None] * dist.get_world_size()
         dist.all_gather_object(table, (group_rank(), host_id(), restarts_left()))
         return cls(cfg, persist, [g for g, _, _ in table], [h for _, h, _ in table], min(r for _, _, r in table))
 
-    def rejoined(self, run_dir: Path | None, step: int, rank: int, world: int, event) -> Leave | None:
-        """With resilience.grow_back=false, before the first step: a host this run excluded
-        before, back in the rendezvous, leaves again (the same on every rank: the same file)."""
-        if self.cfg.resilience.grow_back or run_dir is None:
-            return None
-        before = excluded_hosts(run_dir)
-        back = next((h for h in self.hosts if h in before), None)
-        if back is None:
-            return None
-        ranks = [r for r, h in enumerate(self.hosts) if h == back]
-        why = f"host {back} was excluded earlier in this run and resilience.grow_back=false"
-        refused = refusal(self.cfg, world, len(ranks), agents(), self.restarts)
-        if refused:
-            event({"event": "exclude_refused", "host": back, "reason": why, "refused": refused},
-                  f"not excluding host {back}: {why}, but {refused}; it trains with the others")
-            return None
-        reason = (f"host {back} (ranks {ranks}) excluded at step {step}: {why}; the other {world - len(ranks)} ranks "
-                  f"re-form from this step's checkpoint")
-        event({"event": "exclude", "host": back, "ranks": ranks, "reason": reason, "world": world,
-               "new_world": world - len(ranks), "time": time.time()}, reason)
-        return Leave(EXIT_EXCLUDED if rank in ranks else EXIT_REFORM, reason)
-
     def decide(self, step: int, named: list[tuple[int, float]], rank: int, world: int, layout: str,
                event) -> Leave | None:
         """From the all-reduced comparison: every rank decides alike. `event(row, text)` logs."""
+        if self.cfg.resilience.on_straggler != "exclude":
+            return None
         group, ranks, host = choose(named, self.groups, self.hosts)
         worst = max(named, key=lambda rr: rr[1])
         why = f"rank {worst[0]} ran {worst[1]:.2f}x the median busy time in {self.persist} straggler windows running"
@@ -159,6 +141,106 @@ class Exclusion:
         event({"event": "exclude", "host": host, "agent": group, "ranks": ranks, "reason": reason, "world": world,
                "new_world": world - len(ranks), "layout": layout, "time": time.time()}, reason)
         return Leave(EXIT_EXCLUDED if rank in ranks else EXIT_REFORM, reason)
+
+    def at_start(self, run_dir: Path | None, step: int, rank: int, world: int, event) -> Leave | None:
+        """Before the first step of an attempt: a host this run excluded before, back in the
+        rendezvous with grow_back=false, or (on_failure=exclude) a host whose ranks failed or hung
+        `failures` times within `failure_window_s`, leaves. Every rank reads the same files after
+        the gather in `start` (every rank's ledger entry is written before it), so all decide alike."""
+        res = self.cfg.resilience
+        if run_dir is None:
+            return None
+        found = None
+        if not res.grow_back:
+            before = excluded_hosts(run_dir)
+            back = next((h for h in self.hosts if h in before), None)
+            if back is not None:
+                found = back, f"host {back} was excluded earlier in this run and resilience.grow_back=false"
+        if found is None and res.on_failure == "exclude":
+            counts = failure_counts(run_dir, time.time() - res.failure_window_s)
+            bad = next((h for h in self.hosts if counts.get(h, 0) >= res.failures), None)
+            if bad is not None:
+                found = bad, (f"its ranks failed or hung {counts[bad]} times within resilience.failure_window_s="
+                              f"{res.failure_window_s:g} s (resilience.on_failure=exclude, failures={res.failures})")
+        if found is None:
+            return None
+        host, why = found
+        ranks = [r for r, h in enumerate(self.hosts) if h == host]
+        refused = refusal(self.cfg, world, len(ranks), agents(), self.restarts)
+        if refused:
+            if not self.refused:
+                event({"event": "exclude_refused", "host": host, "reason": why, "refused": refused},
+                      f"not excluding host {host}: {why}, but {refused}; it trains with the others")
+            self.refused = True
+            return None
+        reason = (f"host {host} (ranks {ranks}) excluded at step {step}: {why}; the other {world - len(ranks)} ranks "
+                  f"re-form from this step's checkpoint")
+        event({"event": "exclude", "host": host, "ranks": ranks, "reason": reason, "world": world,
+               "new_world": world - len(ranks), "time": time.time()}, reason)
+        return Leave(EXIT_EXCLUDED if rank in ranks else EXIT_REFORM, reason)
+
+
+# ---- the failure ledger: which host's ranks failed or hung, and when -------------------------
+# <run dir>/resilience/alive.<host>.<local rank>.json: this worker's marker while it runs (pid,
+# rank), ended on every exit through Recovery.close. A marker its successor finds neither ended
+# nor alive is a worker that died without a word (SIGKILL, a segfault, the OOM killer): a strike.
+# The watchdog writes its own strike ("hang") and ends its marker before it exits.
+def _ledger(run_dir: Path) -> Path:
+    return Path(run_dir) / "resilience"
+
+
+def _marker(run_dir: Path) -> Path:
+    return _ledger(run_dir) / f"alive.{host_id()}.{int(os.environ.get('LOCAL_RANK', '0') or 0)}.json"
+
+
+def strike(run_dir: Path, rank: int, why: str) -> None:
+    """One failure of this host's ranks (one line, appended: each under the size writes keep whole)."""
+    _ledger(run_dir).mkdir(parents=True, exist_ok=True)
+    with open_run_log(_ledger(run_dir) / "failures.jsonl") as f:
+        f.write(json.dumps({"time": time.time(), "host": host_id(), "rank": rank, "why": why}) + "\n")
+
+
+def mark_alive(run_dir: Path, rank: int) -> None:
+    """At a worker's start: a strike for a predecessor (this host, this local rank) that died
+    without a word, then this worker's own marker."""
+    from ndtrain.train.distributed import _alive
+
+    path = _marker(run_dir)
+    try:
+        before = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        before = None
+    if before and not before.get("ended") and not _alive(int(before.get("pid", 0))):
+        strike(run_dir, int(before.get("rank", -1)), f"rank {before.get('rank')} (pid {before.get('pid')}) "
+                                                     f"died without a word")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_run_file(path, json.dumps({"pid": os.getpid(), "rank": rank, "started": time.time()}))
+
+
+def mark_ended(run_dir: Path) -> None:
+    path = _marker(run_dir)
+    try:
+        row = json.loads(path.read_text())
+        if row.get("pid") == os.getpid():
+            write_run_file(path, json.dumps({**row, "ended": time.time()}))
+    except (OSError, json.JSONDecodeError):
+        pass
+
+
+def failure_counts(run_dir: Path, since: float) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    try:
+        lines = (_ledger(run_dir) / "failures.jsonl").read_text().splitlines()
+    except OSError:
+        return counts
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("time", 0) >= since:
+            counts[row.get("host")] = counts.get(row.get("host"), 0) + 1
+    return counts
 
 
 def excluded_hosts(run_dir: Path) -> set[str]:

@@ -30,7 +30,7 @@ RUN_MARKER = ".ndtrain-run.json"
 # Every entry a run writes in its run directory, besides the lock and the marker: the one list
 # the ownership and link checks go by (tests/train/test_run_files.py checks the writers use it).
 RUN_FILES = ("config.toml", "plan.json", "metrics.jsonl", "trackers.json", "pipeline_trace.json", "faults.log")
-RUN_DIRS = ("checkpoints", "tensorboard", "wandb", "mlruns")
+RUN_DIRS = ("checkpoints", "tensorboard", "wandb", "mlruns", "resilience")
 RUN_ENTRIES = RUN_FILES + RUN_DIRS
 _CKPT_NAME = re.compile(r"step_\d+$")
 

@@ -49,7 +49,8 @@ def written_entries(cfg) -> tuple[str, ...]:
              "tensorboard": "tensorboard" in trackers, "wandb": "wandb" in trackers,
              "mlruns": "mlflow" in trackers and not cfg.logging.mlflow_uri,
              STATE_FILE: "wandb" in trackers or "mlflow" in trackers,
-             "pipeline_trace.json": cfg.logging.pipeline_trace_step > 0, "faults.log": bool(os.environ.get(FAULTS_ENV))}
+             "pipeline_trace.json": cfg.logging.pipeline_trace_step > 0, "faults.log": bool(os.environ.get(FAULTS_ENV)),
+             "resilience": cfg.resilience.on_failure == "exclude"}  # the failure ledger (train/resilience.py)
     return tuple(name for name in RUN_ENTRIES if names.get(name))
 
 
