@@ -159,6 +159,28 @@ def _publish(tmp: Path, out: Path) -> None:
     os.replace(tmp, out)
 
 
+def follow_umask(path: Path) -> None:
+    """Give `path` the mode any new file gets (0666 less the umask). safetensors 0.8 writes
+    through a temporary file of mode 0600 that it renames into place (safetensors#782), so an
+    export's weights were readable by their owner alone where its config.json is group-readable:
+    on a shared cluster the group could not load them."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it where Linux says it (os.umask can only set
+    it, and a moment of umask 0 would let another thread create a world-writable file)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)  # the strictest value while it is read: nothing made meanwhile is exposed
+    os.umask(mask)
+    return mask
+
+
 def _write_failed(exc: OSError, out: Path, tmp: Path, needed: int):
     from ndtrain.errors import RunError
 
@@ -195,10 +217,12 @@ def export(checkpoint: str | Path, to: str, out: str | Path, dtype: str = "float
         out.parent.mkdir(parents=True, exist_ok=True)
         if to == "safetensors":
             save_file(tensors, str(tmp), metadata=meta)
+            follow_umask(tmp)
         else:
             tmp.mkdir()
             (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            follow_umask(tmp / "model.safetensors")
         _publish(tmp, out)
     except OSError as exc:
         raise _write_failed(exc, out, tmp, needed) from None
@@ -229,17 +253,8 @@ def _read_json(path: Path):
         raise NdtrainError(f"{path}: not readable JSON ({exc})") from None
 
 
-def read_hf(src: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    src = Path(src)
-    if not src.is_dir():
-        raise NdtrainError(f"{src}: {'no such directory' if not src.exists() else 'not a directory'}; expected a "
-                           f"Hugging Face model directory")
-    if not (src / "config.json").is_file():
-        raise NdtrainError(f"{src}: no config.json; expected a Hugging Face model directory")
-    cfg = model_config_from_hf(_read_json(src / "config.json"))
+def _weight_files(src: Path) -> list[str]:
+    """The safetensors files of a Hugging Face directory (one, or the shards of an index)."""
     index = src / "model.safetensors.index.json"
     if index.is_file():
         weight_map = _read_json(index).get("weight_map") if isinstance(_read_json(index), dict) else None
@@ -249,22 +264,27 @@ def read_hf(src: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         for f in files:
             if Path(f).is_absolute() or ".." in Path(f).parts or not (src / f).is_file():
                 raise NdtrainError(f"{index}: shard {f!r} is not a file inside {src}")
-    elif (src / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        pickles = [p.name for p in src.glob("*.bin")] + [p.name for p in src.glob("*.pt")]
-        hint = f" ({', '.join(pickles)} are pickle files, which ndtrain never loads)" if pickles else ""
-        raise NdtrainError(f"{src}: no model.safetensors{hint}; convert the weights to safetensors first")
-    hf: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            hf.update(load_file(str(src / f)))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise NdtrainError(f"{src / f}: not a readable safetensors file ({exc})") from None
-    tensors = {from_hf_name(k): v.float() for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")}
-    if cfg.tie_embeddings and "tok_embeddings.weight" in tensors:
-        tensors["output.weight"] = tensors["tok_embeddings.weight"]
-    return cfg, tensors
+        return files
+    if (src / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    pickles = [p.name for p in src.glob("*.bin")] + [p.name for p in src.glob("*.pt")]
+    hint = f" ({', '.join(pickles)} are pickle files, which ndtrain never loads)" if pickles else ""
+    raise NdtrainError(f"{src}: no model.safetensors{hint}; convert the weights to safetensors first")
+
+
+def read_hf(src: str | Path) -> tuple[ModelConfig, dict[str, tuple[tuple[int, ...], str]], int]:
+    """(model config, each tensor's (shape, file), fp32 bytes): checked, nothing loaded yet."""
+    src = Path(src)
+    if not src.is_dir():
+        raise NdtrainError(f"{src}: {'no such directory' if not src.exists() else 'not a directory'}; expected a "
+                           f"Hugging Face model directory")
+    if not (src / "config.json").is_file():
+        raise NdtrainError(f"{src}: no config.json; expected a Hugging Face model directory")
+    from ndtrain.train import hf_weights
+
+    cfg = model_config_from_hf(_read_json(src / "config.json"))
+    headers = hf_weights.headers(src, _weight_files(src))
+    return cfg, headers, hf_weights.check_hf_shapes(src, cfg, headers)
 
 
 def import_hf(src: str | Path, out_root: str | Path) -> Path:
@@ -272,9 +292,10 @@ def import_hf(src: str | Path, out_root: str | Path) -> Path:
     import torch.distributed.checkpoint as dcp
 
     from ndtrain.config import JobConfig, to_dict
-    from ndtrain.model.llama import build_model
-    from ndtrain.train.ckpt_store import FORMAT, TRAIN_STATE, fsync_dir, step_name, write_manifest, write_marker
     from ndtrain.paths import check_creatable
+    from ndtrain.train import hf_weights
+    from ndtrain.train.ckpt_store import FORMAT, TRAIN_STATE, fsync_dir, step_name, write_manifest, write_marker
+    from ndtrain.train.generate import _host_available
 
     out_root = Path(out_root)
     name = step_name(0)
@@ -284,17 +305,10 @@ def import_hf(src: str | Path, out_root: str | Path) -> Path:
     if out_root.is_dir() and any(p.name.startswith(("step_", ".step_")) for p in out_root.iterdir()):
         raise NdtrainError(f"--out {out_root} already holds checkpoints (another run's?); import into a new directory")
     check_creatable(out_root, "--out")
-    mcfg, tensors = read_hf(src)
-    model = build_model(mcfg, "cpu")
-    expected = set(model.state_dict())
-    if set(tensors) != expected:
-        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-        raise NdtrainError(f"{src}: tensors do not match config.json (missing {missing[:3]}, unexpected {extra[:3]})")
-    for key, value in model.state_dict().items():
-        if tuple(tensors[key].shape) != tuple(value.shape):
-            raise NdtrainError(f"{src}: tensor {to_hf_name(key)} has shape {list(tensors[key].shape)} but config.json "
-                               f"implies {list(value.shape)}")
-    model.load_state_dict(tensors)
+    mcfg, headers, needed = read_hf(src)
+    largest = max(math.prod(s) for s, _ in headers.values()) * hf_weights.FP32
+    hf_weights.check_host_memory(Path(src), needed + largest, _host_available())
+    model = hf_weights.load_hf(Path(src), mcfg, headers)
     created = [d for d in [out_root, *out_root.parents] if not d.exists()]
     try:
         tmp.mkdir(parents=True, exist_ok=True)
