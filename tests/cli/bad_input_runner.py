@@ -2,8 +2,9 @@
 
     python tests/cli/bad_input_runner.py CASES.json RESULTS.json
 
-Each case: {"id", "argv", "cwd", "roots"}. For each, every file under `roots` is hashed before
-and after, and the process's file descriptors 1 and 2 are redirected to files while the command
+Each case: {"id", "argv", "cwd", "roots", "env"}. For each, every file under `roots` is hashed before
+and after, `env` (optional) is set in the environment for the case alone, and the process's file
+descriptors 1 and 2 are redirected to files while the command
 runs, so whatever reaches the terminal (Python prints, logging, warnings, C++ messages from
 torch) is what the result records. Results: {"id": {"rc", "stdout", "stderr", "changed"}}.
 """
@@ -67,7 +68,13 @@ def main() -> int:
     results = {}
     for case in cases:
         before = snapshot(case["roots"])
-        rc, out, err = run_case(case["argv"], case["cwd"])
+        saved_env = {k: os.environ.get(k) for k in case.get("env", {})}
+        os.environ.update(case.get("env", {}))
+        try:
+            rc, out, err = run_case(case["argv"], case["cwd"])
+        finally:
+            for k, v in saved_env.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         after = snapshot(case["roots"])
         changed = sorted(p for p, digest in before.items() if after.get(p) != digest)
         results[case["id"]] = {"rc": rc, "stdout": out[-4000:], "stderr": err[-4000:], "changed": changed}

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ndtrain.errors import NdtrainError
+from ndtrain.errors import NdtrainError, UsageError
 
 
 @dataclass
@@ -49,7 +49,49 @@ def under_launcher() -> bool:
 def env_world_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return launch_env()["WORLD_SIZE"]
+
+
+_LAUNCH_INTS = {"WORLD_SIZE": 1, "RANK": 0, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1, "MASTER_PORT": 1}
+
+
+def launch_env(environ=None) -> dict[str, int]:
+    """The launcher's variables (torchrun's, or whoever sets them for env:// rendezvous), checked:
+    each an integer in range, RANK below WORLD_SIZE, LOCAL_RANK below LOCAL_WORLD_SIZE, and with
+    WORLD_SIZE > 1 the RANK, MASTER_ADDR and MASTER_PORT that forming the group needs. A variable
+    that is wrong, or left over in a shell without a launcher, is one line naming it (exit 2), not
+    torch's traceback or a wait for peers that never come. Returns the integers (defaults for
+    those unset: one process)."""
+    env = os.environ if environ is None else environ
+    how = ("torchrun sets it; to train in one process unset WORLD_SIZE, RANK, LOCAL_RANK and MASTER_*, "
+           "or start the ranks with torchrun or `ndtrain train --nproc N`")
+    out = {}
+    for name, low in _LAUNCH_INTS.items():
+        text = env.get(name)
+        if text is None or (text.strip() == "" and name != "WORLD_SIZE"):
+            continue
+        try:
+            value = int(text.strip())
+        except ValueError:
+            value = None
+        if value is None or value < low or (name == "MASTER_PORT" and value > 65535):
+            want = "a port number (1-65535)" if name == "MASTER_PORT" else f"an integer >= {low}"
+            raise UsageError(f"environment variable {name}={text!r} must be {want} ({how})")
+        out[name] = value
+    world = out.setdefault("WORLD_SIZE", 1)
+    rank = out.setdefault("RANK", 0)
+    if rank >= world:
+        raise UsageError(f"environment variable RANK={rank} must be below WORLD_SIZE={world} ({how})")
+    if out.get("LOCAL_RANK", 0) >= out.get("LOCAL_WORLD_SIZE", out.get("LOCAL_RANK", 0) + 1):
+        raise UsageError(f"environment variable LOCAL_RANK={out['LOCAL_RANK']} must be below "
+                         f"LOCAL_WORLD_SIZE={out['LOCAL_WORLD_SIZE']} ({how})")
+    if world > 1:
+        for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+            if not (env.get(name) or "").strip():
+                raise UsageError(f"environment variable WORLD_SIZE={world} is set but {name} is not: the ranks "
+                                 f"cannot form a group ({how})")
+    out.setdefault("LOCAL_RANK", 0)
+    return out
 
 
 def setup(train_cfg) -> Runtime:
@@ -58,16 +100,26 @@ def setup(train_cfg) -> Runtime:
     (`device_id`): NCCL then forms its communicator at init rather than at the first collective,
     and `new_group` splits it instead of building each sub-group from scratch."""
     device_type, backend = choose_device(train_cfg.device, train_cfg.backend)
+    env = launch_env()
     world = env_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = env["LOCAL_RANK"]
     device = bind_device(device_type, local_rank)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=train_cfg.timeout_s), **group_device(device))
+        try:
+            dist.init_process_group(backend, timeout=timedelta(seconds=train_cfg.timeout_s), **group_device(device))
+        except (RuntimeError, ValueError) as exc:  # DistNetworkError / DistStoreError are RuntimeErrors
+            from ndtrain.errors import RunError
+
+            first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+            raise RunError(f"rank {env['RANK']} of WORLD_SIZE={world} could not form the process group at "
+                           f"MASTER_ADDR={os.environ.get('MASTER_ADDR')} MASTER_PORT={os.environ.get('MASTER_PORT')} "
+                           f"within train.timeout_s={train_cfg.timeout_s:g} ({first[:200]}); were all {world} "
+                           f"ranks started (torchrun, or `ndtrain train --nproc N`)?") from None
     rank = dist.get_rank() if dist.is_initialized() else 0
     if device.type == "cpu":
         if "OMP_NUM_THREADS" not in os.environ:
             # Ranks sharing a host share its cores; oversubscription is slower than 1 thread each.
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+            local_world = env.get("LOCAL_WORLD_SIZE", world)
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
         keep_freed_memory()
     return Runtime(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
