@@ -29,7 +29,8 @@ from ndtrain.data.manifest import (FORMAT, FORMAT_VERSION, MANIFEST_NAME, TOKENI
                                    read_manifest, write_json_atomic)
 from ndtrain.data.shards import ShardWriter
 from ndtrain.data.split import METHOD, SALT_NAME, val_length
-from ndtrain.data.sources import SourceFile, check_readable, collect, default_corpus_root, plan_units, sample_texts
+from ndtrain.data.sources import (Skipped, SourceFile, check_readable, collect, default_corpus_root,
+                                  plan_units, sample_texts)
 from ndtrain.data.tokenizer import BPETokenizer, check_bpe_vocab_size, load_tokenizer, make_tokenizer
 from ndtrain.errors import NdtrainError
 
@@ -272,7 +273,7 @@ def _append(out: Path, old: dict, files, roots, settings, max_bytes, workers, sh
 
 def run_prepare(sources: list[str] | None, out_dir, tokenizer="byte", vocab_size=8192, val_fraction=0.005,
                 max_bytes=None, workers=None, text_field="text", shard_tokens=None,
-                bpe_sample_bytes=None) -> tuple[dict, str]:
+                bpe_sample_bytes=None, skipped=None) -> tuple[dict, str]:
     """prepare(), also saying what it did: 'created', 'appended' or 'unchanged'."""
     default = workers is None
     workers = default_workers() if default else workers
@@ -280,7 +281,7 @@ def run_prepare(sources: list[str] | None, out_dir, tokenizer="byte", vocab_size
         shard_tokens = int(DEFAULT_SHARD_MB * 1e6) // dtype_for_vocab(256 if tokenizer == "byte" else vocab_size).itemsize
     bpe_sample_bytes = int(DEFAULT_BPE_SAMPLE_MB * 1e6) if bpe_sample_bytes is None else bpe_sample_bytes
     tok = _check_args(tokenizer, vocab_size, val_fraction, max_bytes, workers, text_field, shard_tokens, bpe_sample_bytes)
-    files, roots = collect(sources)
+    files, roots = collect(sources, skipped)  # skipped: what the walk did not read, for the summary
     check_readable(files, text_field)
     if default and sum(f.size for f in files) < _PARALLEL_MIN_BYTES:
         workers = 1  # starting worker processes costs more than tokenizing a small corpus
@@ -297,10 +298,12 @@ def run_prepare(sources: list[str] | None, out_dir, tokenizer="byte", vocab_size
 
 def prepare(sources: list[str] | None, out_dir: str | os.PathLike, tokenizer: str = "byte", vocab_size: int = 8192,
             val_fraction: float = 0.005, max_bytes: int | None = None, workers: int | None = None,
-            text_field: str = "text", shard_tokens: int | None = None, bpe_sample_bytes: int | None = None) -> dict:
-    """Tokenize `sources` (None = the Python stdlib's .py files) into out_dir; return the manifest."""
+            text_field: str = "text", shard_tokens: int | None = None, bpe_sample_bytes: int | None = None,
+            skipped=None) -> dict:
+    """Tokenize `sources` (None = the Python stdlib's .py files) into out_dir; return the manifest.
+    `skipped` (a sources.Skipped): filled with what the walk of the sources did not read."""
     return run_prepare(sources, out_dir, tokenizer, vocab_size, val_fraction, max_bytes, workers, text_field,
-                       shard_tokens, bpe_sample_bytes)[0]
+                       shard_tokens, bpe_sample_bytes, skipped)[0]
 
 
 def ensure_prepared(out_dir: str | os.PathLike, sources: list[str] | None = None, tokenizer: str = "byte",
@@ -376,6 +379,7 @@ def main(argv: list[str]) -> int:
         workers=a.workers, text_field=a.text_field, shard_tokens=max(1, int(a.shard_mb * 1e6) // itemsize),
         bpe_sample_bytes=max(1, int(a.bpe_sample_mb * 1e6)),
     )
+    kwargs["skipped"] = skipped = Skipped()  # what the walk did not read: said in the summary line
     if a.if_absent:
         existed = (Path(a.out) / MANIFEST_NAME).is_file()
         manifest, action = ensure_prepared(**kwargs), "kept" if existed else "created"
@@ -385,7 +389,8 @@ def main(argv: list[str]) -> int:
     print(f"{head} {manifest['num_tokens']:,} tokens ({manifest['tokenizer']}, vocab {manifest['vocab_size']}) "
           f"from {manifest.get('num_documents', 0):,} documents / {manifest.get('num_bytes', 0) / 1e6:.1f} MB "
           f"in {len(manifest['shards'])} shard(s) -> {a.out} ({len(manifest['parts'])} part(s), "
-          f"val {sum(p['val'][1] - p['val'][0] for p in manifest['parts']):,} tokens{_val_summary(manifest)})")
+          f"val {sum(p['val'][1] - p['val'][0] for p in manifest['parts']):,} tokens{_val_summary(manifest)})"
+          + (f"; {skipped.read:,} file(s) read, {skipped.describe()}" if action != "kept" else ""))
     return 0
 
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ndtrain.data.walk import Skipped, expand, walk
 from ndtrain.errors import NdtrainError
 
 TEXT_SUFFIXES = (".txt", ".py", ".md")
@@ -67,30 +68,23 @@ def kind_of(name: str) -> tuple[str, str | None]:
     return ("jsonl" if low.endswith(".jsonl") else "text"), compression
 
 
-def _walk(root: Path, suffixes: tuple[str, ...], skip_dirs: frozenset[str] = frozenset()) -> list[str]:
-    """Relative posix paths of matching files under root, sorted as strings so order never depends on the filesystem."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):  # does not follow directory symlinks: no cycles
-        # Hidden dirs (.git, .venv) and caches are never corpus text; skipping them avoids swallowing a virtualenv.
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__" and d not in skip_dirs]
-        rel_dir = Path(dirpath).relative_to(root)
-        found += [(rel_dir / f).as_posix() for f in filenames if f.endswith(suffixes) and not f.startswith(".")]
-    return sorted(found)
-
-
 def _file(path: Path, strict: bool = True) -> SourceFile:
     st = path.stat()
     return SourceFile(str(path), *kind_of(path.name), strict, st.st_size, st.st_mtime_ns)
 
 
-def collect(sources: list[str] | None) -> tuple[list[SourceFile], list[str]]:
-    """(files in stream order, resolved source roots). Raises before anything is written."""
+def collect(sources: list[str] | None, skipped: Skipped | None = None) -> tuple[list[SourceFile], list[str]]:
+    """(files in stream order, resolved source roots). Raises before anything is written.
+    `skipped` (optional) receives what the walk did not read, and the count of files read."""
+    skipped = Skipped() if skipped is None else skipped
     if sources is None:
         root = default_corpus_root()
-        rels = _walk(root, (".py",), frozenset({"site-packages", "dist-packages"}))
+        rels = walk(root, (".py",), frozenset({"site-packages", "dist-packages"}), skipped)
         if not rels:
             raise NdtrainError(f"default corpus: no .py files found under {root}")
-        return [_file(root / r, strict=False) for r in rels], [str(root)]
+        files = [_file(root / r, strict=False) for r in rels]
+        skipped.read = len(files)
+        return files, [str(root)]
     if not sources:
         raise NdtrainError("no sources given (pass files, folders or globs, or none at all for the default corpus)")
     files: list[SourceFile] = []
@@ -98,14 +92,16 @@ def collect(sources: list[str] | None) -> tuple[list[SourceFile], list[str]]:
     roots = []
 
     def add(path: Path) -> None:
-        if str(path) not in seen:
-            seen.add(str(path))
+        st = path.stat()
+        key = (st.st_dev, st.st_ino)  # one file reached by two names (a link) is read once
+        if str(path) not in seen and key not in seen:
+            seen.update((str(path), key))
             files.append(_file(path))
 
     for src in sources:
         expanded = os.path.expanduser(src)
         if glob.has_magic(expanded):
-            matches = sorted(glob.glob(expanded, recursive=True))
+            matches = expand(expanded, skipped)
             if not matches:
                 raise NdtrainError(f"{src}: no files match this pattern")
             roots.append(os.path.abspath(expanded))
@@ -118,15 +114,18 @@ def collect(sources: list[str] | None) -> tuple[list[SourceFile], list[str]]:
             paths = [path]
         for path in paths:
             if path.is_dir():
-                rels = _walk(path, FOLDER_SUFFIXES)
+                rels = walk(path, FOLDER_SUFFIXES, skipped=skipped)
                 if not rels and not glob.has_magic(expanded):
                     raise NdtrainError(f"{src}: no {'/'.join(FOLDER_SUFFIXES)} files found in this folder")
                 for r in rels:
                     add(path / r)
             elif path.is_file():
                 add(path)  # a file named explicitly is read as text whatever its extension, unless recognised
+            else:
+                skipped.add("broken link(s) or not a regular file", path)
     if not files:
         raise NdtrainError(f"{', '.join(sources)}: no files found")
+    skipped.read = len(files)
     return files, roots
 
 
