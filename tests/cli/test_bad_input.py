@@ -35,6 +35,7 @@ class Case:
     lock: bool | str = False  # a live process (this one) holds the lock of case_dir/out (or of this) while it runs
     absent: tuple = ()  # glob patterns (relative to case_dir) that must match nothing afterwards
     extra_roots: tuple = field(default_factory=tuple)
+    env: dict = field(default_factory=dict)  # environment variables set for this case only
 
 
 # ---- inputs ------------------------------------------------------------------------------------
@@ -667,6 +668,32 @@ CHECKPOINT_DIR_CASES = [
 CASES += CHECKPOINT_DIR_CASES
 
 
+# ---- issue 33, classes 11 and 14: import checks config.json against the safetensors headers before
+# it allocates anything; the launcher's variables, malformed or left over without a launcher -------
+_MASTER = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}
+HEADER_AND_ENV_CASES = [
+    # before: 25.6 GB allocated for a 1e8-token embedding; a hang building 1e7 layers
+    Case("import-vocab-huge", lambda w, d: ["import", "--from", "hf", str(d / "hf"), "--out", str(d / "o")],
+         r"vocab_size", prep=hf_with({"vocab_size": 100_000_000}), absent=("o",)),
+    Case("import-layers-huge", lambda w, d: ["import", "--from", "hf", str(d / "hf"), "--out", str(d / "o")],
+         r"num_hidden_layers", prep=hf_with({"num_hidden_layers": 10_000_000}), absent=("o",)),
+    Case("import-ffn-huge", lambda w, d: ["import", "--from", "hf", str(d / "hf"), "--out", str(d / "o")],
+         r"intermediate_size", prep=hf_with({"intermediate_size": 50_000_000}), absent=("o",)),
+    # before: torch's traceback (env:// rendezvous), or int()'s
+    Case("train-env-world-size-not-int", lambda w, d: T(w, d), r"WORLD_SIZE='two'", env={"WORLD_SIZE": "two"},
+         absent=("out",)),
+    Case("train-env-rank-beyond-world", lambda w, d: T(w, d), r"RANK=5 must be below WORLD_SIZE=2",
+         env={"WORLD_SIZE": "2", "RANK": "5", **_MASTER}, absent=("out",)),
+    Case("train-env-left-over-without-launcher", lambda w, d: T(w, d), r"WORLD_SIZE=2 is set but MASTER_ADDR",
+         env={"WORLD_SIZE": "2", "RANK": "0"}, absent=("out",)),
+    Case("train-env-master-port-garbage", lambda w, d: T(w, d), r"MASTER_PORT='http'",
+         env={"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "http"}, absent=("out",)),
+    Case("train-env-local-rank-garbage", lambda w, d: T(w, d), r"LOCAL_RANK='-1'", env={"LOCAL_RANK": "-1"},
+         absent=("out",)),
+]
+CASES += HEADER_AND_ENV_CASES
+
+
 # ---- running them ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def results(corpus_dir, tmp_path_factory):
@@ -697,7 +724,7 @@ def results(corpus_dir, tmp_path_factory):
         argv = [str(a) for a in case.argv(world, d)]
         roots = [str(d)] + [str(p) for name, p in shared.items()
                             if name in case.extra_roots or any(str(p) in a for a in argv)]
-        specs.append({"id": case.id, "argv": argv, "cwd": str(d), "roots": roots})
+        specs.append({"id": case.id, "argv": argv, "cwd": str(d), "roots": roots, "env": case.env})
     cases_file, results_file = base / "cases.json", base / "results.json"
     cases_file.write_text(json.dumps(specs))
     try:
