@@ -211,11 +211,17 @@ def _destroy_groups() -> None:
     pytorch/pytorch#190489). Only on success: a teardown while a failed peer is mid-collective
     could hang (torchtitan does the same). Every rank reaches it straight from its last
     collective: work only one rank does (rank 0's sample) comes after it, so the barrier never
-    waits on it under the collective timeout."""
+    waits on it under the collective timeout. Whatever else one rank still does there (a tracker
+    flushing, W&B finishing) may outlast that timeout: the run is done (every rank is past the
+    final save), so a barrier that times out, or whose peer has already gone, is not a failure:
+    this rank skips the teardown and exits 0. Raised, it made torchrun restart a finished run."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()  # every rank is done with every group
+        try:
+            dist.barrier()  # every rank is done with every group
+        except Exception:  # noqa: BLE001  (a DistError, or Gloo's RuntimeError: a peer late or gone)
+            return
         dist.destroy_process_group()
 
 

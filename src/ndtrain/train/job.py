@@ -23,6 +23,9 @@ from ndtrain.train.checkpoint import list_checkpoints
 from ndtrain.train.ckpt_resume import group_active
 
 SAMPLE_DELAY_ENV = "NDTRAIN_TEST_SAMPLE_DELAY_S"  # tests only: seconds rank 0 sleeps before its sample
+# tests only: seconds rank 0 sleeps after its last collective, before the teardown (what a slow
+# tracker flush or W&B finish does there)
+END_DELAY_ENV = "NDTRAIN_TEST_END_DELAY_S"
 
 
 def run(plan, run_dir: Path, make_trainer: Callable[[], object]) -> dict:
@@ -194,5 +197,7 @@ def _loop(plan, run_dir: Path, progress: dict, make_trainer) -> dict:
         # the collective timeout. closing_sample runs once no rank can be waiting.
         summary["sample_from"] = {"checkpoint": str(path), "device": str(rt.device),
                                   "verified": ckpt.verdicts.get(str(path), "unknown") is None}
+    if rt.is_main:
+        time.sleep(float(os.environ.get(END_DELAY_ENV, "0") or 0))  # tests: rank 0 slow to close
     trainer.close()
     return summary
