@@ -79,3 +79,18 @@ def average_layer_forward_flops(cfg: ModelConfig, seq: int, attention: str) -> t
     ones averaged), for cost models that treat layers alike."""
     mm = 2 * sum(layer_matmul_params(cfg, i) for i in range(cfg.n_layers)) / cfg.n_layers
     return mm, attention_forward_flops(cfg, seq, attention)
+
+
+def shown_fraction(ratio) -> float | None:
+    """A fraction of a peak (MFU) as ndtrain shows it, or None: above 1 no run outpaces a true
+    peak, so the peak is wrong (a misidentified device, a measured probe below what the run
+    reaches) and the figure would mislead. The step line, metrics.jsonl and `ndtrain report`
+    (which also reads rows older ndtrains wrote) all go through this one rule."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+        return None
+    return ratio
+
+
+def mfu(flops_per_s: float, peak: float) -> float | None:
+    """Model FLOP/s over the peak, through shown_fraction."""
+    return shown_fraction(flops_per_s / peak if peak > 0 else float("inf"))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ndtrain.errors import NdtrainError
+from ndtrain.layout.flops import shown_fraction
 
 EVENTS_THAT_REWIND = ("start", "restart", "rollback")
 
@@ -125,6 +126,9 @@ def read_rows(path: Path) -> tuple[list[dict], int]:
                 bad += 1
                 continue
             if isinstance(row, dict) and isinstance(row.get("step"), int):
+                for key in ("mfu", "mfu_fp8"):  # an older ndtrain logged MFU above 100% (a wrong peak)
+                    if row.get(key) is not None:
+                        row[key] = shown_fraction(row[key])
                 rows.append(row)
             else:
                 bad += 1

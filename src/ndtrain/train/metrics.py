@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ndtrain.compat.torch import require
+from ndtrain.layout.flops import mfu  # noqa: F401  (the trainer's MFU; the rule lives with the FLOP count)
 from ndtrain.planner.hardware import CATALOG, catalog_name
 from ndtrain.train.trackers import open_trackers, scalars
 
@@ -96,13 +97,6 @@ def run_peaks(device: torch.device, dtype: torch.dtype, fp8: bool) -> tuple[floa
     if fp8_peak < peak:
         return peak, source, peak, f"the bf16 peak: fp8 measured {fp8_peak / 1e9:.3g} GFLOP/s, below it"
     return peak, source, fp8_peak, fp8_source
-
-
-def mfu(flops_per_s: float, peak: float) -> float | None:
-    """Model FLOP/s over the peak; None above 1: no run outpaces a true peak, so the peak is wrong
-    (a misidentified device, a measured probe below what the run reaches) and the figure would mislead."""
-    ratio = flops_per_s / peak if peak > 0 else float("inf")
-    return ratio if ratio <= 1.0 else None
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -228,7 +222,10 @@ class MetricsLogger:
             return
         self.trackers = []
         if self.logging_cfg is not None:
-            self.trackers = open_trackers(self.run_dir, self.logging_cfg, self.config, step)
+            try:
+                self.trackers = open_trackers(self.run_dir, self.logging_cfg, self.config, step)
+            except OSError as exc:  # a full disk as a tracker creates its files
+                raise self._failed(exc, Path(exc.filename) if exc.filename else self.run_dir, 0, step) from None
         show = self.progress == "on" or (self.progress == "auto" and sys.stderr.isatty())
         if show:
             from tqdm import tqdm
@@ -239,16 +236,64 @@ class MetricsLogger:
         if not self.enabled:
             return
         row = {**row, "time": row.get("time", time.time())}
-        self.file.write(json.dumps(row) + "\n")
+        line = json.dumps(row) + "\n"
+        try:
+            self.file.write(line)
+        except OSError as exc:
+            raise self._failed(exc, self.run_dir / "metrics.jsonl", len(line.encode()), row["step"]) from None
         if self.trackers is None:
             self.start(max(0, row["step"] - 1))
         values = scalars(row) if self.trackers else None
         for tracker in self.trackers if values else ():
-            tracker.log(row["step"], values)
+            try:
+                tracker.log(row["step"], values)
+            except OSError as exc:
+                raise self._failed(exc, getattr(tracker, "path", self.run_dir), getattr(tracker, "pending", 0),
+                                   row["step"]) from None
         if "loss" in row:
             self._show(row)
         elif "val_loss" in row:
             self.info(f"step {row['step']}: validation loss {row['val_loss']:.4f}")
+
+    def _failed(self, exc: OSError, path: Path, needed: int, step: int):
+        """One line for a metrics write that failed (a full disk, as checkpoints say it: the path,
+        the bytes, what is free). What is still buffered is dropped, so closing the file at exit
+        cannot fail again and print a second message."""
+        import errno
+        import shutil
+
+        from ndtrain.errors import RunError
+
+        self._drop_buffers()
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            try:
+                free = f"{shutil.disk_usage(path if path.is_dir() else path.parent).free / 1e6:,.1f} MB are free"
+            except OSError:
+                free = "the free space is unknown"
+            need = f"need {needed:,} bytes" if needed else "could not be written"
+            what = f"no space left on the device of {path} ({exc.strerror}): the metrics of step {step} {need}, {free}"
+        else:
+            what = f"cannot write {path}: {exc.strerror or exc}"
+        return RunError(f"{what}; the run stopped at step {step} (the rows before it are kept; once there is room, "
+                        f"continue with --checkpoint.resume=auto)")
+
+    def _drop_buffers(self) -> None:
+        """Discard metrics.jsonl's unwritten bytes: a failed flush keeps them, and the interpreter's
+        last flush of the file would fail on them again ("Exception ignored ..."). The logger
+        writes nothing more."""
+        import os
+
+        f, self.file, self.enabled = self.file, None, False
+        if f is None:
+            return
+        try:
+            fd = f.fileno()
+        except (OSError, ValueError):
+            return
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)  # the file object now flushes into /dev/null and closes cleanly
+        os.close(devnull)
+        f.close()
 
     def _show(self, row: dict) -> None:
         def pct(value, peak: str) -> str:  # None: above 100% (see mfu()), so that peak is wrong

@@ -75,18 +75,61 @@ class RunState:
 
 
 class TensorBoardTracker:
-    def __init__(self, run_dir: Path, start_step: int):
-        from torch.utils.tensorboard import SummaryWriter
+    """TensorBoard's event file, written on the training thread, each call's records in one
+    unbuffered write. torch's SummaryWriter writes from a thread of its own: a full disk there was
+    that thread's traceback, then a line without the path. Here it is an OSError in `log`, which
+    the MetricsLogger reports with `path` and `pending` (the bytes it was writing)."""
 
-        # purge_step hides the events a crashed attempt wrote past the checkpoint it resumed from.
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+    def __init__(self, run_dir: Path, start_step: int):
+        import socket
+
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        self._event = Event
+        directory = run_dir / "tensorboard"
+        self.path, self.pending = directory, 0
+        directory.mkdir(parents=True, exist_ok=True)
+        stem = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
+        for n in range(1000):  # a name of its own: O_EXCL, never another attempt's file
+            try:
+                self.fd = os.open(directory / f"{stem}.{n}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+                break
+            except FileExistsError:
+                continue
+        self.path = directory / f"{stem}.{n}"
+        events = [Event(wall_time=time.time(), file_version="brain.Event:2")]
+        if start_step:  # what SummaryWriter's purge_step writes: readers drop the events a crashed
+            # attempt wrote past the checkpoint this one resumed from
+            events += [Event(step=start_step + 1, file_version="brain.Event:2"),
+                       Event(step=start_step + 1, session_log=SessionLog(status=SessionLog.START))]
+        self._write(events)
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        for key, value in values.items():
-            self.writer.add_scalar(key, value, step)
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        now = time.time()
+        self._write([self._event(wall_time=now, step=step, summary=Summary(value=[Summary.Value(tag=k, simple_value=v)]))
+                     for k, v in values.items()])
+
+    def _write(self, events) -> None:
+        import io
+
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        blob = io.BytesIO()
+        records = RecordWriter(blob)  # TFRecord framing: length, CRCs, the serialized event
+        for e in events:
+            records.write(e.SerializeToString())
+        data = memoryview(blob.getvalue())
+        self.pending = len(data)
+        while data:
+            data = data[os.write(self.fd, data):]
+        self.pending = 0
 
     def close(self) -> None:
-        self.writer.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class WandbTracker:
