@@ -338,3 +338,22 @@ def test_an_agent_killed_repeatedly_is_excluded(corpus_dir, tmp_path):
     ref_last = {r["step"]: r["loss"] for r in _rows(ref_out) if "loss" in r}
     print(f"final loss {last[STEPS]:.6f} vs uninterrupted {ref_last[STEPS]:.6f}")
     assert abs(last[STEPS] - ref_last[STEPS]) < 1e-4 * abs(ref_last[STEPS]), (last[STEPS], ref_last[STEPS])
+
+
+def test_report_names_each_membership_change_and_the_time_between_steps(tmp_path):
+    from ndtrain.config import to_toml
+    from ndtrain.tools.report import header_rows, membership_changes
+    from ndtrain.tools.run_data import read_run
+
+    (tmp_path / "config.toml").write_text(to_toml(load_config(None, [])))
+    rows = [{"step": 0, "event": "start", "world": 3, "time": 100.0},
+            {"step": 4, "loss": 5.0, "time": 102.0},
+            {"step": 4, "event": "exclude", "host": "h2", "reason": "host h2 excluded at step 4: slow", "time": 102.1},
+            {"step": 4, "event": "membership", "old_world": 3, "world": 2, "reason": "host h2 excluded at step 4: slow",
+             "time": 128.0},
+            {"step": 4, "event": "restart", "world": 2, "time": 128.0},
+            {"step": 5, "loss": 4.9, "time": 129.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = read_run(tmp_path)
+    assert membership_changes(run) == "step 4: 3 -> 2 ranks (host h2 excluded at step 4), 27 s between steps"
+    assert ("membership changes (self-healing)", [membership_changes(run)]) in header_rows([run], 200.0)

@@ -94,6 +94,27 @@ def _median(rows: list[dict], key: str, since_step: int) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def membership_changes(run: Run) -> str:
+    """Each change of world (train/resilience.py's `membership` rows): the step, old -> new ranks,
+    why (its first words), and the wall time between the last step trained before it and the
+    first one after (detection's window, the save, the re-rendezvous, the reshard and the
+    restart's warm-up together)."""
+    times = [(r["time"], r["step"]) for r in run.train + run.superseded if r.get("time")]
+    out = []
+    changes = [e for e in run.events if e.get("event") == "membership"]
+    for i, m in enumerate(changes):
+        before = max((t for t, _ in times if t <= m.get("time", 0)), default=None)
+        after = min((t for t, s in times if t > m.get("time", 0) and s > m["step"]), default=None)
+        following = changes[i + 1].get("time") if i + 1 < len(changes) else None
+        if after is not None and following is not None and after > following:
+            lost = ", changed again before any step"  # its gap is the next change's
+        else:
+            lost = f", {after - before:.0f} s between steps" if before is not None and after is not None else ""
+        why = str(m.get("reason") or "").split(":")[0]
+        out.append(f"step {m['step']}: {m.get('old_world')} -> {m.get('world')} ranks ({why}){lost}")
+    return "; ".join(out) or "none"
+
+
 def header_rows(runs: list[Run], now: float, profile: str | None = None) -> list[tuple[str, list[str]]]:
     """`profile`: the hardware profile the "predicted now" row prices each run's layout on
     (default: this machine's, as `ndtrain plan` reads it)."""
@@ -135,6 +156,8 @@ def header_rows(runs: list[Run], now: float, profile: str | None = None) -> list
     add("MFU (median, last attempt)", lambda r: _num(_median(r.train, "mfu", warm(r)), ".1%"))
     add("restarts / rollbacks / skipped steps", lambda r: f"{len(r.restarts)} / {r.count('rollback')} / "
         f"{sum(1 for x in r.train if x.get('skipped'))}")
+    if any(e.get("event") == "membership" for r in runs for e in r.events):
+        add("membership changes (self-healing)", membership_changes)
     add("checkpoints saved", lambda r: str(len(r.checkpoints)))
     add("planner (auto): predicted vs measured", auto)
     add("step: predicted now vs measured", lambda r: compare(r, profile))
