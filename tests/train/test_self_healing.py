@@ -357,3 +357,21 @@ def test_report_names_each_membership_change_and_the_time_between_steps(tmp_path
     run = read_run(tmp_path)
     assert membership_changes(run) == "step 4: 3 -> 2 ranks (host h2 excluded at step 4), 27 s between steps"
     assert ("membership changes (self-healing)", [membership_changes(run)]) in header_rows([run], 200.0)
+
+
+def test_goodput_prices_excluding_a_straggler_against_keeping_it():
+    from ndtrain.planner.goodput import exclusion
+
+    x = exclusion(0.3, 8, 36.0)  # kept: 1/1.3 of full speed; excluded: 7/8 after 36 s
+    assert x["keep_speed"] == pytest.approx(1 / 1.3) and x["excluded_speed"] == 0.875
+    t = x["breakeven_s"]  # the same work done either way by then
+    assert t * x["keep_speed"] == pytest.approx((t - 36.0) * 0.875)
+    assert exclusion(0.1, 8, 36.0)["breakeven_s"] is None  # 10% slow costs less than one host in eight
+    proc = subprocess.run([sys.executable, "-m", "ndtrain", "goodput", "--gpus", "64", "--mtbf-gpu-hours", "50000",
+                           "--ckpt-save", "60s", "--restart", "5m", "--trials", "3", "--straggler", "0.3", "--hosts", "8",
+                           "--exclude-cost", "36s"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "excluding pays for itself when more than 5.0 min" in proc.stdout, proc.stderr
+    bad = subprocess.run([sys.executable, "-m", "ndtrain", "goodput", "--gpus", "64", "--mtbf-gpu-hours", "50000",
+                          "--ckpt-save", "60s", "--restart", "5m", "--straggler", "0.3"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--exclude-cost" in bad.stderr

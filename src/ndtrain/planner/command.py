@@ -9,7 +9,7 @@ import math
 import sys
 
 from ndtrain.errors import NdtrainError
-from ndtrain.planner.goodput import goodput_report
+from ndtrain.planner.goodput import exclusion, goodput_report
 from ndtrain.layout import parse_items, parse_layout
 from ndtrain.layout.schedules import NAMES as SCHEDULES
 from ndtrain.layout.schedules import canonical_schedule
@@ -213,6 +213,10 @@ def goodput_parser() -> argparse.ArgumentParser:
     p.add_argument("--days", type=float, default=30.0, help="days of useful training per simulated run")
     p.add_argument("--trials", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--straggler", type=float, help="also price excluding a host this much slower (0.3: 30%%) "
+                   "against keeping it (docs/self-healing.md); needs --hosts and --exclude-cost")
+    p.add_argument("--hosts", type=int, help="hosts (torchrun agents) in the job, for --straggler")
+    p.add_argument("--exclude-cost", help="time an exclusion stops training, as `ndtrain report` measures it: 40s, ...")
     p.add_argument("--json", action="store_true")
     return p
 
@@ -232,10 +236,24 @@ def goodput_main(argv: list[str]) -> int:
               ("--days", math.isfinite(args.days) and 0 < args.days <= 36500, "a number of days in (0, 36500]",
                args.days),
               ("--trials", 1 <= args.trials <= 100_000, "an integer from 1 to 100000", args.trials)]
+    excl = None
+    if args.straggler is not None or args.hosts is not None or args.exclude_cost is not None:
+        if args.straggler is None or args.hosts is None or args.exclude_cost is None:
+            raise NdtrainError("--straggler, --hosts and --exclude-cost go together (pricing an exclusion needs all three)")
+        try:
+            excl = parse_duration(args.exclude_cost)
+        except ValueError as exc:
+            raise NdtrainError(str(exc)) from exc
+        checks += [("--straggler", math.isfinite(args.straggler) and 0 < args.straggler <= 100, "a fraction in (0, 100]",
+                    args.straggler),
+                   ("--hosts", 2 <= args.hosts <= 10**6, "an integer from 2 to 10^6", args.hosts),
+                   ("--exclude-cost", 0 <= excl < 1e9, "a duration >= 0", args.exclude_cost)]
     for flag, ok, what, value in checks:
         if not ok:
             raise NdtrainError(f"{flag} must be {what}, got {value!r}")
     rep = goodput_report(args.gpus, args.mtbf_gpu_hours, ckpt, restart, args.days, args.trials, args.seed)
+    if excl is not None:
+        rep["exclusion"] = exclusion(args.straggler, args.hosts, excl)
     if args.json:
         json.dump(rep, sys.stdout, indent=1)
         print()

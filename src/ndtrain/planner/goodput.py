@@ -91,3 +91,18 @@ def goodput_report(gpus: int, mtbf_gpu_hours: float, ckpt: float, restart: float
         rows.append({"name": name, "interval_s": tau, "expected": expected, "simulated": sim})
     return {"gpus": gpus, "mtbf_job_s": mtbf, "ckpt_s": ckpt, "restart_s": restart, "work_days": work_days,
             "failures_per_day": 86400 / mtbf, "trials": trials, "rows": rows}
+
+
+def exclusion(slowdown: float, hosts: int, cost_s: float) -> dict:
+    """A host whose ranks run `slowdown` slower (0.3: 30%) holds every synchronous step back by that
+    much. Keeping it trains at 1 / (1 + slowdown) of full speed; excluding it (train/resilience.py)
+    stops training for `cost_s` (detection window, save, re-rendezvous, reshard, warm-up: what
+    `ndtrain report` measures per membership change), then trains on hosts - 1 of `hosts` at full
+    speed (the global batch is kept by accumulation). Excluding pays for itself once the run has
+    `breakeven_s` left: t / (1 + s) = (t - C)(H - 1) / H. None: it never does (s <= 1 / (H - 1))."""
+    keep = 1.0 / (1.0 + slowdown)
+    shrunk = (hosts - 1) / hosts
+    breakeven = cost_s * shrunk / (shrunk - keep) if shrunk > keep else None
+    return {"slowdown": slowdown, "hosts": hosts, "exclude_cost_s": cost_s, "keep_speed": keep,
+            "excluded_speed": shrunk, "breakeven_s": breakeven}
+

@@ -199,6 +199,12 @@ def goodput_text(r: dict) -> str:
         lines.append(f"{row['name']:<16}{row['interval_s'] / 60:>8.1f} min{row['expected']:>11.2%}{simulated}")
     lines.append(f"expected = Daly's closed form; simulated = {r['trials']} Monte-Carlo runs of "
                  f"{r['work_days']:g} days of work each")
+    if r.get("exclusion"):
+        x = r["exclusion"]
+        pays = (f"excluding pays for itself when more than {x['breakeven_s'] / 60:.1f} min of training is left"
+                if x["breakeven_s"] is not None else "excluding never pays for itself: wait, or replace the host")
+        lines.append(f"a host {x['slowdown']:.0%} slow of {x['hosts']}: kept, the job trains at {x['keep_speed']:.1%}; "
+                     f"excluded ({x['exclude_cost_s']:.0f} s lost), at {x['excluded_speed']:.1%}; {pays}")
     return "\n".join(lines)
 
 
