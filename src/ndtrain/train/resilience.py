@@ -1,10 +1,14 @@
-"""Self-healing runs: a host whose rank keeps straggling is taken out of the job, and the rest
-re-form without it under torchrun's elastic rendezvous (`--nnodes MIN:MAX`), re-planned for the
-smaller world ([resilience] keys, docs/self-healing.md).
+"""Self-healing runs: a host whose rank keeps straggling (on_straggler), or whose ranks keep
+dying or hanging (on_failure, from a ledger in the run directory), is taken out of the job, and
+the rest re-form without it under torchrun's elastic rendezvous (`--nnodes MIN:MAX`), re-planned
+for the smaller world ([resilience] keys, docs/self-healing.md). An agent that joins later is
+taken in by torch elastic itself (the workers stop on SIGTERM at a step boundary and save);
+with grow_back=false a host excluded before leaves again at once.
 
 Membership is torch elastic's, not ours. Every rank takes the decision together, at a step
-boundary, from values that are already all-reduced (the straggler comparison), so no rank can
-disagree. Then the job saves, and:
+boundary, from values that are already all-reduced (the straggler comparison) or from files
+every rank reads after the same collective (the ledgers), so no rank can disagree. Then the job
+saves, and:
 - the workers of the excluded host signal their agent (SIGTERM) and exit EXIT_EXCLUDED. An agent
   that dies on a signal leaves the rendezvous open (torch.distributed.launcher.api.launch_agent
   skips its shutdown there, so that the others can re-form); one that ended on a failed worker
@@ -97,8 +101,8 @@ def choose(named: list[tuple[int, float]], groups: list[int], hosts: list[str]) 
 
 
 class Exclusion:
-    """The straggler policy of one attempt: who is who (gathered once, at start) and whether an
-    exclusion was already refused (said once; the strikes go on and would repeat it every window)."""
+    """The policy of one attempt: who is who (gathered once, at start) and whether an exclusion
+    was already refused (said once; the strikes go on and would repeat it every window)."""
 
     def __init__(self, cfg, persist: int, groups: list[int], hosts: list[str], restarts: int):
         self.cfg, self.persist, self.groups, self.hosts = cfg, persist, groups, hosts
