@@ -158,6 +158,13 @@ def _patched_cuda(monkeypatch, calls: list, devices: int = 4) -> None:
     monkeypatch.setattr(dist, "get_rank", lambda *a: 13)
 
 
+def _torchrun_env(monkeypatch, *, world, rank, local_rank, local_world):
+    """What torchrun sets for a worker (distributed.launch_env refuses a partial set in one line)."""
+    for name, value in {"WORLD_SIZE": world, "RANK": rank, "LOCAL_RANK": local_rank, "LOCAL_WORLD_SIZE": local_world,
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}.items():
+        monkeypatch.setenv(name, str(value))
+
+
 @pytest.mark.parametrize(("local_rank", "devices", "index"), [(5, 8, 5), (5, 4, 1), (3, 1, 0)])
 def test_setup_binds_the_gpu_before_the_process_group(monkeypatch, local_rank, devices, index):
     """local_rank % device_count: one GPU visible per process (Slurm --gpus-per-task) is index 0."""
@@ -165,8 +172,7 @@ def test_setup_binds_the_gpu_before_the_process_group(monkeypatch, local_rank, d
 
     calls: list = []
     _patched_cuda(monkeypatch, calls, devices)
-    monkeypatch.setenv("WORLD_SIZE", "16")
-    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    _torchrun_env(monkeypatch, world=16, rank=13, local_rank=local_rank, local_world=8)
     rt = distributed.setup(SimpleNamespace(device="auto", backend="auto", timeout_s=42.0))
     gpu = torch.device("cuda", index)
     assert [c[0] for c in calls] == ["set_device", "init_process_group"], calls
@@ -187,8 +193,7 @@ def test_setup_on_cpu_binds_no_device(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group",
                         lambda backend, **kw: calls.append(("init_process_group", backend, kw)))
     monkeypatch.setattr(dist, "get_rank", lambda *a: 1)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_RANK", "1")
+    _torchrun_env(monkeypatch, world=2, rank=1, local_rank=1, local_world=2)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     rt = distributed.setup(SimpleNamespace(device="cpu", backend="auto", timeout_s=30.0))
     assert [c[0] for c in calls] == ["init_process_group"] and calls[0][1] == "gloo", calls

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -251,3 +252,15 @@ def peer_failure_message(exc: BaseException, peers: list[tuple[str, int]], rank:
         return f"rank {rank}: {who} died, so this rank stops too ({first}); a restart resumes from the last checkpoint"
     return (f"rank {rank}: lost a peer in a collective ({first}); another rank died or hung, see its log; "
             f"a restart resumes from the last checkpoint")
+
+
+# Here, not in recovery: faults and resilience need them too, and recovery imports both.
+def restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def hold_sigterm(signals=(signal.SIGTERM,)) -> None:
+    """From here on these signals do not end this process (it is about to end on its own)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in signals:
+            signal.signal(sig, lambda *_: None)

@@ -15,7 +15,7 @@ FAULTS_ENV = "NDTRAIN_FAULTS"
 
 
 def _attempt() -> int:
-    from ndtrain.train.recovery import restart_count  # recovery imports this module
+    from ndtrain.train.distributed import restart_count
 
     return restart_count()
 

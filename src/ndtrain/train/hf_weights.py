@@ -13,7 +13,42 @@ import torch
 
 from ndtrain.errors import NdtrainError
 from ndtrain.model.config import ModelConfig
-from ndtrain.train.interop import from_hf_name, to_hf_name
+
+# ndtrain's parameter names and Hugging Face Llama's, both ways (export and import use them).
+_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+
+
+def to_hf_name(name: str) -> str:
+    if name in _TOP:
+        return _TOP[name]
+    parts = name.split(".", 2)
+    if parts[0] == "layers" and len(parts) == 3 and parts[2] in _LAYER:
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}"
+    raise NdtrainError(f"parameter {name!r} has no Hugging Face Llama equivalent")
+
+
+def from_hf_name(name: str) -> str:
+    inverse_top = {v: k for k, v in _TOP.items()}
+    if name in inverse_top:
+        return inverse_top[name]
+    inverse_layer = {v: k for k, v in _LAYER.items()}
+    parts = name.split(".", 3)
+    if parts[:2] == ["model", "layers"] and len(parts) == 4 and parts[3] in inverse_layer:
+        return f"layers.{parts[2]}.{inverse_layer[parts[3]]}"
+    raise NdtrainError(f"Hugging Face tensor {name!r} is not part of a plain Llama model")
+
 
 
 def headers(src: Path, files: list[str]) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -24,17 +24,13 @@ import torch.distributed as dist
 
 from ndtrain.errors import NdtrainError
 from ndtrain.train import resilience
-from ndtrain.train.distributed import under_launcher
+from ndtrain.train.distributed import hold_sigterm, restart_count, under_launcher  # noqa: F401  (re-exported)
 from ndtrain.train.faults import FAULTS_ENV, FaultPlan  # noqa: F401  (FAULTS_ENV: re-exported for rundir and tests)
 from ndtrain.train.metrics import busy_timer, compute_modules, peak_memory_mb
 
 EXIT_HANG = 70  # a watchdog abort: nonzero, so torchrun restarts the group
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: the job was told to stop and saved; schedulers retry nonzero exits
 MAX_ROLLBACKS = 5  # more than this and the problem is the run, not a few batches
-
-
-def restart_count() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def run_id() -> str:
@@ -212,13 +208,6 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, step: int | None = None):
         super().__init__()
         self.step = step
-
-
-def hold_sigterm(signals=(signal.SIGTERM,)) -> None:
-    """From here on these signals do not end this process (it is about to end on its own)."""
-    if threading.current_thread() is threading.main_thread():
-        for sig in signals:
-            signal.signal(sig, lambda *_: None)
 
 
 class InterruptRecord:

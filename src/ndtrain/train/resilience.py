@@ -277,7 +277,7 @@ def log_samples(run_dir: Path, trainer, step: int, attempt: int) -> None:
 def leave(decision: Leave, rank: int) -> None:
     """Exit for a membership change (never returns). The excluded host's local rank 0 signals
     its agent first, so that the agent leaves the rendezvous instead of restarting its workers."""
-    from ndtrain.train.recovery import hold_sigterm
+    from ndtrain.train.distributed import hold_sigterm
 
     hold_sigterm()  # the agent's own SIGTERM (forwarded to its workers) must not turn the code into -15
     if decision.code == EXIT_EXCLUDED or rank == 0:
