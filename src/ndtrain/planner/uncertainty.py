@@ -50,12 +50,6 @@ def headroom(pb: Problem, p: Prediction) -> float:
     return pb.hw.hbm_bytes - p.memory["total"]
 
 
-def _quantile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 @dataclass
@@ -76,7 +70,7 @@ class Robustness:
     def interval(self, p: Prediction) -> tuple[float, float]:
         """10th-90th percentile of the step time of `p` over the sampled worlds (constants only)."""
         i = self._index(p)
-        return _quantile(self.times[i], QUANTILES[0]), _quantile(self.times[i], QUANTILES[1])
+        return model_error.quantile(self.times[i], QUANTILES[0]), model_error.quantile(self.times[i], QUANTILES[1])
 
     def model_interval(self, p: Prediction) -> tuple[float, float]:
         """The 80% interval of the step time of `p` with the model's own error: its nominal step
@@ -140,7 +134,7 @@ def _choose(pb: Problem, rob: Robustness) -> None:
     for c, ct in zip(rob.candidates[1:], rob.times[1:]):
         ratios = [a / b for a, b in zip(ct, wt)]
         faster = sum(r < 1 for r in ratios) / len(ratios)
-        if _quantile(ratios, QUANTILES[0]) < 1.0:
+        if model_error.quantile(ratios, QUANTILES[0]) < 1.0:
             rob.overlapping.append((c, faster))
 
     def key(p):
