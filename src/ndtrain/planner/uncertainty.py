@@ -50,8 +50,6 @@ def headroom(pb: Problem, p: Prediction) -> float:
     return pb.hw.hbm_bytes - p.memory["total"]
 
 
-
-
 @dataclass
 class Robustness:
     worlds: int
