@@ -204,6 +204,12 @@ def _agent(tmp_path: Path, port: int, name: str, is_host: bool, args: list[str],
     return proc, log
 
 
+def _logs(tmp_path, agents: dict) -> tuple[dict, str]:
+    """Each agent's log, and their tails joined for an assertion message."""
+    logs = {name: (tmp_path / f"{name}.log").read_text() for name in agents}
+    return logs, "\n".join(f"== {k}\n{v[-4000:]}" for k, v in logs.items())
+
+
 def _stop(agents: dict) -> None:
     for proc, log in agents.values():
         if proc.poll() is None:
@@ -254,8 +260,7 @@ def test_a_straggling_agent_is_excluded_the_rest_go_on_and_it_comes_back(corpus_
             agents[name][0].wait(timeout=60)
     finally:
         _stop(agents)
-    logs = {name: (tmp_path / f"{name}.log").read_text() for name in agents}
-    everything = "\n".join(f"== {k}\n{v[-4000:]}" for k, v in logs.items())
+    logs, everything = _logs(tmp_path, agents)
     assert agents["host"][0].returncode == 0 and agents["a"][0].returncode == 0, everything
     assert agents["slow"][0].returncode != 0, everything  # its agent left on the signal
 
@@ -311,8 +316,7 @@ def test_an_agent_killed_repeatedly_is_excluded(corpus_dir, tmp_path):
             agents[name][0].wait(timeout=60)
     finally:
         _stop(agents)
-    logs = {name: (tmp_path / f"{name}.log").read_text() for name in agents}
-    everything = "\n".join(f"== {k}\n{v[-4000:]}" for k, v in logs.items())
+    logs, everything = _logs(tmp_path, agents)
     assert agents["host"][0].returncode == 0 and agents["a"][0].returncode == 0, everything
     assert agents["flaky"][0].returncode != 0, everything
     failures = [json.loads(x) for x in (out / "resilience" / "failures.jsonl").read_text().splitlines()]

@@ -132,19 +132,11 @@ class Exclusion:
         group, ranks, host = choose(named, self.groups, self.hosts)
         worst = max(named, key=lambda rr: rr[1])
         why = f"rank {worst[0]} ran {worst[1]:.2f}x the median busy time in {self.persist} straggler windows running"
-        refused = refusal(self.cfg, world, len(ranks), agents(), self.restarts)
-        if refused:
-            if not self.refused:
-                event({"event": "exclude_refused", "host": host, "reason": why, "refused": refused},
-                      f"not excluding host {host}: {why}, but {refused}; logging only")
-            self.refused = True
-            return None
         reason = (f"host {host} (agent {group}, ranks {ranks}) excluded at step {step}: {why} "
                   f"(resilience.on_straggler=exclude); the other {world - len(ranks)} ranks re-form from this "
                   f"step's checkpoint")
-        event({"event": "exclude", "host": host, "agent": group, "ranks": ranks, "reason": reason, "world": world,
-               "new_world": world - len(ranks), "layout": layout, "time": time.time()}, reason)
-        return Leave(EXIT_EXCLUDED if rank in ranks else EXIT_REFORM, reason)
+        return self._exclude(event, host, ranks, why, reason, rank, world, "logging only",
+                             {"agent": group, "layout": layout})
 
     def at_start(self, run_dir: Path | None, step: int, rank: int, world: int, event) -> Leave | None:
         """Before the first step of an attempt: a host this run excluded before, back in the
@@ -170,17 +162,23 @@ class Exclusion:
             return None
         host, why = found
         ranks = [r for r, h in enumerate(self.hosts) if h == host]
+        reason = (f"host {host} (ranks {ranks}) excluded at step {step}: {why}; the other {world - len(ranks)} ranks "
+                  f"re-form from this step's checkpoint")
+        return self._exclude(event, host, ranks, why, reason, rank, world, "it trains with the others", {})
+
+    def _exclude(self, event, host: str, ranks: list[int], why: str, reason: str, rank: int, world: int,
+                 otherwise: str, extra: dict) -> Leave | None:
+        """Both paths' last step: refused (said once) where the smaller world may not run, else the
+        logged exclusion and this rank's way out (leave with its host, or re-form without it)."""
         refused = refusal(self.cfg, world, len(ranks), agents(), self.restarts)
         if refused:
             if not self.refused:
                 event({"event": "exclude_refused", "host": host, "reason": why, "refused": refused},
-                      f"not excluding host {host}: {why}, but {refused}; it trains with the others")
+                      f"not excluding host {host}: {why}, but {refused}; {otherwise}")
             self.refused = True
             return None
-        reason = (f"host {host} (ranks {ranks}) excluded at step {step}: {why}; the other {world - len(ranks)} ranks "
-                  f"re-form from this step's checkpoint")
         event({"event": "exclude", "host": host, "ranks": ranks, "reason": reason, "world": world,
-               "new_world": world - len(ranks), "time": time.time()}, reason)
+               "new_world": world - len(ranks), **extra, "time": time.time()}, reason)
         return Leave(EXIT_EXCLUDED if rank in ranks else EXIT_REFORM, reason)
 
 
