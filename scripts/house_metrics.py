@@ -1,0 +1,160 @@
+"""The code-shape figures issue 31 asks for, measured from the source (ast), not counted by hand:
+
+    python scripts/house_metrics.py [TREE ...]     # default: this checkout
+
+For each tree: lines and files in src/ndtrain, the largest file, the attributes the training
+state's constructor sets (`Trainer.__init__` before the build/step/job split, `build()`'s
+TrainState after), the `trainer.*` / `state.*` attributes read outside the file that defines
+them, reads two attributes deep into another object (`x.a.b` where x is a trainer or state), and
+private torch symbols used outside ndtrain/compat/. Compare two commits with git worktrees:
+
+    git worktree add /tmp/before 350ea51 && python scripts/house_metrics.py /tmp/before .
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+# Names that hold the trainer (or, after the split, the train state) where other modules read it.
+HOLDERS = {"trainer", "t", "tr", "state", "train_state", "ts"}
+OWNERS = ("Trainer", "TrainState")  # the classes whose attributes the coupling figures count
+PRIVATE = re.compile(r"^_[A-Za-z0-9]\w*$")  # _x, not a dunder
+
+
+def _py_files(src: Path) -> list[Path]:
+    return sorted(p for p in src.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _holder(node: ast.AST) -> str | None:
+    """`trainer` for `trainer.x`, and for `self.trainer.x`; else None."""
+    if isinstance(node, ast.Name) and node.id in HOLDERS:
+        return node.id
+    if (isinstance(node, ast.Attribute) and node.attr in HOLDERS and isinstance(node.value, ast.Name)
+            and node.value.id == "self"):
+        return node.attr
+    return None
+
+
+def _dotted(node: ast.AST) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return None
+
+
+def _torch_private(tree: ast.AST) -> set[str]:
+    """Private torch names reached: `torch.a._b` chains, `from torch.a._b import c`, `from
+    torch.a import _c`, `import torch._x`."""
+    found = set()
+    aliases = {"torch"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "torch":
+                    aliases.add((a.asname or a.name).split(".")[0])
+                    if any(PRIVATE.match(p) for p in a.name.split(".")):
+                        found.add(a.name)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "torch":
+            mod_private = any(PRIVATE.match(p) for p in node.module.split("."))
+            for a in node.names:
+                if mod_private or PRIVATE.match(a.name):
+                    found.add(f"{node.module}.{a.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            name = _dotted(node)
+            if name and name.split(".")[0] in aliases and any(PRIVATE.match(p) for p in name.split(".")[1:]):
+                # the shortest private prefix: torch.distributed._x, not each longer chain
+                parts = name.split(".")
+                for i, p in enumerate(parts[1:], 1):
+                    if PRIVATE.match(p):
+                        found.add(".".join(["torch"] + parts[1:i + 1]))
+                        break
+    return found
+
+
+def _init_attrs(tree: ast.Module) -> dict[str, int]:
+    """Attributes set on self in Trainer.__init__, and fields of a TrainState class."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == "Trainer":
+            for fn in node.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name == "__init__":
+                    names = {t.attr for n in ast.walk(fn) for t in getattr(n, "targets", [getattr(n, "target", None)])
+                             if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+                    out["Trainer.__init__"] = len(names)
+        if isinstance(node, ast.ClassDef) and node.name == "TrainState":
+            fields = [n for n in node.body if isinstance(n, ast.AnnAssign)]
+            out["TrainState fields"] = len(fields)
+    return out
+
+
+def _owner_attrs(trees: dict) -> tuple[set[str], set[str]]:
+    """(the attributes and methods of the Trainer / TrainState classes, the files defining them)."""
+    names, homes = set(), set()
+    for rel, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name in OWNERS:
+                homes.add(rel)
+                for n in ast.walk(node):
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not n.name.startswith("__"):
+                        names.add(n.name)
+                    elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+                        names.add(n.target.id)
+                    elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
+                        names.add(n.attr)
+    return names, homes
+
+
+def measure(root: Path) -> dict:
+    src = root / "src" / "ndtrain"
+    files = _py_files(src)
+    trees = {p.relative_to(src).as_posix(): ast.parse(p.read_text()) for p in files}
+    owned, homes = _owner_attrs(trees)
+    lines = {p: len(p.read_text().splitlines()) for p in files}
+    largest = max(lines, key=lines.get)
+    init, reads, deep, private = {}, set(), set(), {}
+    for p in files:
+        rel = p.relative_to(src).as_posix()
+        tree = trees[rel]
+        init.update(_init_attrs(tree))
+        defines_holder = rel in homes
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                h = _holder(node.value)
+                if h and not defines_holder and node.attr in owned:
+                    reads.add(f"{h}.{node.attr}")
+                if (isinstance(node.value, ast.Attribute) and _holder(node.value.value) and not defines_holder
+                        and node.value.attr in owned):
+                    deep.add(f"{_holder(node.value.value)}.{node.value.attr}.{node.attr} ({rel})")
+        if not rel.startswith("compat/"):
+            for name in _torch_private(tree):
+                private.setdefault(name, []).append(rel)
+    return {"src_lines": sum(lines.values()), "src_files": len(files),
+            "largest": f"{largest.relative_to(src).as_posix()} ({lines[largest]} lines)",
+            "files_over_400": sorted(f"{p.relative_to(src).as_posix()} ({n})" for p, n in lines.items() if n > 400),
+            **init, "owner_attrs_read_outside": sorted({r.split(".", 1)[1] for r in reads}), "reads_two_deep": sorted(deep),
+            "private_torch_outside_compat": {k: sorted(set(v)) for k, v in sorted(private.items())}}
+
+
+def main(argv: list[str]) -> None:
+    for arg in argv or ["."]:
+        m = measure(Path(arg))
+        print(f"== {arg}")
+        for k, v in m.items():
+            if isinstance(v, (list, dict)):
+                print(f"{k}: {len(v)}")
+                for item in (v.items() if isinstance(v, dict) else v):
+                    print(f"    {item[0]}: {', '.join(item[1])}" if isinstance(item, tuple) else f"    {item}")
+            else:
+                print(f"{k}: {v}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
