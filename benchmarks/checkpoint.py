@@ -130,8 +130,8 @@ def _publish_verify_rank(root: str, per_rank: int, reps: int) -> list[dict]:
     import torch.distributed as dist
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from ndtrain.train.ckpt_digest import collect_digests, verify_shared, write_manifest_from, write_own_digests
-    from ndtrain.train.ckpt_store import verify, write_manifest, write_marker
+    from ndtrain.train.checkpoint.digest import collect_digests, verify_shared, write_manifest_from, write_own_digests
+    from ndtrain.train.checkpoint import verify, write_manifest, write_marker
 
     rank, world = dist.get_rank(), dist.get_world_size()
     rng = np.random.default_rng(rank)

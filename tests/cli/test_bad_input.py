@@ -60,7 +60,7 @@ def flip_byte(w, d):
 
 
 def evil_metadata(w, d):
-    from ndtrain.train.ckpt_store import write_manifest
+    from ndtrain.train.checkpoint import write_manifest
 
     ckpt = copy_ckpt(w, d)
     canary = d / "pwned"
@@ -75,7 +75,7 @@ def evil_metadata(w, d):
 
 def edit_state(**changes):
     def prep(w, d):
-        from ndtrain.train.ckpt_store import write_manifest
+        from ndtrain.train.checkpoint import write_manifest
 
         ckpt = copy_ckpt(w, d)
         state = json.loads((ckpt / "train_state.json").read_text())
@@ -91,7 +91,7 @@ def edit_state(**changes):
 
 def state_text(text):
     def prep(w, d):
-        from ndtrain.train.ckpt_store import write_manifest
+        from ndtrain.train.checkpoint import write_manifest
 
         ckpt = copy_ckpt(w, d)
         (ckpt / "train_state.json").write_text(text)
@@ -507,14 +507,14 @@ CASES = [
 
 
 def _garbage_metadata(ckpt_dir: Path) -> None:
-    from ndtrain.train.ckpt_store import write_manifest
+    from ndtrain.train.checkpoint import write_manifest
 
     (ckpt_dir / ".metadata").write_bytes(b"\x80\x04garbage")
     write_manifest(ckpt_dir)
 
 
 def _bad_recorded_lr(w, d) -> None:
-    from ndtrain.train.ckpt_store import write_manifest
+    from ndtrain.train.checkpoint import write_manifest
 
     dst = copy_ckpt(w, d)
     state = json.loads((dst / "train_state.json").read_text())
@@ -595,7 +595,7 @@ def _corpus_with(edit):
 
 def _bpe_run_without_its_data(w, d):
     """A checkpoint of a BPE run whose corpus (and so its tokenizer.json) is gone."""
-    from ndtrain.train.ckpt_store import write_manifest
+    from ndtrain.train.checkpoint import write_manifest
 
     dst = copy_ckpt(w, d)
     state = json.loads((dst / "train_state.json").read_text())

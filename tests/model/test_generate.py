@@ -148,9 +148,9 @@ def test_a_byte_checkpoint_samples_from_anywhere(trained, tmp_path, monkeypatch)
 def _racing_load(monkeypatch, on_first_load):
     """dcp_load, with `on_first_load(ckpt)` run just before its first read: what a live run
     does meanwhile."""
-    from ndtrain.train import ckpt_store
+    from ndtrain.train import checkpoint
 
-    real, calls = ckpt_store.dcp_load, []
+    real, calls = checkpoint.dcp_load, []
 
     def racing(state, ckpt, no_dist=False):
         calls.append(ckpt.name)
@@ -158,12 +158,12 @@ def _racing_load(monkeypatch, on_first_load):
             on_first_load(ckpt)
         return real(state, ckpt, no_dist=no_dist)
 
-    monkeypatch.setattr(ckpt_store, "dcp_load", racing)
+    monkeypatch.setattr(checkpoint, "dcp_load", racing)  # generate.py reads it from the package
     return calls
 
 
 def _retention_removes(ckpt):
-    """What retention does (ckpt_policy.retain): unmark by a rename, then delete."""
+    """What retention does (checkpoint/retention.py's retain): unmark by a rename, then delete."""
     import os
     import shutil
 

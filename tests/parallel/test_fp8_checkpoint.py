@@ -48,7 +48,7 @@ def _resume_train_save(base: dict, load_from: str | None, save_to: str, steps: i
 @pytest.mark.timeout(300)
 def test_fp8_checkpoint_resumes_in_bf16_and_back(parity_base, tmp_path, fp8_cheap_peak):
     from ndtrain.parallel.launch import run_ranks
-    from ndtrain.train.ckpt_store import load_model_weights
+    from ndtrain.train.checkpoint import load_model_weights
     from ndtrain.train.interop import export
 
     layers = 2 if fp8_cheap_peak.slow else 4

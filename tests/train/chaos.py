@@ -39,7 +39,7 @@ def launch(data: Path, out: Path, faults: str = "", restarts: int = 0, deadline_
 
 
 def final_weights(out: Path) -> dict:
-    from ndtrain.train.ckpt_store import load_model_weights, step_name
+    from ndtrain.train.checkpoint import load_model_weights, step_name
 
     return load_model_weights(out / "checkpoints" / step_name(STEPS))[0]
 
@@ -77,7 +77,7 @@ class Trial:
 def run_trial(data: Path, out: Path, reference: dict, faults: list, deadline_s: float) -> Trial:
     import torch
 
-    from ndtrain.train.ckpt_store import list_checkpoints, verify
+    from ndtrain.train.checkpoint import list_checkpoints, verify
 
     trial = Trial(faults)
     text = ",".join(f"{a}:{r}:{s}:{p}:{d}" for a, r, s, p, d in faults)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ndtrain.config import load_config
-from ndtrain.train.ckpt_store import load_model_weights
+from ndtrain.train.checkpoint import load_model_weights
 
 
 def job(parity_base: dict, out: Path | None = None, **sections) -> dict:

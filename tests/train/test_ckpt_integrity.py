@@ -13,7 +13,7 @@ import torch
 from ckpt_helpers import cfg_of, job, tree
 
 from ndtrain.errors import NdtrainError
-from ndtrain.train.ckpt_store import MANIFEST, MARKER, list_checkpoints, step_name, write_manifest
+from ndtrain.train.checkpoint import MANIFEST, MARKER, list_checkpoints, step_name, write_manifest
 from ndtrain.train.trainer import Trainer, train
 
 

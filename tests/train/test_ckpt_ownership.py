@@ -15,9 +15,8 @@ from ckpt_helpers import cfg_of, job, tree
 from ndtrain.config import load_config
 from ndtrain.errors import ConfigError, NdtrainError
 from ndtrain.model.config import ModelConfig
-from ndtrain.train import ckpt_policy
-from ndtrain.train.ckpt_resume import choose
-from ndtrain.train.ckpt_store import MARKER, list_checkpoints, model_mismatch, step_name
+from ndtrain.train.checkpoint import MARKER, list_checkpoints, model_mismatch, retention, step_name
+from ndtrain.train.checkpoint.resume import choose
 from ndtrain.train.rundir import LOCK_NAME, claim
 
 
@@ -48,7 +47,7 @@ def test_clean_up_removes_only_ndtrains_own_leftovers(tmp_path):
     kept = tree(root)
     kept = {k: v for k, v in kept.items() if k in users}
     said: list[str] = []
-    removed = ckpt_policy.clear_leftovers(root, said.append)
+    removed = retention.clear_leftovers(root, said.append)
     assert sorted(p.name for p in removed) == [".step_00000002.deleting", ".step_00000003.partial",
                                                ".step_00000005.partial"]
     assert tree(root) == kept
@@ -60,7 +59,7 @@ def test_a_foreign_journal_name_is_no_timeline_switch(tmp_path):
     _fake(root, 4)
     _put(root, ".abandoning-from-mine/notes.txt")
     before = tree(root)
-    ckpt_policy.finish_abandoning(root, print)  # used to parse 'mine' as a step: ValueError
+    retention.finish_abandoning(root, print)  # used to parse 'mine' as a step: ValueError
     assert tree(root) == before
 
 
@@ -68,7 +67,7 @@ def test_a_foreign_directory_in_a_saves_way_is_moved_aside_not_deleted(tmp_path)
     root = tmp_path / "checkpoints"
     _put(root, ".step_00000004.partial/notes.txt", "mine")
     said: list[str] = []
-    ckpt_policy.clear_partial(root / ".step_00000004.partial", root, said.append)
+    retention.clear_partial(root / ".step_00000004.partial", root, said.append)
     assert not (root / ".step_00000004.partial").exists()
     [aside] = (root / "corrupt").iterdir()
     assert (aside / "notes.txt").read_text() == "mine" and "nothing deleted" in said[0]
@@ -82,7 +81,7 @@ def test_retention_keeps_the_newest_read_back_checkpoint_while_no_kept_one_was(t
     read_back = {step_name(2)}  # 4 and 6 were only hashed as they were written
 
     def retain():
-        ckpt_policy.retain(root, 1, 0, lambda c: None, print, lambda c: c.name in read_back)
+        retention.retain(root, 1, 0, lambda c: None, print, lambda c: c.name in read_back)
         return [c.name for c in list_checkpoints(root)]
 
     assert retain() == [step_name(2), step_name(6)]
@@ -91,8 +90,8 @@ def test_retention_keeps_the_newest_read_back_checkpoint_while_no_kept_one_was(t
     assert retain() == [step_name(6), step_name(8)]
     # What is written is read back before the next save (and only then counts as verified).
     verdicts = {str(c): None for c in list_checkpoints(root)}
-    assert ckpt_policy.unverified(root, 1, verdicts, {str(root / step_name(8))}) == [root / step_name(8)]
-    assert ckpt_policy.unverified(root, 1, verdicts) == []
+    assert retention.unverified(root, 1, verdicts, {str(root / step_name(8))}) == [root / step_name(8)]
+    assert retention.unverified(root, 1, verdicts) == []
 
 
 def test_resume_auto_that_finds_only_damaged_checkpoints_stops_and_moves_nothing(tmp_path):

@@ -11,7 +11,7 @@ from ckpt_helpers import assert_bit_identical, cfg_of, job, metrics, weights
 
 from ndtrain.errors import NdtrainError
 from ndtrain.train import trainer as trainer_mod
-from ndtrain.train.ckpt_store import list_checkpoints, step_name
+from ndtrain.train.checkpoint import list_checkpoints, step_name
 from ndtrain.train.trainer import train
 
 # 4 sequences of 64 tokens per step until 768 tokens (3 steps), then 8: the ramp crosses the

@@ -16,18 +16,17 @@ import torch
 from ckpt_helpers import assert_bit_identical, cfg_of, job, weights
 from torch.distributed.checkpoint.staging import StagingOptions
 
-from ndtrain.train import ckpt_staging
-from ndtrain.train.ckpt_store import step_name
+from ndtrain.train.checkpoint import staging, step_name
 from ndtrain.train.trainer import train
 
 
 def test_staging_options_per_device():
-    assert ckpt_staging.staging_options(torch.device("cuda", 3)) == StagingOptions(
+    assert staging.staging_options(torch.device("cuda", 3)) == StagingOptions(
         use_pinned_memory=True, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=True)
-    assert ckpt_staging.staging_options("cuda") == ckpt_staging.staging_options(torch.device("cuda", 0))
+    assert staging.staging_options("cuda") == staging.staging_options(torch.device("cuda", 0))
     # CPU ranks on Gloo: blocking copies into ordinary memory (pinning needs CUDA, a non-blocking
     # copy an accelerator).
-    assert ckpt_staging.staging_options(torch.device("cpu")) == StagingOptions(False, False, False, False)
+    assert staging.staging_options(torch.device("cpu")) == StagingOptions(False, False, False, False)
 
 
 @pytest.mark.timeout(120)
@@ -39,8 +38,8 @@ def test_overlapped_staging_saves_the_state_of_its_step(parity_base, tmp_path, m
 
     async_on_cpu = StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
                                   use_non_blocking_copy=False)
-    monkeypatch.setattr(ckpt_staging, "staging_options", lambda device: async_on_cpu)
-    copy = ckpt_staging.OrderedStager._stage
+    monkeypatch.setattr(staging, "staging_options", lambda device: async_on_cpu)
+    copy = staging.OrderedStager._stage
     waited = []
 
     def slow_copy(self, state_dict, **kwargs):
@@ -55,7 +54,7 @@ def test_overlapped_staging_saves_the_state_of_its_step(parity_base, tmp_path, m
         waited.append(self._staging is not None)
         return real_wait(self)
 
-    monkeypatch.setattr(ckpt_staging.OrderedStager, "_stage", slow_copy)
+    monkeypatch.setattr(staging.OrderedStager, "_stage", slow_copy)
     monkeypatch.setattr(Checkpointer, "wait_for_staging", wait_for_staging)
     run = tmp_path / "run"
     train(cfg_of(job(parity_base, run, train={"steps": 4},

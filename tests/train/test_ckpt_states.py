@@ -9,13 +9,12 @@ import torch
 from torch import nn
 
 from ndtrain.config import load_config
-from ndtrain.train.checkpoint import Checkpointer, list_checkpoints
-from ndtrain.train.ckpt_state import ModelState, OptimizerState
-from ndtrain.train.ckpt_store import TRAIN_STATE, step_name, verify
+from ndtrain.train.checkpoint import (TRAIN_STATE, Checkpointer, ModelState, OptimizerState, list_checkpoints, step_name,
+                                      verify)
 from ndtrain.train.distributed import Runtime
 
 
-class Progress:  # not ckpt_state.TrainProgress: any object with the protocol will do
+class Progress:  # not checkpoint.TrainProgress: any object with the protocol will do
     def __init__(self):
         self.step, self.tokens_seen, self.note = 0, 0, ""
 

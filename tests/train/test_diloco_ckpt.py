@@ -14,7 +14,7 @@ import torch
 from ckpt_helpers import assert_bit_identical, job, metrics, weights
 
 from ndtrain.parallel.launch import run_ranks
-from ndtrain.train.ckpt_store import list_checkpoints
+from ndtrain.train.checkpoint import list_checkpoints
 
 STREAMING = {"replicate_sync": "diloco", "dp_replicate": 2, "dp_shard": -1, "diloco_inner_steps": 4,
              "diloco_fragments": 2, "diloco_overlap_steps": 1, "diloco_outer_momentum": 0.9}

@@ -54,13 +54,13 @@ def _train(base: dict) -> int:
 @pytest.mark.parametrize("world", [1, 2])
 def test_retention_in_a_publish_never_hashes_on_one_rank(world, parity_base, tmp_path, monkeypatch):
     """Retention counts only checkpoints that verify. One this process has not checked yet must
-    be hashed before the save, shared over the ranks (ckpt_digest.verify_shared), not by rank 0
+    be hashed before the save, shared over the ranks (checkpoint/digest.py's verify_shared), not by rank 0
     inside the publish while the others wait for it in a collective."""
     from ckpt_helpers import job
 
     from ndtrain.parallel.launch import run_ranks
-    from ndtrain.train import checkpoint
-    from ndtrain.train.ckpt_store import list_checkpoints
+    from ndtrain.train.checkpoint import manager
+    from ndtrain.train.checkpoint import list_checkpoints
 
     run = tmp_path / "run"
     _train(job(parity_base, run, train={"steps": 4}, checkpoint={"interval_steps": 1, "keep_last": 3}))
@@ -71,14 +71,14 @@ def test_retention_in_a_publish_never_hashes_on_one_rank(world, parity_base, tmp
     data[len(data) // 2] ^= 0xFF  # same size: only its hash can tell
     shard.write_bytes(bytes(data))
     alone = tmp_path / "hashed-alone.txt"  # a file: forked ranks inherit the patch and append here
-    real = checkpoint.verify
+    real = manager.verify
 
     def recording_verify(ckpt, *args, **kwargs):
         with open(alone, "a") as f:
             f.write(Path(ckpt).name + "\n")
         return real(ckpt, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "verify", recording_verify)
+    monkeypatch.setattr(manager, "verify", recording_verify)
     # Resuming from step 3 verifies only step 3; step 4 leaves the timeline; step 2 is unchecked.
     resumed = job(parity_base, run, train={"steps": 5},
                   checkpoint={"interval_steps": 1, "keep_last": 3, "resume": str(root / "step_00000003")})
@@ -117,12 +117,13 @@ def test_a_sample_that_does_not_fit_is_skipped_in_one_line(capsys, monkeypatch):
 def test_the_closing_sample_does_not_hash_the_checkpoint_it_just_published(parity_base, tmp_path, monkeypatch):
     from ckpt_helpers import cfg_of, job
 
-    from ndtrain.train import ckpt_store, generate
+    from ndtrain.train import generate
+    from ndtrain.train.checkpoint import store
     from ndtrain.train.trainer import train
 
     hashed = []
-    real_sha, real_load = ckpt_store.sha256, generate.load_model
-    monkeypatch.setattr(ckpt_store, "sha256", lambda p: hashed.append(Path(p).name) or real_sha(p))
+    real_sha, real_load = store.sha256, generate.load_model
+    monkeypatch.setattr(store, "sha256", lambda p: hashed.append(Path(p).name) or real_sha(p))
     per_load = []
 
     def counting_load(*args, **kwargs):

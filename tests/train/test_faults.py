@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from chaos import descendants
 
-from ndtrain.train.ckpt_store import list_checkpoints, step_name, verify
+from ndtrain.train.checkpoint import list_checkpoints, step_name, verify
 
 
 def _args(corpus: Path, out: Path, steps: int = 400, *more: str) -> list[str]:

@@ -75,7 +75,7 @@ def test_a_model_larger_than_the_hosts_memory_is_refused(tmp_path, monkeypatch):
 
 
 def test_the_import_reads_every_tensor_exactly(tmp_path):
-    from ndtrain.train.ckpt_store import load_model_weights
+    from ndtrain.train.checkpoint import load_model_weights
 
     src, tensors = _hf_dir(tmp_path)
     ckpt = import_hf(src, tmp_path / "out")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from chaos import descendants
 
-from ndtrain.train.ckpt_store import list_checkpoints, step_name, verify
+from ndtrain.train.checkpoint import list_checkpoints, step_name, verify
 
 STOP_AT = 5  # the step at which the job is told to stop (or the first one after it)
 

@@ -17,8 +17,8 @@ import pytest
 from ckpt_helpers import cfg_of, job, tree
 
 from ndtrain.errors import NdtrainError, RunError
-from ndtrain.train import checkpoint as checkpoint_mod
-from ndtrain.train.ckpt_store import list_checkpoints, read_train_state, step_name, verify
+from ndtrain.train.checkpoint import list_checkpoints, read_train_state, step_name, verify
+from ndtrain.train.checkpoint import manager as checkpoint_mod
 from ndtrain.train.rundir import LOCK_NAME
 from ndtrain.train.trainer import train
 
@@ -249,7 +249,7 @@ def test_verification_is_shared_over_ranks(parity_base, tmp_path):
     """World 2: each rank hashes about half the bytes; both reach the same verdicts, including
     for a corrupt checkpoint whose bad file only one of them hashed."""
     from ndtrain.parallel.launch import run_ranks
-    from ndtrain.train.ckpt_digest import shares
+    from ndtrain.train.checkpoint.digest import shares
 
     out = tmp_path / "run"
     _run(parity_base, out, 3)
@@ -263,7 +263,7 @@ def test_verification_is_shared_over_ranks(parity_base, tmp_path):
 
 
 def _verify_both(paths: list[str]) -> dict:
-    from ndtrain.train.ckpt_digest import verify_shared
+    from ndtrain.train.checkpoint.digest import verify_shared
 
     return verify_shared([Path(p) for p in paths])
 
@@ -296,7 +296,7 @@ def test_a_rank_that_died_after_writing_is_hashed_by_rank_0(tmp_path):
     and the checkpoint is published all the same (and verifies)."""
     import hashlib
 
-    from ndtrain.train.ckpt_digest import collect_digests, write_own_digests
+    from ndtrain.train.checkpoint.digest import collect_digests, write_own_digests
 
     tmp = tmp_path / ".step_00000001.partial"
     tmp.mkdir()

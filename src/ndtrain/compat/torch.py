@@ -58,7 +58,7 @@ _STAGE = "torch.distributed.pipelining.stage"
 _SDPA = "the context-parallel ring's block attention kernels (parallel/block_attention.py)"
 _MARKERS = ("profiler ranges selective checkpointing ignores (parallel/activation.py)",
             "fallback: not ignored (torch may refuse a recompute inside an FSDP unit)")
-_ALLOW = ("the allow-list that reads DCP's .metadata without unpickling code (train/ckpt_store.py)",
+_ALLOW = ("the allow-list that reads DCP's .metadata without unpickling code (train/checkpoint/store.py)",
           "refused: reading the metadata names the class it met")
 _LOOP = "fallback: one op per tensor"
 PRIVATE: dict[str, Private] = {
@@ -97,12 +97,12 @@ PRIVATE: dict[str, Private] = {
        for op in ("mul_", "add_", "add")},
     "foreach_norm": _p("torch", "_foreach_norm", "calibration's optimizer timing (tools/calibrate_host.py)", _LOOP),
     "dcp_set_element": _p("torch.distributed.checkpoint._nested_dict", "set_element",
-                          "loading non-tensor values with weights_only=True (train/ckpt_store.py)"),
+                          "loading non-tensor values with weights_only=True (train/checkpoint/store.py)"),
     "dcp_storage_info": _p("torch.distributed.checkpoint.filesystem", "_StorageInfo", *_ALLOW),
     "dcp_mem_format": _p("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING", *_ALLOW),
     "dcp_get_layout": _p("torch.serialization", "_get_layout", *_ALLOW),
     "staging_stream": _p("torch.distributed.checkpoint.staging", "DefaultStager._staging_stream",
-                         "ordering an async checkpoint's copy after the optimizer step (train/ckpt_staging.py)",
+                         "ordering an async checkpoint's copy after the optimizer step (train/checkpoint/staging.py)",
                          "fallback: the host waits for the step before staging", instance=True),
     "strided_shard": _p("torch.distributed.tensor.placement_types", "_StridedShard",
                         "counting FSDP-over-TP shards in the gradient norm (parallel/grad_norm.py)",

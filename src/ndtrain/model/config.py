@@ -92,7 +92,7 @@ class ModelConfig:
 
 
 # The model keys that change the function the weights compute: a resume refuses any change to
-# them (train/ckpt_store.py), so continuing a run can never silently compute something else.
+# them (train/checkpoint/store.py), so continuing a run can never silently compute something else.
 # ARCHITECTURE_KEYS also decide which tensors exist or their shapes (or, n_heads, how they are
 # split into heads): no switch allows changing them. The rest may change when the user lists
 # them in `checkpoint.allow_model_change` (a fine-tune: a longer context's rope_theta, say).

@@ -152,7 +152,7 @@ def _run(cfg) -> int:
         summary = train(cfg)  # resolves the plan for this world (train/plan.py), as the Python API does
     except KeyboardInterrupt as exc:  # Ctrl-C outside the loop's own handling (start-up, a failing collective)
         if os.environ.get("RANK", "0") == "0":
-            from ndtrain.train.ckpt_store import list_checkpoints
+            from ndtrain.train.checkpoint import list_checkpoints
             from ndtrain.train.rundir import checkpoint_root
 
             step = getattr(exc, "step", None)

@@ -204,14 +204,51 @@ def in_child_pid_namespace() -> bool | None:
         return None
 
 
+# ---- collectives every rank takes part in -------------------------------------------------------
+# One process (no group, or a group of one) is the same code with no communication.
+def group_active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def barrier() -> None:
+    if group_active():
+        dist.barrier()
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank `src`'s `obj` (anything picklable) on every rank; the others pass a placeholder."""
+    if not group_active():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def gather_objects(obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not group_active():
+        return [obj]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def any_rank(flag: bool, device) -> bool:
+    """Whether `flag` holds on any rank (a rank that saw an error would otherwise leave its peers
+    waiting in the next collective)."""
+    if not group_active():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
 def peer_table() -> list[tuple[str, int]]:
     """(host, pid) of every rank, gathered once at start: when a collective later fails, a rank
     can say which peer died instead of quoting a socket address."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not group_active():
         return []
-    table: list = [None] * dist.get_world_size()
-    dist.all_gather_object(table, (socket.gethostname(), os.getpid()))
-    return table
+    return gather_objects((socket.gethostname(), os.getpid()))
 
 
 _PEER_FAILURES = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",

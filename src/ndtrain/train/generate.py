@@ -20,7 +20,7 @@ from ndtrain.data.tokenizer import load_tokenizer
 from ndtrain.errors import NdtrainError, UsageError
 from ndtrain.model.config import ModelConfig, num_params
 from ndtrain.model.llama import Transformer, build_model
-from ndtrain.train.ckpt_store import list_checkpoints
+from ndtrain.train.checkpoint import list_checkpoints
 
 # Bytes per parameter and per cached K/V element: checkpoints hold fp32 weights and the sample
 # runs in them.
@@ -32,7 +32,7 @@ _DEVICE_SHARE, _HOST_SHARE = 0.9, 0.5
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """Accept a checkpoint directory, a `checkpoints/` directory or a run directory."""
-    from ndtrain.train.ckpt_store import not_a_directory
+    from ndtrain.train.checkpoint import not_a_directory
 
     path = Path(path)
     if not path.exists():
@@ -106,13 +106,13 @@ _RELOADS = 5
 
 
 def _published(ckpt: Path) -> bool:
-    from ndtrain.train.ckpt_store import MARKER
+    from ndtrain.train.checkpoint import MARKER
 
     return (Path(ckpt) / MARKER).is_file()
 
 
 def _load_one(ckpt: Path, device, verified: bool) -> tuple[Transformer, object, dict]:
-    from ndtrain.train.ckpt_store import checkpoint_config, dcp_load, read_train_state, verify
+    from ndtrain.train.checkpoint import checkpoint_config, dcp_load, read_train_state, verify
 
     problem = verify(ckpt, check_hashes=not verified)
     if problem:

@@ -159,7 +159,7 @@ def _write_failed(exc: OSError, out: Path, tmp: Path, needed: int):
 def export(checkpoint: str | Path, to: str, out: str | Path, dtype: str = "float32") -> Path:
     from safetensors.torch import save_file
 
-    from ndtrain.train.ckpt_store import checkpoint_config, load_model_weights
+    from ndtrain.train.checkpoint import checkpoint_config, load_model_weights
     from ndtrain.train.generate import resolve_checkpoint
 
     out = Path(out)
@@ -260,7 +260,7 @@ def import_hf(src: str | Path, out_root: str | Path) -> Path:
     from ndtrain.config import JobConfig, to_dict
     from ndtrain.paths import check_creatable
     from ndtrain.train import hf_weights
-    from ndtrain.train.ckpt_store import FORMAT, TRAIN_STATE, fsync_dir, step_name, write_manifest, write_marker
+    from ndtrain.train.checkpoint import FORMAT, TRAIN_STATE, fsync_dir, step_name, write_manifest, write_marker
     from ndtrain.train.generate import _host_available
 
     out_root = Path(out_root)

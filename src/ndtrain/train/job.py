@@ -20,7 +20,7 @@ from ndtrain.layout.flops import MFU_CONVENTION
 from ndtrain.model.config import num_params
 from ndtrain.train import distributed, recovery, resilience
 from ndtrain.train.checkpoint import list_checkpoints
-from ndtrain.train.ckpt_resume import group_active
+from ndtrain.train.distributed import group_active
 
 SAMPLE_DELAY_ENV = "NDTRAIN_TEST_SAMPLE_DELAY_S"  # tests only: seconds rank 0 sleeps before its sample
 # tests only: seconds rank 0 sleeps after its last collective, before the teardown (what a slow

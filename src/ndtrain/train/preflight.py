@@ -40,7 +40,7 @@ def check_data(cfg) -> None:
 def resume_target(spec: str) -> Path | None:
     """The checkpoint an explicit `checkpoint.resume` path points at (newest under a run or
     checkpoints directory), checked for shape but not yet for integrity; None for ''/'auto'."""
-    from ndtrain.train.ckpt_store import MARKER, TRAIN_STATE, list_checkpoints, not_a_directory
+    from ndtrain.train.checkpoint import MARKER, TRAIN_STATE, list_checkpoints, not_a_directory
 
     if spec in ("", "auto"):
         return None
@@ -60,7 +60,7 @@ def resume_target(spec: str) -> Path | None:
 
 
 def check_resume(cfg) -> None:
-    from ndtrain.train.ckpt_store import model_mismatch, read_train_state
+    from ndtrain.train.checkpoint import model_mismatch, read_train_state
 
     target = resume_target(cfg.checkpoint.resume)
     if target is None or not (target / "train_state.json").exists():

@@ -45,7 +45,7 @@ def _marked(run_dir: Path) -> bool:
 def _made_by_older_ndtrain(run_dir: Path) -> bool:
     """A run directory from before the marker: it holds a checkpoint ndtrain published (a step
     directory with its completion marker), which no user's own directory has."""
-    from ndtrain.train.ckpt_store import MARKER
+    from ndtrain.train.checkpoint import MARKER
 
     root = run_dir / "checkpoints"
     if root.is_symlink() or not root.is_dir():

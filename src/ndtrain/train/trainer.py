@@ -39,7 +39,7 @@ from ndtrain.parallel.data_parallel import accumulation, reshard
 from ndtrain.parallel.grad_norm import (all_reduce_sum, clip_coefficient, local_grad_sq, reduce_partial_grads,
                                         scale_grads)
 from ndtrain.train import distributed, job
-from ndtrain.train.ckpt_state import DiLoCoState, ModelState, OptimizerState, RNGState, TrainProgress
+from ndtrain.train.checkpoint import DiLoCoState, ModelState, OptimizerState, RNGState, TrainProgress
 from ndtrain.train.distributed import env_world_size
 from ndtrain.train.metrics import MetricsLogger, mfu, peak_memory_mb, reset_peak_memory, run_peaks
 from ndtrain.train.plan import Plan, as_written, resolve_plan

@@ -113,7 +113,7 @@ def check_items(ckpt: Path, items: list[tuple[str, int, str]], check_hashes: boo
 
 def verify(ckpt: Path, check_hashes: bool = True) -> str | None:
     """None if `ckpt` is a published, intact checkpoint; else the reason it is not. Hashes every
-    file in this process; a process group shares that work (ckpt_digest.verify_shared)."""
+    file in this process; a process group shares that work (digest.verify_shared)."""
     items, problem = manifest_items(ckpt)
     return problem or check_items(ckpt, items, check_hashes)
 

@@ -12,7 +12,7 @@ Run by rank 0 only; renames within the directory, never copies. The rules (docs/
   the newest and the one before it stay, so one damaged file never leaves nothing to resume.
 - `resume=auto` that finds checkpoints but none usable stops with one line (nothing_usable);
   it starts from scratch only where no checkpoint ever was.
-- Clean-up and retention touch only ndtrain's own names (ckpt_store.leftovers): a user's
+- Clean-up and retention touch only ndtrain's own names (store.leftovers): a user's
   `photos.partial/` in a checkpoints directory stays.
 - One directory, one timeline. Resuming from a checkpoint older than the newest one there
   starts a new timeline: before training, the newer checkpoints (the abandoned timeline) move to
@@ -30,7 +30,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ndtrain.train.ckpt_store import (MARKER, TRAIN_STATE, holds_only_checkpoint_files, leftovers, list_checkpoints,
+from ndtrain.train.checkpoint.store import (MARKER, TRAIN_STATE, holds_only_checkpoint_files, leftovers, list_checkpoints,
                                       step_of)
 
 CORRUPT = "corrupt"
@@ -56,7 +56,7 @@ def move_aside(ckpt: Path, root: Path, folder: str = CORRUPT) -> Path:
 
 def clear_leftovers(root: Path, log=print) -> list[Path]:
     """Partial saves (never published) and half-deleted old checkpoints left by a killed
-    process: ndtrain's own names holding only checkpoint files (ckpt_store.leftovers). Safe to
+    process: ndtrain's own names holding only checkpoint files (store.leftovers). Safe to
     remove: the lock of this checkpoints directory says no live run writes here."""
     stale, foreign = leftovers(root)
     for p in stale:

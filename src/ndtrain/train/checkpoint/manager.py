@@ -1,12 +1,12 @@
 """Checkpoints on torch.distributed.checkpoint (DCP): sharded, layout-independent, atomic, async.
 
 Saving writes DCP shards of model and optimizer state into `.step_XXXXXXXX.partial/`; each rank
-hashes the shards it wrote (ckpt_digest.py); rank 0 then adds `train_state.json` (step, tokens
+hashes the shards it wrote (digest.py); rank 0 then adds `train_state.json` (step, tokens
 seen, loader position, RNG, data fingerprint, resolved config, timeline), `manifest.json` (sizes
 + SHA-256, combined from the ranks' digests) and the COMPLETE marker, and renames the directory
 to `step_XXXXXXXX/`. Nothing older is touched until that rename has happened; a save that fails
 (a full disk) removes its partial directory and leaves the previous checkpoint published.
-Retention and timelines: ckpt_policy.py.
+Retention and timelines: retention.py.
 
 With `checkpoint.async = true` the step only pays for copying the state into RAM; a background
 thread writes it through its own Gloo group (sharing the training group with a concurrent
@@ -14,7 +14,7 @@ collective breaks Gloo) and rank 0 publishes once the write completes. One save 
 at a time.
 
 What is saved is a mapping of named state objects, each with state_dict()/load_state_dict()
-(ckpt_state.py): "model" and "optim" go through DCP (flattened optimizer keys, so any layout
+(state.py): "model" and "optim" go through DCP (flattened optimizer keys, so any layout
 loads any other's checkpoint; under DiLoCo laid out by parallel.diloco's checkpoint view),
 "progress" fills train_state.json's top-level step/tokens_seen/skip_windows, every other state
 (loader, rng, diloco) sits there under its own name. Besides the states, the checkpointer is told
@@ -41,15 +41,16 @@ import torch.distributed.checkpoint as dcp
 from ndtrain.config import to_dict
 from ndtrain.errors import NdtrainError, RunError
 from ndtrain.parallel.diloco import checkpoint_restore, checkpoint_view
-from ndtrain.train.ckpt_failure import state_bytes, write_failure
-from ndtrain.train import ckpt_policy, ckpt_staging
-from ndtrain.train.ckpt_resume import any_rank, barrier, broadcast, choose, group_active
-from ndtrain.train.ckpt_digest import (collect_digests, has_digests, verify_shared, write_manifest_from,
+from ndtrain.train.checkpoint.failure import state_bytes, write_failure
+from ndtrain.train.checkpoint import retention, staging
+from ndtrain.train.checkpoint.resume import choose
+from ndtrain.train.checkpoint.digest import (collect_digests, has_digests, verify_shared, write_manifest_from,
                                        write_own_digests)
-from ndtrain.train.ckpt_store import (FORMAT, MARKER, MODEL_KEYS, TRAIN_STATE, dcp_load, fsync_dir, list_checkpoints,
+from ndtrain.train.distributed import any_rank, barrier, broadcast_object, group_active
+from ndtrain.train.checkpoint.store import (FORMAT, MARKER, MODEL_KEYS, TRAIN_STATE, dcp_load, fsync_dir, list_checkpoints,
                                       model_mismatch, read_train_state, step_name, step_of, verify, write_marker)
 
-__all__ = ["Checkpointer", "list_checkpoints", "read_train_state", "verify", "MARKER", "MODEL_KEYS"]
+__all__ = ["Checkpointer", "data_fingerprint"]
 
 TENSOR_STATES = ("model", "optim")  # through DCP; every other state goes into train_state.json
 FLAT_STATE = "progress"  # its fields sit at train_state.json's top level (format version 2)
@@ -105,12 +106,12 @@ class Checkpointer:
         # retention hashes none of them again but those in `written`, once.
         self.verdicts: dict[str, str | None] = {}
         # Those published here, known intact only as hashed while written: read back before the
-        # next save, so retention lets an older one go only once a newer one was (ckpt_policy).
+        # next save, so retention lets an older one go only once a newer one was (retention.py).
         self.written: set[str] = set()
         self._last_bytes = 0  # the size of the last checkpoint published: what the next one needs
-        # Which line of history the checkpoints continue (ckpt_policy): new unless resumed from
+        # Which line of history the checkpoints continue (retention.py): new unless resumed from
         # the newest checkpoint of this directory.
-        self.timeline = ckpt_policy.new_timeline()
+        self.timeline = retention.new_timeline()
         # Created once, by every rank, before any save: the async writer's collectives must never
         # share a group with the training loop's.
         # Its timeout covers the slowest rank's whole write (a hung peer is caught by the training
@@ -120,12 +121,12 @@ class Checkpointer:
         self._stager = None
         self._staging = None  # the in-flight save's copy into host memory (CUDA: it overlaps the next step)
         if self.async_:
-            # Per device (ckpt_staging.py): pinned, shared and overlapped on CUDA, blocking on CPU.
+            # Per device (staging.py): pinned, shared and overlapped on CUDA, blocking on CPU.
             # Kept for the whole run: it reuses its RAM copies, so later saves skip allocation.
-            self._stager = ckpt_staging.make_stager(self.rt.device)
+            self._stager = staging.make_stager(self.rt.device)
         if self.is_main:
-            ckpt_policy.clear_leftovers(self.root, self._info)  # never published; left by a killed save
-            ckpt_policy.finish_abandoning(self.root, self._info)  # a timeline switch a crash interrupted
+            retention.clear_leftovers(self.root, self._info)  # never published; left by a killed save
+            retention.finish_abandoning(self.root, self._info)  # a timeline switch a crash interrupted
         barrier()
 
     @property
@@ -172,7 +173,7 @@ class Checkpointer:
         if self.is_main:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
-                ckpt_policy.clear_partial(tmp, self.root, self._info)
+                retention.clear_partial(tmp, self.root, self._info)
             except OSError as exc:
                 raise self._write_failure(exc, name) from None
         barrier()
@@ -183,7 +184,7 @@ class Checkpointer:
         if self.async_ and not final:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg,
                                     async_stager=self._stager, no_dist=not group_active())
-            self._staging, future = ckpt_staging.split_response(future)
+            self._staging, future = staging.split_response(future)
             pending = _Pending(step, name, future, t0, time.perf_counter() - t0)
             if self.is_main:
                 pending.publisher = threading.Thread(target=self._publish_when_written, args=(pending, tmp, meta),
@@ -266,7 +267,7 @@ class Checkpointer:
         self._retain()
 
     def _retain(self) -> None:
-        ckpt_policy.retain(self.root, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every,
+        retention.retain(self.root, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every,
                            self._verdict, self._info, self._read_back)
 
     def _read_back(self, ckpt: Path) -> bool:
@@ -275,7 +276,7 @@ class Checkpointer:
     def _verify_for_retention(self) -> None:
         """Every rank: what the publish's retention will ask about and nobody has checked, hashed
         now, shared over the ranks; once one fails, retention looks further back, so again."""
-        while todo := broadcast(ckpt_policy.unverified(self.root, self.cfg.checkpoint.keep_last, self.verdicts,
+        while todo := broadcast_object(retention.unverified(self.root, self.cfg.checkpoint.keep_last, self.verdicts,
                                                        self.written) if self.is_main else None):
             checked = verify_shared(todo)
             self.verdicts.update(checked)
@@ -354,8 +355,8 @@ class Checkpointer:
             self._info(f"no checkpoint under {self.root}: starting from scratch")
             return None
         state = read_train_state(path) if self.is_main else None
-        state = broadcast(state)
-        self.timeline = ckpt_policy.continue_timeline(path, self.root, state, self.is_main, self._info)
+        state = broadcast_object(state)
+        self.timeline = retention.continue_timeline(path, self.root, state, self.is_main, self._info)
         barrier()
         self.load(path, state)
         return path

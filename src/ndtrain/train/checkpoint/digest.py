@@ -22,7 +22,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ndtrain.errors import NdtrainError
-from ndtrain.train.ckpt_store import MANIFEST, MARKER, check_items, manifest_items, read_dcp_metadata, sha256
+from ndtrain.train.distributed import broadcast_object, gather_objects, group_active
+from ndtrain.train.checkpoint.store import MANIFEST, MARKER, check_items, manifest_items, read_dcp_metadata, sha256
 
 DIGESTS = ".digests-rank"
 
@@ -105,13 +106,8 @@ def _structure(ckpt: Path) -> tuple[list, str | None]:
 def verify_shared(ckpts: list[Path]) -> dict[str, str | None]:
     """{str(ckpt): None if intact else the reason}, the same on every rank. Collective when a
     process group is up (every rank must call it with the same list); else all work is local."""
-    group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    rank, world = (dist.get_rank(), dist.get_world_size()) if group else (0, 1)
-    structure = {str(c): _structure(Path(c)) for c in ckpts} if rank == 0 else None
-    if group:
-        holder = [structure]
-        dist.broadcast_object_list(holder, src=0)
-        structure = holder[0]
+    rank, world = (dist.get_rank(), dist.get_world_size()) if group_active() else (0, 1)
+    structure = broadcast_object({str(c): _structure(Path(c)) for c in ckpts} if rank == 0 else None)
     work = [((key, tuple(item)), item[1]) for key, (items, problem) in structure.items() if problem is None
             for item in items]
     mine = shares(work, world)[rank]
@@ -121,11 +117,7 @@ def verify_shared(ckpts: list[Path]) -> dict[str, str | None]:
             problem = check_items(Path(key), [item])
             if problem:
                 found[key] = problem
-    if group:
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, found)
-    else:
-        gathered = [found]
+    gathered = gather_objects(found)
     verdicts = {key: problem for key, (_, problem) in structure.items()}
     for part in gathered:
         for key, problem in part.items():

@@ -1,5 +1,5 @@
 """The state objects a checkpoint is made of. Each has `state_dict()` / `load_state_dict()`; the
-checkpointer (checkpoint.py) takes a mapping of them by name and knows nothing of who owns them.
+checkpointer (manager.py) takes a mapping of them by name and knows nothing of who owns them.
 
 - "model" (ModelState) and "optim" (OptimizerState): tensors, written through DCP under those
   keys, with flattened optimizer keys so any layout loads any other's checkpoint.

@@ -1,44 +1,13 @@
-"""Which checkpoint a resume loads, and the few collectives a checkpoint needs: every rank takes
-part and gets the same answer; one process (no group) is the same code with no communication."""
+"""Which checkpoint a resume loads: every rank takes part and gets the same answer."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-from ndtrain.train import ckpt_policy
-from ndtrain.train.ckpt_digest import verify_shared
-
-
-def group_active() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def barrier() -> None:
-    if group_active():
-        dist.barrier()
-
-
-def broadcast(obj):
-    """Rank 0's `obj` on every rank."""
-    if not group_active():
-        return obj
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
-
-
-def any_rank(flag: bool, device) -> bool:
-    """Whether `flag` holds on any rank (a rank that saw an error would otherwise leave its peers
-    waiting in the next collective)."""
-    if not group_active():
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
+from ndtrain.train.checkpoint import retention
+from ndtrain.train.checkpoint.digest import verify_shared
+from ndtrain.train.distributed import broadcast_object
 
 
 def choose(spec: str, root: Path, batch: int, is_main: bool, verdicts: dict,
@@ -49,8 +18,8 @@ def choose(spec: str, root: Path, batch: int, is_main: bool, verdicts: dict,
     checkpoint there is damaged. `verdicts` collects what was checked. Candidates that fail are
     skipped, and moved to corrupt/ (when they are in `root`) once an older one verifies: a
     resume that finds nothing usable leaves everything where it was."""
-    plan = ckpt_policy.resume_candidates(spec, root) if is_main else None
-    candidates, error, explicit = broadcast(plan)
+    plan = retention.resume_candidates(spec, root) if is_main else None
+    candidates, error, explicit = broadcast_object(plan)
     if error:
         return None, error
     failed: list[str] = []
@@ -71,12 +40,12 @@ def choose(spec: str, root: Path, batch: int, is_main: bool, verdicts: dict,
     if spec != "auto":  # the user named a directory: none of it is usable
         return None, f"no intact checkpoint under {spec} ({len(failed)} failed verification; {newest})"
     # asked to resume, and this run's checkpoints exist but none is usable
-    return None, ckpt_policy.nothing_usable(root, f"{len(failed)} failed verification; {newest}")
+    return None, retention.nothing_usable(root, f"{len(failed)} failed verification; {newest}")
 
 
 def _set_aside(ckpt: Path, root: Path, problem: str, info: Callable[[str], None]) -> None:
     if ckpt.parent.resolve() == root.resolve():  # never rearrange another run's directory
-        target = ckpt_policy.move_aside(ckpt, root)
+        target = retention.move_aside(ckpt, root)
         info(f"checkpoint {ckpt} skipped: {problem}; moved to {target} (nothing deleted)")
     else:
         info(f"checkpoint {ckpt} skipped: {problem} (nothing deleted)")

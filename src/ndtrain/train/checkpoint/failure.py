@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ndtrain.errors import RunError
-from ndtrain.train.ckpt_store import list_checkpoints
+from ndtrain.train.checkpoint.store import list_checkpoints
 
 
 def write_failure(error: BaseException | None, name: str, root: Path, needed_bytes) -> RunError:
