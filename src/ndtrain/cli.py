@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "config": ("ndtrain.tools.config_check", "config_main", "`config show`: the resolved config; `config check --world N`: check it for N ranks"),
     "verify": ("ndtrain.tools.verify", "main", "check that parallel layouts match a single process"),
     "plan": ("ndtrain.planner.command", "plan_main", "predict memory/time/MFU of layouts and pick the best"),
-    "goodput": ("ndtrain.planner.command", "goodput_main", "expected goodput and optimal checkpoint interval"),
+    "goodput": ("ndtrain.tools.goodput_costs", "main", "expected goodput and optimal checkpoint interval"),
     "calibrate": ("ndtrain.tools.calibrate_gpu", "main", "measure this machine (its GPUs, or its CPU ranks) for the planner"),
     "pipeline-report": ("ndtrain.tools.pipeline_report", "main", "draw a pipeline schedule timeline"),
     "export": ("ndtrain.train.interop", "export_main", "export a checkpoint (safetensors or Hugging Face)"),

@@ -42,3 +42,44 @@ def test_llama3_anchor():
     assert rep["failures_per_day"] == pytest.approx(419 / 54, rel=1e-6)
     daly = next(r for r in rep["rows"] if r["name"] == "daly")
     assert daly["expected"] > 0.9  # >90% effective training time needs fast saves and restarts
+
+
+def test_pricing_an_exclusion_over_the_job_without_failures_is_known_by_hand():
+    from ndtrain.planner.goodput import exclusion, price_exclusion
+
+    day = 86400.0
+    # Failures so rare that none is drawn and Daly's interval outlasts the job: the interval model
+    # and the simulator both reduce to compute time / speed.
+    never = dict(gpus=8, mtbf_gpu_hours=1e12, ckpt=60.0, restart=0.0, work_days=1.0, trials=5)
+    j = price_exclusion(exclusion(0.3, 8, 36.0), **never)  # 30% slow of 8: excluding wins
+    assert j["keep_wall_s"] == pytest.approx(1.3 * day, rel=1e-5)
+    assert j["exclude_wall_s"] == pytest.approx(36.0 + day * 8 / 7, rel=1e-5)
+    assert j["saved_s"] == pytest.approx(day * (1.3 - 8 / 7) - 36.0, rel=1e-4)
+    assert j["keep_simulated"]["wall"] == pytest.approx(1.3 * day) and j["keep_simulated"]["stderr"] < 1e-6
+    assert j["exclude_simulated"]["wall"] == pytest.approx(36.0 + day * 8 / 7)
+    # 600 s of detection at the slow pace first: that much less work is left for the smaller world.
+    j = price_exclusion(exclusion(0.3, 8, 36.0, detect_s=600.0), **never)
+    assert j["exclude_wall_s"] == pytest.approx(600.0 + 36.0 + (day - 600.0 / 1.3) * 8 / 7, rel=1e-5)
+    # 10% slow of 8 costs less than losing one host in eight: keeping it wins, by this much.
+    j = price_exclusion(exclusion(0.1, 8, 36.0), **never)
+    assert j["saved_s"] == pytest.approx(day * (1.1 - 8 / 7) - 36.0, rel=1e-4) and j["saved_s"] < 0
+
+
+def test_exclusion_breakeven_counts_the_detection_at_the_slow_pace():
+    from ndtrain.planner.goodput import exclusion
+
+    x = exclusion(0.3, 8, 36.0, detect_s=600.0)
+    t = x["breakeven_s"]  # from the host's turn: the same work either way by then
+    assert t / 1.3 == pytest.approx(600.0 / 1.3 + (t - 600.0 - 36.0) * 0.875)
+
+
+def test_priced_exclusion_under_failures_matches_its_simulation():
+    from ndtrain.planner.goodput import exclusion, price_exclusion
+
+    # 64 GPUs, a job MTBF of 6 h; excluding one host of 8 also makes failures rarer (56 GPUs).
+    j = price_exclusion(exclusion(0.3, 8, 5 * MIN, detect_s=10 * MIN), gpus=64, mtbf_gpu_hours=6 * 64, ckpt=2 * MIN,
+                        restart=5 * MIN, work_days=3.0, trials=30, seed=3)
+    for side in ("keep", "exclude"):
+        sim = j[f"{side}_simulated"]
+        assert sim["wall"] == pytest.approx(j[f"{side}_wall_s"], abs=4 * sim["stderr"] + 0.003 * sim["wall"]), side
+    assert j["saved_s"] > 0

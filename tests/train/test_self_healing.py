@@ -292,6 +292,18 @@ def test_a_straggling_agent_is_excluded_the_rest_go_on_and_it_comes_back(corpus_
     print(f"final loss {last[STEPS]:.6f} vs uninterrupted {ref_last[STEPS]:.6f}")
     # fp32 sums in another order: 2.4e-6 relative after 60 steps through 3, 2 and 3 ranks (measured)
     assert abs(last[STEPS] - ref_last[STEPS]) < 1e-4 * abs(ref_last[STEPS]), (last[STEPS], ref_last[STEPS])
+    # What each change cost (ndtrain report): the records come in the order of its phases (the new
+    # worker's start and imports between the save and the new attempt's start), so none is negative
+    # and, with the steady steps, they add up to the change's wall time.
+    from ndtrain.tools.run_data import membership_phases, read_run
+
+    priced = [p for p in membership_phases(read_run(out)) if p["warmup_s"] is not None]
+    assert priced and priced[0]["excluded"] and priced[0]["detection_s"] > 0, priced
+    for p in priced:
+        assert p["reshard_s"] is not None and min(p["save_s"], p["rendezvous_s"], p["reshard_s"]) >= 0, p
+        assert 0 <= p["startup_s"] <= p["rendezvous_s"], p
+        assert p["save_s"] + p["rendezvous_s"] + p["reshard_s"] + p["warmup_s"] + p["warmup_steps"] * p["steady_step_s"] \
+            == pytest.approx(p["gap_s"]), p
 
 
 @pytest.mark.slow
@@ -344,23 +356,77 @@ def test_an_agent_killed_repeatedly_is_excluded(corpus_dir, tmp_path):
     assert abs(last[STEPS] - ref_last[STEPS]) < 1e-4 * abs(ref_last[STEPS]), (last[STEPS], ref_last[STEPS])
 
 
-def test_report_names_each_membership_change_and_the_time_between_steps(tmp_path):
+def _straggler_exclusion_rows() -> list[dict]:
+    """A 3 -> 2 shrink as the records of a run give it, with every phase known by hand: windows
+    of 2 steps, K = 2, name rank 2 at step 4 (decided at 102.05, 2.05 s after its first slow
+    window began at the start), save 0.5 s, the new worker starts at 120 and has imported at 125 (re-rendezvous
+    125 - 102.6 = 22.4 s, of which start-up 5 s), starts training at 130 (reshard 5 s); its first
+    3 steps take 2.0 + 1.0 + 0.7 s against 0.5 s steady (warm-up 2.2 s)."""
+    rows = [{"step": 0, "event": "start", "world": 3, "time": 100.0}]
+    rows += [{"step": s, "loss": 5.0, "step_time_s": 0.5, "time": 100.0 + 0.5 * s} for s in (1, 2, 3)]
+    rows += [{"step": 4, "event": "straggler", "rank": 2, "ratio": 4.9, "time": 102.0},
+             {"step": 4, "event": "exclude", "host": "h2", "ranks": [2], "time": 102.05,
+              "reason": "host h2 (agent 2, ranks [2]) excluded at step 4: rank 2 ran 4.90x the median busy time in 2 "
+                        "straggler windows running (resilience.on_straggler=exclude)"},
+             {"step": 4, "loss": 5.0, "step_time_s": 0.5, "time": 102.1},
+             {"step": 4, "checkpoint_mode": "sync", "checkpoint_stall_s": 0.5, "time": 102.6},
+             {"step": 4, "event": "membership", "old_world": 3, "world": 2, "time": 129.9, "worker_started": 120.0,
+              "imported": 125.0, "reason": "host h2 (agent 2, ranks [2]) excluded at step 4: slow"},
+             {"step": 4, "event": "restart", "world": 2, "time": 130.0}]
+    t = 130.0
+    for s, took in zip(range(5, 11), (2.0, 1.0, 0.7, 0.5, 0.5, 0.5)):
+        t += took
+        rows.append({"step": s, "loss": 4.9, "step_time_s": took, "time": t})
+    return rows
+
+
+def _write_run(tmp_path, rows: list[dict]):
     from ndtrain.config import to_toml
-    from ndtrain.tools.report import header_rows, membership_changes
     from ndtrain.tools.run_data import read_run
 
-    (tmp_path / "config.toml").write_text(to_toml(load_config(None, [])))
-    rows = [{"step": 0, "event": "start", "world": 3, "time": 100.0},
-            {"step": 4, "loss": 5.0, "time": 102.0},
-            {"step": 4, "event": "exclude", "host": "h2", "reason": "host h2 excluded at step 4: slow", "time": 102.1},
-            {"step": 4, "event": "membership", "old_world": 3, "world": 2, "reason": "host h2 excluded at step 4: slow",
-             "time": 128.0},
-            {"step": 4, "event": "restart", "world": 2, "time": 128.0},
-            {"step": 5, "loss": 4.9, "time": 129.0}]
+    (tmp_path / "config.toml").write_text(to_toml(load_config(None, ["--train.straggler_window=2",
+                                                                      "--resilience.straggler_windows=2"])))
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run = read_run(tmp_path)
-    assert membership_changes(run) == "step 4: 3 -> 2 ranks (host h2 excluded at step 4), 27 s between steps"
-    assert ("membership changes (self-healing)", [membership_changes(run)]) in header_rows([run], 200.0)
+    return read_run(tmp_path)
+
+
+def test_report_splits_each_membership_change_into_its_phases(tmp_path):
+    from ndtrain.tools.report import header_rows, membership_changes, world_timeline
+    from ndtrain.tools.run_data import membership_phases
+
+    run = _write_run(tmp_path, _straggler_exclusion_rows())
+    [p] = membership_phases(run)
+    want = {"detection_s": 2.05, "save_s": 0.5, "rendezvous_s": 22.4, "startup_s": 5.0, "reshard_s": 5.0,
+            "warmup_s": 2.2, "steady_step_s": 0.5, "gap_s": 133.7 - 102.1}
+    assert {k: p[k] for k in want} == pytest.approx(want)
+    # The phases and 3 steady steps tile the wall time from the old world's last step to the new one's 3rd.
+    assert p["save_s"] + p["rendezvous_s"] + p["reshard_s"] + p["warmup_s"] + 3 * p["steady_step_s"] \
+        == pytest.approx(p["gap_s"]) and p["outside_steps_s"] == pytest.approx(0, abs=1e-9)
+    text = membership_changes(run)
+    assert text == ("step 4: 3 -> 2 ranks (host h2 (agent 2, ranks [2]) excluded at step 4): 30 s lost: save 0.5 s, "
+                    "re-rendezvous 22.4 s (worker start-up 5.0 s), reshard 5.0 s, warm-up 2.2 s; detected over "
+                    "2.0 s before (trained on, at the old pace)"), text
+    assert world_timeline(run) == "3 ranks from 0 s (step 0), 2 ranks from 30 s (step 4)"
+    rows = dict(header_rows([run], 200.0))
+    assert rows["membership changes (self-healing)"] == [text] and rows["world size over time"] == [world_timeline(run)]
+    # Time the step timers did not see (here: 4 s between the new attempt's start and its first
+    # step) is warm-up, and said so.
+    late = [dict(r, time=r["time"] + 4.0) if r.get("loss") and r["step"] > 4 else r for r in _straggler_exclusion_rows()]
+    [p] = membership_phases(_write_run(tmp_path, late))
+    assert (p["warmup_s"], p["outside_steps_s"]) == pytest.approx((6.2, 4.0))
+    assert "warm-up 6.2 s (4.0 s of it before and between the steps)" in membership_changes(_write_run(tmp_path, late))
+
+
+def test_a_change_followed_by_another_before_steady_steps_says_so(tmp_path):
+    from ndtrain.tools.report import membership_changes
+
+    rows = [r for r in _straggler_exclusion_rows() if not (r.get("loss") and r["step"] > 5)]
+    rows += [{"step": 5, "event": "membership", "old_world": 2, "world": 3, "time": 140.0,
+              "reason": "1 more rank(s) joined the rendezvous; the previous attempt saved at a step boundary"},
+             {"step": 5, "event": "restart", "world": 3, "time": 140.1}]
+    text = membership_changes(_write_run(tmp_path, rows))
+    assert "changed again before any steady step" in text.split(" | ")[0], text
+    assert text.split(" | ")[1].startswith("step 5: 2 -> 3 ranks (1 more rank(s) joined the rendezvous; the previous"), text
 
 
 def test_goodput_prices_excluding_a_straggler_against_keeping_it():
@@ -379,3 +445,33 @@ def test_goodput_prices_excluding_a_straggler_against_keeping_it():
                           "--ckpt-save", "60s", "--restart", "5m", "--straggler", "0.3"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--exclude-cost" in bad.stderr
+
+
+def test_goodput_takes_the_measured_costs_of_a_run(tmp_path):
+    """--exclusion-costs RUN_DIR: the phases `ndtrain report` measured (the synthetic run above:
+    detection 2.05 s, then 0.5 + 22.4 + 5 + 2.2 = 30.1 s stopped), priced over the job."""
+    _write_run(tmp_path, _straggler_exclusion_rows())
+    base = [sys.executable, "-m", "ndtrain", "goodput", "--gpus", "64", "--mtbf-gpu-hours", "50000", "--ckpt-save", "60s",
+            "--restart", "5m", "--trials", "3", "--days", "1", "--straggler", "0.3", "--hosts", "8"]
+    proc = subprocess.run([*base, "--exclusion-costs", str(tmp_path), "--json"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["exclusion"]["exclude_cost_s"] == pytest.approx(30.1, abs=0.01)
+    assert rep["exclusion"]["detect_s"] == pytest.approx(2.05, abs=0.01)
+    assert rep["exclusion_job"]["saved_s"] > 0  # 30% slow of 8 hosts: excluding wins over a day
+    # A flag given wins over the measured phase.
+    proc = subprocess.run([*base, "--exclusion-costs", str(tmp_path), "--exclude-rendezvous", "2m", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert json.loads(proc.stdout)["exclusion"]["exclude_cost_s"] == pytest.approx(30.1 - 22.4 + 120, abs=0.01)
+    text = subprocess.run([*base, "--exclusion-costs", str(tmp_path)], capture_output=True, text=True, timeout=120).stdout
+    assert "excluding finishes" in text and "over 1 days of work left" in text, text
+    # Bad input: one line each, exit 2.
+    empty = tmp_path / "no-exclusion"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text(json.dumps({"step": 0, "event": "start", "world": 2, "time": 1.0}) + "\n")
+    for more, says in [(["--exclusion-costs", str(empty)], "no exclusion"),
+                       (["--exclude-cost", "30s", "--exclude-save", "1s"], "not both"),
+                       (["--exclude-save", "soon"], "not a duration")]:
+        bad = subprocess.run([*base, *more], capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and says in bad.stderr, bad.stderr
+

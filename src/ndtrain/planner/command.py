@@ -9,7 +9,7 @@ import math
 import sys
 
 from ndtrain.errors import NdtrainError
-from ndtrain.planner.goodput import exclusion, goodput_report
+from ndtrain.planner.goodput import exclusion, goodput_report, price_exclusion
 from ndtrain.layout import parse_items, parse_layout
 from ndtrain.layout.schedules import NAMES as SCHEDULES
 from ndtrain.layout.schedules import canonical_schedule
@@ -202,6 +202,14 @@ def plan_main(argv: list[str]) -> int:
     return 0 if res.top else 1
 
 
+# The phases of an exclusion (tools/run_data.membership_phases, docs/self-healing.md): detection
+# trains on at the slow pace; the others stop training.
+PHASES = [("detect", "time from the first slow window to the decision (trained on, at the slow pace)"),
+          ("save", "the exclusion's checkpoint save"), ("rendezvous", "re-rendezvous, to the new workers' start"),
+          ("reshard", "process group, re-plan and checkpoint load onto the new layout"),
+          ("warmup", "the new world's first steps beyond its steady step time")]
+
+
 def goodput_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ndtrain goodput", description="Expected training goodput under failures and the "
                 "optimal checkpoint interval (Young, Daly), checked by Monte-Carlo simulation.")
@@ -216,12 +224,19 @@ def goodput_parser() -> argparse.ArgumentParser:
     p.add_argument("--straggler", type=float, help="also price excluding a host this much slower (0.3: 30%%) "
                    "against keeping it (docs/self-healing.md); needs --hosts and --exclude-cost")
     p.add_argument("--hosts", type=int, help="hosts (torchrun agents) in the job, for --straggler")
-    p.add_argument("--exclude-cost", help="time an exclusion stops training, as `ndtrain report` measures it: 40s, ...")
+    p.add_argument("--exclude-cost", help="time an exclusion stops training, as `ndtrain report` measures it: 40s, ... "
+                   "(or its phases, below)")
+    for phase, what in PHASES:
+        p.add_argument(f"--exclude-{phase}", help=f"{what}, as `ndtrain report` measures it (for --straggler)")
+    p.add_argument("--exclusion-costs", metavar="RUN_DIR", help="take the phases an exclusion cost from this run "
+                   "directory's membership changes (the median of its exclusions); flags given win")
     p.add_argument("--json", action="store_true")
     return p
 
 
-def goodput_main(argv: list[str]) -> int:
+def goodput_main(argv: list[str], measured=None) -> int:
+    """`measured(run_dir)`: the phases (seconds by PHASES name) of the exclusions a run directory
+    recorded, for --exclusion-costs (tools/goodput_costs.py reads them; the planner reads no run)."""
     args = goodput_parser().parse_args(argv)
     try:
         ckpt, restart = parse_duration(args.ckpt_save), parse_duration(args.restart)
@@ -236,24 +251,39 @@ def goodput_main(argv: list[str]) -> int:
               ("--days", math.isfinite(args.days) and 0 < args.days <= 36500, "a number of days in (0, 36500]",
                args.days),
               ("--trials", 1 <= args.trials <= 100_000, "an integer from 1 to 100000", args.trials)]
-    excl = None
-    if args.straggler is not None or args.hosts is not None or args.exclude_cost is not None:
-        if args.straggler is None or args.hosts is None or args.exclude_cost is None:
-            raise NdtrainError("--straggler, --hosts and --exclude-cost go together (pricing an exclusion needs all three)")
+    excl, detect = None, 0.0
+    phases = {name: getattr(args, f"exclude_{name}") for name, _ in PHASES}
+    if args.exclusion_costs is not None:
+        if measured is None:
+            raise NdtrainError("--exclusion-costs needs the run reader of `ndtrain goodput` (tools), not the planner alone")
+        phases = {**measured(args.exclusion_costs), **{k: v for k, v in phases.items() if v is not None}}
+    given = [f"--exclude-{k}" for k, v in phases.items() if v is not None]
+    if args.straggler is not None or args.hosts is not None or args.exclude_cost is not None or given:
+        if args.exclude_cost is not None and given and args.exclusion_costs is None:
+            raise NdtrainError(f"--exclude-cost is the sum of the phases: give it or {', '.join(given)}, not both")
+        if args.straggler is None or args.hosts is None or (args.exclude_cost is None and not given):
+            raise NdtrainError("--straggler, --hosts and --exclude-cost (or its phases, --exclude-save ...) go together "
+                               "(pricing an exclusion needs all three)")
         try:
-            excl = parse_duration(args.exclude_cost)
+            seconds = {k: parse_duration(v) for k, v in phases.items() if v is not None}
+            excl = parse_duration(args.exclude_cost) if args.exclude_cost is not None else \
+                sum(v for k, v in seconds.items() if k != "detect")
         except ValueError as exc:
             raise NdtrainError(str(exc)) from exc
+        detect = seconds.get("detect", 0.0)
         checks += [("--straggler", math.isfinite(args.straggler) and 0 < args.straggler <= 100, "a fraction in (0, 100]",
                     args.straggler),
                    ("--hosts", 2 <= args.hosts <= 10**6, "an integer from 2 to 10^6", args.hosts),
                    ("--exclude-cost", 0 <= excl < 1e9, "a duration >= 0", args.exclude_cost)]
+        checks += [(f"--exclude-{k}", 0 <= v < 1e9, "a duration >= 0", phases[k]) for k, v in seconds.items()]
     for flag, ok, what, value in checks:
         if not ok:
             raise NdtrainError(f"{flag} must be {what}, got {value!r}")
     rep = goodput_report(args.gpus, args.mtbf_gpu_hours, ckpt, restart, args.days, args.trials, args.seed)
     if excl is not None:
-        rep["exclusion"] = exclusion(args.straggler, args.hosts, excl)
+        rep["exclusion"] = exclusion(args.straggler, args.hosts, excl, detect)
+        rep["exclusion_job"] = price_exclusion(rep["exclusion"], args.gpus, args.mtbf_gpu_hours, ckpt, restart,
+                                               args.days, args.trials, args.seed)
     if args.json:
         json.dump(rep, sys.stdout, indent=1)
         print()

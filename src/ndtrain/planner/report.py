@@ -203,8 +203,20 @@ def goodput_text(r: dict) -> str:
         x = r["exclusion"]
         pays = (f"excluding pays for itself when more than {x['breakeven_s'] / 60:.1f} min of training is left"
                 if x["breakeven_s"] is not None else "excluding never pays for itself: wait, or replace the host")
+        detected = f" after {x['detect_s']:.0f} s at the slow pace" if x.get("detect_s") else ""
         lines.append(f"a host {x['slowdown']:.0%} slow of {x['hosts']}: kept, the job trains at {x['keep_speed']:.1%}; "
-                     f"excluded ({x['exclude_cost_s']:.0f} s lost), at {x['excluded_speed']:.1%}; {pays}")
+                     f"excluded{detected} ({x['exclude_cost_s']:.0f} s lost), at {x['excluded_speed']:.1%}; {pays}")
+    if r.get("exclusion_job"):
+        j = r["exclusion_job"]
+
+        def days(seconds: float, sim: dict | None) -> str:
+            s = f" ({sim['wall'] / 86400:.3f} ± {sim['stderr'] / 86400:.3f} simulated)" if sim else ""
+            return f"{seconds / 86400:.3f} days{s}"
+
+        winner = "excluding" if j["saved_s"] > 0 else "keeping the host"
+        lines.append(f"over {j['work_days']:g} days of work left, with the failures above: keep {days(j['keep_wall_s'], j['keep_simulated'])}, "
+                     f"exclude {days(j['exclude_wall_s'], j['exclude_simulated'])}; {winner} finishes "
+                     f"{abs(j['saved_s']) / 3600:.1f} h ({abs(j['saved_s']) / max(j['keep_wall_s'], j['exclude_wall_s']):.1%}) sooner")
     return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from ndtrain.errors import NdtrainError
-from ndtrain.tools.run_data import Run, config_differences, read_run
+from ndtrain.tools.run_data import Run, config_differences, membership_phases, read_run, world_over_time
 
 GENERATOR = "ndtrain report"
 
@@ -94,25 +94,43 @@ def _median(rows: list[dict], key: str, since_step: int) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def _phase(name: str, seconds: float | None) -> str:
+    return f"{name} {seconds:.1f} s" if seconds is not None else f"{name} –"
+
+
 def membership_changes(run: Run) -> str:
     """Each change of world (train/resilience.py's `membership` rows): the step, old -> new ranks,
-    why (its first words), and the wall time between the last step trained before it and the
-    first one after (detection's window, the save, the re-rendezvous, the reshard and the
-    restart's warm-up together)."""
-    times = [(r["time"], r["step"]) for r in run.train + run.superseded if r.get("time")]
+    why (its first words), and the time it cost, phase by phase (run_data.membership_phases):
+    detection (trained on meanwhile), then save, re-rendezvous, reshard and warm-up, which stop
+    training."""
     out = []
-    changes = [e for e in run.events if e.get("event") == "membership"]
-    for i, m in enumerate(changes):
-        before = max((t for t, _ in times if t <= m.get("time", 0)), default=None)
-        after = min((t for t, s in times if t > m.get("time", 0) and s > m["step"]), default=None)
-        following = changes[i + 1].get("time") if i + 1 < len(changes) else None
-        if after is not None and following is not None and after > following:
-            lost = ", changed again before any step"  # its gap is the next change's
+    for p in membership_phases(run):
+        head = f"step {p['step']}: {p['old_world']} -> {p['world']} ranks ({p['why']})"
+        rdzv = _phase("re-rendezvous", p["rendezvous_s"])
+        if p["startup_s"] is not None:
+            rdzv += f" (worker start-up {p['startup_s']:.1f} s)"
+        parts = [_phase("save", p["save_s"]), rdzv, _phase("reshard", p["reshard_s"])]
+        if p["warmup_s"] is not None:
+            lost = p["gap_s"] - p["warmup_steps"] * p["steady_step_s"]
+            warm = _phase("warm-up", p["warmup_s"])
+            if p["outside_steps_s"] is not None and p["outside_steps_s"] >= 0.5:
+                warm += f" ({p['outside_steps_s']:.1f} s of it before and between the steps)"
+            parts.append(warm)
+            cost = f"{lost:.0f} s lost: " + ", ".join(parts)
         else:
-            lost = f", {after - before:.0f} s between steps" if before is not None and after is not None else ""
-        why = str(m.get("reason") or "").split(":")[0]
-        out.append(f"step {m['step']}: {m.get('old_world')} -> {m.get('world')} ranks ({why}){lost}")
-    return "; ".join(out) or "none"
+            again = "changed again before any steady step" if p["changed_again"] else "no steady steps yet"
+            cost = ", ".join(parts) + f"; {again}"
+        if p["detection_s"] is not None:
+            cost += f"; detected over {p['detection_s']:.1f} s before (trained on, at the old pace)"
+        out.append(f"{head}: {cost}")
+    return " | ".join(out) or "none"
+
+
+def world_timeline(run: Run) -> str:
+    """The world size over time: each stretch's ranks, from when (since the run's first row) and
+    from which step."""
+    parts = [f"{w['world']} ranks from {_duration(w['since_s'])} (step {w['step']})" for w in world_over_time(run)]
+    return ", ".join(parts) or "–"
 
 
 def header_rows(runs: list[Run], now: float, profile: str | None = None) -> list[tuple[str, list[str]]]:
@@ -158,6 +176,7 @@ def header_rows(runs: list[Run], now: float, profile: str | None = None) -> list
         f"{sum(1 for x in r.train if x.get('skipped'))}")
     if any(e.get("event") == "membership" for r in runs for e in r.events):
         add("membership changes (self-healing)", membership_changes)
+        add("world size over time", world_timeline)
     add("checkpoints saved", lambda r: str(len(r.checkpoints)))
     add("planner (auto): predicted vs measured", auto)
     add("step: predicted now vs measured", lambda r: compare(r, profile))

@@ -230,3 +230,131 @@ def config_differences(runs: list[Run]) -> dict[str, list]:
     ignore = {"train.output_dir", "name", "checkpoint.dir", "checkpoint.resume"}
     return {k: [d.get(k) for d in flat] for k in keys
             if k not in ignore and len({json.dumps(d.get(k), sort_keys=True) for d in flat}) > 1}
+
+
+# ---- self-healing: what each membership change cost, and the world over time ----------------
+WARMUP_STEPS = 3  # the new world's first steps, priced against its steady step time
+
+
+def _failure_times(run: Run, host: str) -> list[float]:
+    """When the failure ledger (train/resilience.py) struck `host`, oldest first."""
+    rows = []
+    try:
+        lines = (run.path / "resilience" / "failures.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and row.get("host") == host and isinstance(row.get("time"), (int, float)):
+            rows.append(row["time"])
+    return sorted(rows)
+
+
+def _detection(run: Run, exclude: dict, steps: list[dict]) -> float | None:
+    """Seconds from the first sign to the decision (the `exclude` row): the start of the first of
+    the K slow windows running that named the host's rank (its `straggler` rows begin at the K-th),
+    the first of the failures counted, or (a host back with grow_back=false) its attempt's start."""
+    at = exclude["time"]
+    reason = str(exclude.get("reason") or "")
+    if "on_straggler" in reason:
+        window = run.section("train").get("straggler_window") or 0
+        named = sorted({e["step"]: e for e in run.events if e.get("event") == "straggler"
+                        and e.get("time", at + 1) <= at and e.get("rank") in (exclude.get("ranks") or [])}.items())
+        if not named:
+            return None
+        first = named[-1][1]
+        for s, e in reversed(named[:-1]):  # the streak: one window after another, `window` steps apart
+            if not window or first["step"] - s != window:
+                break
+            first = e
+        # a rank is named from its K-th slow window running on (train/recovery.py's judge)
+        opened = first["step"] - window * (run.section("resilience").get("straggler_windows") or 1)
+        began = [r["time"] for r in steps + run.starts if r["step"] == opened and r["time"] <= at]
+        return at - (began[-1] if began else first["time"])
+    if "on_failure" in reason:
+        limit = run.section("resilience").get("failure_window_s", 3600)
+        count = run.section("resilience").get("failures", 1)
+        struck = [t for t in _failure_times(run, exclude.get("host")) if at - limit <= t <= at]
+        return at - struck[-count:][0] if struck else None
+    starts = [e["time"] for e in run.starts if e.get("time") is not None and e["time"] <= at]
+    return at - starts[-1] if starts else None
+
+
+def membership_phases(run: Run) -> list[dict]:
+    """Per `membership` row (a change of world, train/resilience.py), where the wall time went,
+    each phase from one record to the next (docs/self-healing.md defines them):
+      detection   first sign -> the decision (trained on meanwhile, at the old pace; not in `gap`)
+      save        the old world's last step (or decision) -> its checkpoint row (0: none saved)
+      rendezvous  -> the new worker's imports done (`imported`; of which `startup` from its process start)
+      reshard     -> the new attempt's start row: process group, re-plan, build, checkpoint load + reshard
+      warmup      -> its step WARMUP_STEPS, less that many steps at `steady_step_s` (the median after
+                  them); `outside_steps_s` of it the step timers did not see (the attempt's set-up)
+    `gap` is the wall time from the old world's last step to the new one's step WARMUP_STEPS: the
+    phases and WARMUP_STEPS steady steps tile it.
+    A change followed by another before its world's steady steps has `changed_again`, no warm-up."""
+    steps = sorted((r for r in run.train + run.superseded if isinstance(r.get("time"), (int, float))),
+                   key=lambda r: r["time"])
+    timed = [e for e in run.events if isinstance(e.get("time"), (int, float))]
+    changes = [e for e in timed if e.get("event") == "membership"]
+    out = []
+    for i, m in enumerate(changes):
+        at, step = m["time"], m["step"]
+        prev = changes[i - 1]["time"] if i else float("-inf")
+        following = changes[i + 1]["time"] if i + 1 < len(changes) else float("inf")
+        excludes = [e for e in timed if e.get("event") == "exclude" and prev < e["time"] <= at]
+        marks = [r["time"] for r in steps if r["time"] <= at]
+        marks += [e["time"] for e in timed if e.get("event") in ("exclude", "start", "restart") and prev < e["time"] <= at]
+        if not marks:
+            continue
+        begin = max(marks)  # the old world's last step, or the decision of an attempt that trained none
+        saves = [c["time"] for c in run.checkpoints if isinstance(c.get("time"), (int, float)) and begin < c["time"] <= at]
+        saved = saves[-1] if saves else begin
+        starts = [e["time"] for e in timed if e.get("event") in ("start", "restart") and at <= e["time"] < following]
+        started = starts[0] if starts else at
+        imported = m.get("imported") if isinstance(m.get("imported"), (int, float)) else None
+        if imported is not None and not saved <= imported <= started:
+            imported = None  # another clock's record, or from a worker that was not this attempt's
+        proc = m.get("worker_started") if imported is not None else None
+        row = {"step": step, "old_world": m.get("old_world"), "world": m.get("world"),
+               "why": str(m.get("reason") or "").split(":")[0], "excluded": bool(excludes),
+               "detection_s": _detection(run, excludes[-1], steps) if excludes else None,
+               "save_s": saved - begin, "rendezvous_s": (imported if imported is not None else started) - saved,
+               "startup_s": imported - min(max(proc, saved), imported) if isinstance(proc, (int, float)) else None,
+               "reshard_s": started - imported if imported is not None else None,
+               "warmup_s": None, "steady_step_s": None, "gap_s": None, "outside_steps_s": None, "changed_again": False}
+        new = sorted((r for r in steps if started < r["time"] < following and r["step"] > step), key=lambda r: r["step"])
+        first = [r for r in new if r["step"] <= step + WARMUP_STEPS]
+        steady = [r["step_time_s"] for r in new[len(first):] if isinstance(r.get("step_time_s"), (int, float))]
+        if not first or not steady:
+            row["changed_again"] = following != float("inf")
+            out.append(row)
+            continue
+        median = statistics.median(steady)
+        n = first[-1]["step"] - step
+        gap = first[-1]["time"] - begin
+        warmup = first[-1]["time"] - started - n * median
+        per_step = [r.get("step_time_s") for r in first]
+        inside = None  # the part the step timers measured; the rest is set-up and logging between them
+        if len(first) == n and all(isinstance(t, (int, float)) for t in per_step):
+            inside = sum(per_step) - n * median
+        row.update(warmup_s=warmup, steady_step_s=median, warmup_steps=n, gap_s=gap,
+                   outside_steps_s=warmup - inside if inside is not None else None)
+        out.append(row)
+    return out
+
+
+def world_over_time(run: Run) -> list[dict]:
+    """The world size by attempt, merged where it did not change: seconds since the run's first
+    row, the step it started from, ranks."""
+    span = run.time_span()
+    out: list[dict] = []
+    for e in run.starts:
+        if e.get("time") is None or not isinstance(e.get("world"), int):
+            continue
+        if out and out[-1]["world"] == e["world"]:
+            continue
+        out.append({"since_s": e["time"] - (span[0] if span else e["time"]), "step": e["step"], "world": e["world"]})
+    return out

@@ -38,10 +38,25 @@ EXIT_REFORM = 75  # a peer's host was taken out: the agent restarts this worker 
 HOST_ENV = "NDTRAIN_HOST_ID"  # a host's name in the policy (default: the hostname); tests run agents on one machine
 SAMPLE_LOG_ENV = "NDTRAIN_TEST_SAMPLE_LOG"  # tests only: each rank appends the sample numbers of every step
 AGENT_GRACE_S = 5.0  # how long an excluded worker waits for its agent's SIGTERM before exiting on its own
+# When this worker's imports were done (job.py imports this module after torch, before the process
+# group forms): the report splits a membership change's re-rendezvous from its reshard here.
+IMPORTED_AT = time.time()
 
 
 def host_id() -> str:
     return os.environ.get(HOST_ENV) or socket.gethostname()
+
+
+def process_started() -> float | None:
+    """Wall time this process started (Linux /proc; None elsewhere). torchrun spawns its workers
+    once the rendezvous round is complete, so for a worker this is the re-rendezvous's end."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        boot = next(float(x.split()[1]) for x in Path("/proc/stat").read_text().splitlines() if x.startswith("btime "))
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, counted after the command name
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def group_rank() -> int:
@@ -262,22 +277,21 @@ def excluded_hosts(run_dir: Path) -> set[str]:
     return out
 
 
-def log_samples(run_dir: Path, trainer, step: int, attempt: int) -> None:
-    """Tests: the global sample numbers this rank trained on in `step` (the exactly-once check)."""
-    ids = getattr(trainer, "last_sample_ids", None)
+def log_samples(run_dir: Path, rank: int, world: int, ids, step: int, attempt: int) -> None:
+    """Tests: the global sample numbers (`ids`) this rank trained on in `step` (the exactly-once check)."""
     if ids is None:
         return
-    with open(Path(run_dir) / f"samples.rank{trainer.rt.rank}.jsonl", "a") as f:
-        f.write(json.dumps({"step": step, "world": trainer.rt.world_size, "attempt": attempt,
+    with open(Path(run_dir) / f"samples.rank{rank}.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, "world": world, "attempt": attempt,
                             "ids": [int(i) for i in ids]}) + "\n")
 
 
 def leave(decision: Leave, rank: int) -> None:
     """Exit for a membership change (never returns). The excluded host's local rank 0 signals
     its agent first, so that the agent leaves the rendezvous instead of restarting its workers."""
-    from ndtrain.train.distributed import hold_sigterm
+    from ndtrain.train.signals import hold
 
-    hold_sigterm()  # the agent's own SIGTERM (forwarded to its workers) must not turn the code into -15
+    hold()  # the agent's own SIGTERM (forwarded to its workers) must not turn the code into -15
     if decision.code == EXIT_EXCLUDED or rank == 0:
         print(f"ndtrain train: rank {rank}: {decision.reason}", file=sys.stderr, flush=True)
     sys.stdout.flush()
@@ -316,6 +330,8 @@ def membership_change(run_dir: Path, world: int, layout: str) -> tuple[dict, str
     else:
         reason = "an agent left the rendezvous or died; resumed from the newest checkpoint"
     row = {"event": "membership", "old_world": old, "world": world, "old_layout": last_start.get("layout"),
-           "layout": layout, "reason": reason, "excluded_host": (last_exclude or {}).get("host")}
+           "layout": layout, "reason": reason, "excluded_host": (last_exclude or {}).get("host"),
+           # the report's phases of the change (tools/run_data.py): this worker's start, its imports done
+           "worker_started": process_started(), "imported": IMPORTED_AT}
     text = f"membership change: world {old} -> {world}, layout {row['old_layout']} -> {layout} ({reason})"
     return row, text
