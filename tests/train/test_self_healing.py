@@ -417,6 +417,17 @@ def test_report_splits_each_membership_change_into_its_phases(tmp_path):
     assert "warm-up 6.2 s (4.0 s of it before and between the steps)" in membership_changes(_write_run(tmp_path, late))
 
 
+def test_report_draws_the_world_size_and_prints_the_changes(tmp_path, capsys):
+    from ndtrain.tools import report
+
+    _write_run(tmp_path, _straggler_exclusion_rows())
+    assert report.main([str(tmp_path), "--out", str(tmp_path / "r.html")]) == 0
+    printed = capsys.readouterr().out
+    assert (tmp_path / "r-world.png").is_file() and "World size over time" in (tmp_path / "r.html").read_text()
+    assert "world size over time: 3 ranks from 0 s (step 0), 2 ranks from 30 s (step 4)" in printed, printed
+    assert "\n  step 4: 3 -> 2 ranks (host h2 (agent 2, ranks [2]) excluded at step 4): 30 s lost: save 0.5 s" in printed
+
+
 def test_a_change_followed_by_another_before_steady_steps_says_so(tmp_path):
     from ndtrain.tools.report import membership_changes
 

@@ -272,4 +272,9 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     out, pngs = build_report(args.run_dirs, args.out, args.profile)
     print(f"wrote {out} ({len(pngs)} figures; PNGs beside it: {', '.join(p.name for p in pngs)})")
+    for run in [read_run(d) for d in args.run_dirs]:  # self-healing: what each change cost, on the terminal too
+        if any(e.get("event") == "membership" for e in run.events):
+            print(f"{run.path}: world size over time: {world_timeline(run)}")
+            for change in membership_changes(run).split(" | "):
+                print(f"  {change}")
     return 0

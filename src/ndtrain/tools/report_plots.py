@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ndtrain.tools.run_data import Run, tokens_at  # noqa: E402
+from ndtrain.tools.run_data import Run, membership_phases, tokens_at, world_over_time  # noqa: E402
 
 COLORS = plt.get_cmap("tab10").colors
 MARKS = {  # event -> (colour, label) on the timeline
@@ -249,6 +249,43 @@ def timeline(runs: list[Run], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+PHASE_COLORS = [("save_s", "save", "#2ca02c"), ("rendezvous_s", "re-rendezvous", "#d62728"),
+                ("reshard_s", "reshard", "#ff7f0e"), ("warmup_s", "warm-up", "#9467bd")]
+
+
+def world(runs: list[Run], path: Path) -> Path | None:
+    """Ranks against wall time for runs whose world changed (self-healing), each membership
+    change's stop shaded by phase (run_data.membership_phases: save, re-rendezvous, reshard,
+    warm-up)."""
+    changed = [(i, r) for i, r in enumerate(runs) if len(world_over_time(r)) > 1 and r.time_span()]
+    if not changed:
+        return None
+    fig, ax = plt.subplots(figsize=(10, 3.2))
+    unit, unit_name = _time_unit(max(r.time_span()[1] - r.time_span()[0] for _, r in changed))
+    seen = set()
+    for i, run in changed:
+        t0, t1 = run.time_span()
+        stretches = world_over_time(run)
+        xs = [w["since_s"] / unit for w in stretches] + [(t1 - t0) / unit]
+        ys = [w["world"] for w in stretches] + [stretches[-1]["world"]]
+        ax.step(xs, ys, where="post", color=_color(i), lw=1.8, label=f"{run.label}: ranks")
+        for p in membership_phases(run):
+            at = (p["begin_time"] - t0) / unit
+            for key, name, color in PHASE_COLORS:
+                if p.get(key) is None or p[key] <= 0:
+                    continue
+                ax.axvspan(at, at + p[key] / unit, color=color, alpha=0.25, lw=0, label=None if name in seen else name)
+                seen.add(name)
+                at += p[key] / unit
+    ax.set(xlabel=f"wall time since the run's first row ({unit_name})", ylabel="ranks")
+    ax.set_ylim(bottom=0)
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    ax.set_title("World size over time; each membership change's stop, by phase", loc="left", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    return _save(fig, path)
+
+
 def moe_load(runs: list[Run], path: Path) -> Path | None:
     """Tokens routed to each expert of each MoE layer (the last quarter of the run, as a share
     of the mean: 1.0 is perfect balance), and the worst layer's imbalance over the run."""
@@ -306,6 +343,7 @@ FIGURES = [  # (file suffix, section title, function)
     ("memory", "Peak memory per rank", memory),
     ("stragglers", "Step-time spread across ranks", stragglers),
     ("timeline", "Checkpoints, restarts, skipped and rolled-back steps", timeline),
+    ("world", "World size over time (self-healing)", world),
     ("moe", "Mixture of experts: expert load", moe_load),
     ("pipeline", "Pipeline schedule (Gantt)", pipeline_gantt),
 ]

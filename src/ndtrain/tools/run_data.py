@@ -318,7 +318,7 @@ def membership_phases(run: Run) -> list[dict]:
         if imported is not None and not saved <= imported <= started:
             imported = None  # another clock's record, or from a worker that was not this attempt's
         proc = m.get("worker_started") if imported is not None else None
-        row = {"step": step, "old_world": m.get("old_world"), "world": m.get("world"),
+        row = {"step": step, "begin_time": begin, "old_world": m.get("old_world"), "world": m.get("world"),
                "why": str(m.get("reason") or "").split(":")[0], "excluded": bool(excludes),
                "detection_s": _detection(run, excludes[-1], steps) if excludes else None,
                "save_s": saved - begin, "rendezvous_s": (imported if imported is not None else started) - saved,
