@@ -21,7 +21,7 @@ from chaos import descendants
 from ndtrain.config import load_config
 from ndtrain.errors import ConfigError
 from ndtrain.train import resilience
-from ndtrain.train.recovery import FaultPlan, StragglerMonitor
+from ndtrain.train.recovery import StragglerMonitor
 
 
 # ---- the policy, in process ---------------------------------------------------------------------
@@ -426,6 +426,28 @@ def test_report_draws_the_world_size_and_prints_the_changes(tmp_path, capsys):
     assert (tmp_path / "r-world.png").is_file() and "World size over time" in (tmp_path / "r.html").read_text()
     assert "world size over time: 3 ranks from 0 s (step 0), 2 ranks from 30 s (step 4)" in printed, printed
     assert "\n  step 4: 3 -> 2 ranks (host h2 (agent 2, ranks [2]) excluded at step 4): 30 s lost: save 0.5 s" in printed
+
+
+def test_detection_of_a_failing_host_runs_from_the_first_failure_counted(tmp_path):
+    """on_failure=exclude, failures=2 within 60 s: the ledger struck h2 at 50, 80 and 95 (and h1 at
+    90); the decision at 102.05 needed the last two, so detection began at 80."""
+    from ndtrain.config import to_toml
+    from ndtrain.tools.run_data import membership_phases, read_run
+
+    rows = _straggler_exclusion_rows()
+    for r in rows:
+        if r.get("event") == "exclude":
+            r["reason"] = "host h2 (ranks [2]) excluded at step 4: its ranks failed or hung 2 times (resilience.on_failure=exclude)"
+    rows = [r for r in rows if r.get("event") != "straggler"]
+    _write_run(tmp_path, rows)
+    (tmp_path / "config.toml").write_text(to_toml(load_config(None, [
+        "--resilience.on_failure=exclude", "--resilience.failures=2", "--resilience.failure_window_s=60"])))
+    (tmp_path / "resilience").mkdir()
+    (tmp_path / "resilience" / "failures.jsonl").write_text("".join(
+        json.dumps({"time": t, "host": h, "rank": 2, "why": "died"}) + "\n"
+        for t, h in [(50.0, "h2"), (80.0, "h2"), (90.0, "h1"), (95.0, "h2")]))
+    [p] = membership_phases(read_run(tmp_path))
+    assert p["detection_s"] == pytest.approx(102.05 - 80.0) and p["save_s"] == pytest.approx(0.5)
 
 
 def test_a_change_followed_by_another_before_steady_steps_says_so(tmp_path):
