@@ -205,7 +205,7 @@ def plan_main(argv: list[str]) -> int:
 # The phases of an exclusion (tools/run_data.membership_phases, docs/self-healing.md): detection
 # trains on at the slow pace; the others stop training.
 PHASES = [("detect", "time from the first slow window to the decision (trained on, at the slow pace)"),
-          ("save", "the exclusion's checkpoint save"), ("rendezvous", "re-rendezvous, to the new workers' start"),
+          ("save", "the exclusion's checkpoint save"), ("rendezvous", "re-rendezvous, to the new workers' imports done"),
           ("reshard", "process group, re-plan and checkpoint load onto the new layout"),
           ("warmup", "the new world's first steps beyond its steady step time")]
 
@@ -227,7 +227,8 @@ def goodput_parser() -> argparse.ArgumentParser:
     p.add_argument("--exclude-cost", help="time an exclusion stops training, as `ndtrain report` measures it: 40s, ... "
                    "(or its phases, below)")
     for phase, what in PHASES:
-        p.add_argument(f"--exclude-{phase}", help=f"{what}, as `ndtrain report` measures it (for --straggler)")
+        p.add_argument(f"--exclude-{phase}", metavar="DURATION",
+                       help=f"{what}, as `ndtrain report` measures it (for --straggler)")
     p.add_argument("--exclusion-costs", metavar="RUN_DIR", help="take the phases an exclusion cost from this run "
                    "directory's membership changes (the median of its exclusions); flags given win")
     p.add_argument("--json", action="store_true")
