@@ -16,7 +16,7 @@ from ndtrain.config import load_config
 from ndtrain.errors import ConfigError, NdtrainError
 from ndtrain.model.config import ModelConfig
 from ndtrain.train.checkpoint import MARKER, list_checkpoints, model_mismatch, retention, step_name
-from ndtrain.train.checkpoint.resume import choose
+from ndtrain.train.checkpoint.resume import choose, finish_abandoning
 from ndtrain.train.rundir import LOCK_NAME, claim
 
 
@@ -59,7 +59,7 @@ def test_a_foreign_journal_name_is_no_timeline_switch(tmp_path):
     _fake(root, 4)
     _put(root, ".abandoning-from-mine/notes.txt")
     before = tree(root)
-    retention.finish_abandoning(root, print)  # used to parse 'mine' as a step: ValueError
+    finish_abandoning(root, print)  # used to parse 'mine' as a step: ValueError
     assert tree(root) == before
 
 

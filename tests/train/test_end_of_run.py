@@ -59,7 +59,7 @@ def test_retention_in_a_publish_never_hashes_on_one_rank(world, parity_base, tmp
     from ckpt_helpers import job
 
     from ndtrain.parallel.launch import run_ranks
-    from ndtrain.train.checkpoint import manager
+    from ndtrain.train.checkpoint import retention
     from ndtrain.train.checkpoint import list_checkpoints
 
     run = tmp_path / "run"
@@ -71,14 +71,14 @@ def test_retention_in_a_publish_never_hashes_on_one_rank(world, parity_base, tmp
     data[len(data) // 2] ^= 0xFF  # same size: only its hash can tell
     shard.write_bytes(bytes(data))
     alone = tmp_path / "hashed-alone.txt"  # a file: forked ranks inherit the patch and append here
-    real = manager.verify
+    real = retention.verify
 
     def recording_verify(ckpt, *args, **kwargs):
         with open(alone, "a") as f:
             f.write(Path(ckpt).name + "\n")
         return real(ckpt, *args, **kwargs)
 
-    monkeypatch.setattr(manager, "verify", recording_verify)
+    monkeypatch.setattr(retention, "verify", recording_verify)
     # Resuming from step 3 verifies only step 3; step 4 leaves the timeline; step 2 is unchecked.
     resumed = job(parity_base, run, train={"steps": 5},
                   checkpoint={"interval_steps": 1, "keep_last": 3, "resume": str(root / "step_00000003")})

@@ -1,24 +1,28 @@
 """Checkpoints: sharded, layout-independent, atomic, async (docs/checkpoints.md).
 
-The rooms, each with one job:
+One room per job:
 
-- store.py: the on-disk format (names, marker, manifest, train_state.json) and how it is checked.
-- digest.py: who hashes what, so publishing and verifying scale with the number of ranks.
-- manager.py: the Checkpointer, which saves, publishes and loads a mapping of state objects.
-- resume.py: which checkpoint a resume loads.
-- retention.py: what stays in a checkpoints directory, and timelines.
-- state.py: the state objects a checkpoint is made of.
-- staging.py: how an async save copies the state into host memory.
+- manager.py    the Checkpointer: saves, publishes, resumes and loads a mapping of state
+                objects, and says in one line why a write failed.
+- resume.py     which checkpoint a resume loads, whether it fits this run, which timeline follows.
+- retention.py  what stays in a checkpoints directory: retention, clean-up, moving aside.
+- state.py      the state objects a checkpoint is made of, and how they map onto its files.
+- store.py      the on-disk format (names, marker, manifest, train_state.json) and its checks.
+- reader.py     reading a checkpoint's tensors without running code from its files.
+- digest.py     who hashes what, so publishing and verifying scale with the number of ranks.
+- staging.py    how an async save copies the state into host memory, per device.
 
-Code outside the package imports from here; the names below are the package's public face.
+The collectives they use (barrier, broadcast_object, gather_objects, any_rank) are
+train/distributed.py's. Code outside the package imports the names below from here.
 """
 
 from ndtrain.train.checkpoint.manager import Checkpointer, data_fingerprint
+from ndtrain.train.checkpoint.reader import dcp_load, load_model_weights
 from ndtrain.train.checkpoint.state import DiLoCoState, ModelState, OptimizerState, RNGState, TrainProgress
 from ndtrain.train.checkpoint.store import (FORMAT, MANIFEST, MARKER, MODEL_KEYS, TRAIN_STATE, checkpoint_config,
-                                            dcp_load, fsync_dir, list_checkpoints, load_model_weights,
-                                            model_mismatch, not_a_directory, read_train_state, step_name, step_of,
-                                            verify, write_manifest, write_marker)
+                                            fsync_dir, list_checkpoints, model_mismatch, not_a_directory,
+                                            read_train_state, step_name, step_of, verify, write_manifest,
+                                            write_marker)
 
 __all__ = ["Checkpointer", "data_fingerprint", "DiLoCoState", "ModelState", "OptimizerState", "RNGState",
            "TrainProgress", "FORMAT", "MANIFEST", "MARKER", "MODEL_KEYS", "TRAIN_STATE", "checkpoint_config",

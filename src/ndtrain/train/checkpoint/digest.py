@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from ndtrain.errors import NdtrainError
 from ndtrain.train.distributed import broadcast_object, gather_objects, group_active
-from ndtrain.train.checkpoint.store import MANIFEST, MARKER, check_items, manifest_items, read_dcp_metadata, sha256
+from ndtrain.train.checkpoint.reader import read_dcp_metadata
+from ndtrain.train.checkpoint.store import MANIFEST, MARKER, check_items, manifest_items, sha256
 
 DIGESTS = ".digests-rank"
 

@@ -5,25 +5,24 @@ hashes the shards it wrote (digest.py); rank 0 then adds `train_state.json` (ste
 seen, loader position, RNG, data fingerprint, resolved config, timeline), `manifest.json` (sizes
 + SHA-256, combined from the ranks' digests) and the COMPLETE marker, and renames the directory
 to `step_XXXXXXXX/`. Nothing older is touched until that rename has happened; a save that fails
-(a full disk) removes its partial directory and leaves the previous checkpoint published.
-Retention and timelines: retention.py.
+(a full disk) removes its partial directory, leaves the previous checkpoint published, and
+says so in one line (write_failure). Retention: retention.py; which checkpoint a resume loads,
+and timelines: resume.py.
 
 With `checkpoint.async = true` the step only pays for copying the state into RAM; a background
 thread writes it through its own Gloo group (sharing the training group with a concurrent
 collective breaks Gloo) and rank 0 publishes once the write completes. One save is in flight
 at a time.
 
-What is saved is a mapping of named state objects, each with state_dict()/load_state_dict()
-(state.py): "model" and "optim" go through DCP (flattened optimizer keys, so any layout
-loads any other's checkpoint; under DiLoCo laid out by parallel.diloco's checkpoint view),
-"progress" fills train_state.json's top-level step/tokens_seen/skip_windows, every other state
-(loader, rng, diloco) sits there under its own name. Besides the states, the checkpointer is told
+What is saved is a mapping of named state objects, each with state_dict()/load_state_dict(),
+mapped onto the files by state.py. Besides the states, the checkpointer is told
 a few plain facts: the runtime (rank, world, device), where to log, the data fingerprint, the
 layout's description and data-parallel size. It knows nothing of the trainer.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -40,20 +39,18 @@ import torch.distributed.checkpoint as dcp
 
 from ndtrain.config import to_dict
 from ndtrain.errors import NdtrainError, RunError
-from ndtrain.parallel.diloco import checkpoint_restore, checkpoint_view
-from ndtrain.train.checkpoint.failure import state_bytes, write_failure
-from ndtrain.train.checkpoint import retention, staging
-from ndtrain.train.checkpoint.resume import choose
-from ndtrain.train.checkpoint.digest import (collect_digests, has_digests, verify_shared, write_manifest_from,
-                                       write_own_digests)
+from ndtrain.train.checkpoint import staging
+from ndtrain.train.checkpoint.digest import collect_digests, has_digests, write_manifest_from, write_own_digests
+from ndtrain.train.checkpoint.reader import dcp_load
+from ndtrain.train.checkpoint.resume import check_compatible, choose, continue_timeline, finish_abandoning, new_timeline
+from ndtrain.train.checkpoint.retention import Retention, clear_leftovers, clear_partial
+from ndtrain.train.checkpoint.state import FLAT_STATE, json_states, load_states, state_bytes, tensor_state
+from ndtrain.train.checkpoint.store import (FORMAT, TRAIN_STATE, fsync_dir, list_checkpoints, read_train_state,
+                                            step_name, write_marker)
 from ndtrain.train.distributed import any_rank, barrier, broadcast_object, group_active
-from ndtrain.train.checkpoint.store import (FORMAT, MARKER, MODEL_KEYS, TRAIN_STATE, dcp_load, fsync_dir, list_checkpoints,
-                                      model_mismatch, read_train_state, step_name, step_of, verify, write_marker)
 
 __all__ = ["Checkpointer", "data_fingerprint"]
 
-TENSOR_STATES = ("model", "optim")  # through DCP; every other state goes into train_state.json
-FLAT_STATE = "progress"  # its fields sit at train_state.json's top level (format version 2)
 # One process saving alone is intended (world 1), not a misconfiguration worth a warning per save.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
@@ -102,16 +99,11 @@ class Checkpointer:
         self.pending: _Pending | None = None
         self.last_saved_step: int | None = None
         self.loaded_from: Path | None = None
-        # Verification verdicts (None = intact) of checkpoints this process wrote or checked:
-        # retention hashes none of them again but those in `written`, once.
-        self.verdicts: dict[str, str | None] = {}
-        # Those published here, known intact only as hashed while written: read back before the
-        # next save, so retention lets an older one go only once a newer one was (retention.py).
-        self.written: set[str] = set()
+        self.retention = Retention(self.root, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every, info)
         self._last_bytes = 0  # the size of the last checkpoint published: what the next one needs
-        # Which line of history the checkpoints continue (retention.py): new unless resumed from
-        # the newest checkpoint of this directory.
-        self.timeline = retention.new_timeline()
+        # Which line of history the checkpoints continue (resume.py): new unless resumed from the
+        # newest checkpoint of this directory.
+        self.timeline = new_timeline()
         # Created once, by every rank, before any save: the async writer's collectives must never
         # share a group with the training loop's.
         # Its timeout covers the slowest rank's whole write (a hung peer is caught by the training
@@ -125,8 +117,8 @@ class Checkpointer:
             # Kept for the whole run: it reuses its RAM copies, so later saves skip allocation.
             self._stager = staging.make_stager(self.rt.device)
         if self.is_main:
-            retention.clear_leftovers(self.root, self._info)  # never published; left by a killed save
-            retention.finish_abandoning(self.root, self._info)  # a timeline switch a crash interrupted
+            clear_leftovers(self.root, self._info)  # never published; left by a killed save
+            finish_abandoning(self.root, self._info)  # a timeline switch a crash interrupted
         barrier()
 
     @property
@@ -137,26 +129,21 @@ class Checkpointer:
     def step(self) -> int:
         return self.states[FLAT_STATE].state_dict()["step"]
 
+    @property
+    def verdicts(self) -> dict[str, str | None]:
+        """None (intact) or the reason, for each checkpoint this process wrote or checked."""
+        return self.retention.verdicts
+
     def due(self, step: int) -> bool:
         every = self.cfg.checkpoint.interval_steps
         return every > 0 and step % every == 0 and step < self.cfg.train.steps
 
-    # ---- state ----------------------------------------------------------------------------
-    def _diloco(self):
-        state = self.states.get("diloco")
-        return state.diloco if state is not None else None
-
-    def _state(self, saved: dict | None = None) -> dict:
-        """The tensors DCP saves or loads into (saved: the train_state being loaded)."""
-        tensors = {k: self.states[k].state_dict() for k in TENSOR_STATES if k in self.states}
-        # diloco hook: global model, outer state, per-replica inner state
-        return checkpoint_view(self._diloco(), tensors, saved)
-
     def train_state(self) -> dict:
-        json_states = {k: v.state_dict() for k, v in self.states.items() if k not in (*TENSOR_STATES, FLAT_STATE)}
-        diloco = json_states.pop("diloco", None)
+        """train_state.json of a save now: the states it holds and the run's facts."""
+        named = json_states(self.states)
+        diloco = named.pop("diloco", None)
         return {"format": FORMAT, "version": 2, "kind": "full", **self.states[FLAT_STATE].state_dict(),
-                **json_states, "data": self.data, "config": to_dict(self.cfg), "layout": self.layout,
+                **named, "data": self.data, "config": to_dict(self.cfg), "layout": self.layout,
                 "world_size": self.rt.world_size, "dp_size": self.dp_size, "timeline": dict(self.timeline),
                 "saved_at": time.time(), **({"diloco": diloco} if diloco else {})}
 
@@ -168,18 +155,18 @@ class Checkpointer:
             self.wait()
             return self.root / name
         self.wait()  # one save in flight: its RAM copy and the directory names are reused
-        self._verify_for_retention()
+        self.retention.check_before_save(self.is_main)
         tmp = self.root / f".{name}.partial"
         if self.is_main:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
-                retention.clear_partial(tmp, self.root, self._info)
+                clear_partial(tmp, self.root, self._info)
             except OSError as exc:
                 raise self._write_failure(exc, name) from None
         barrier()
         meta = self.train_state()
         t0 = time.perf_counter()
-        state = self._state()
+        state = tensor_state(self.states)
         rank = self.rt.rank
         if self.async_ and not final:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg,
@@ -262,31 +249,8 @@ class Checkpointer:
             self._info(f"checkpoint {target} existed from an earlier attempt; moved it to {aside.name}")
         os.replace(tmp, target)
         fsync_dir(self.root)
-        self.verdicts[str(target)] = None  # hashed as it was written
-        self.written.add(str(target))
-        self._retain()
-
-    def _retain(self) -> None:
-        retention.retain(self.root, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every,
-                           self._verdict, self._info, self._read_back)
-
-    def _read_back(self, ckpt: Path) -> bool:
-        return self.verdicts.get(str(ckpt), "unknown") is None and str(ckpt) not in self.written
-
-    def _verify_for_retention(self) -> None:
-        """Every rank: what the publish's retention will ask about and nobody has checked, hashed
-        now, shared over the ranks; once one fails, retention looks further back, so again."""
-        while todo := broadcast_object(retention.unverified(self.root, self.cfg.checkpoint.keep_last, self.verdicts,
-                                                       self.written) if self.is_main else None):
-            checked = verify_shared(todo)
-            self.verdicts.update(checked)
-            self.written.difference_update(checked)
-
-    def _verdict(self, ckpt: Path) -> str | None:
-        key = str(ckpt)
-        if key not in self.verdicts:  # not reached: _verify_for_retention checked it before the save
-            self.verdicts[key] = verify(ckpt)
-        return self.verdicts[key]
+        self.retention.published(target)
+        self.retention.apply()
 
     # ---- failed writes -----------------------------------------------------------------------
     def _discard(self, tmp: Path) -> None:
@@ -296,7 +260,7 @@ class Checkpointer:
 
     def _write_failure(self, error: BaseException | None, name: str) -> RunError:
         return write_failure(error, name, self.root,
-                             lambda: self._last_bytes or state_bytes(self._state(), self.rt.world_size))
+                             lambda: self._last_bytes or state_bytes(tensor_state(self.states), self.rt.world_size))
 
     def _record(self, step: int, mode: str, stall_s: float, total_s: float) -> None:
         row = {"step": step, "checkpoint_mode": mode, "checkpoint_stall_s": stall_s, "checkpoint_total_s": total_s}
@@ -356,28 +320,15 @@ class Checkpointer:
             return None
         state = read_train_state(path) if self.is_main else None
         state = broadcast_object(state)
-        self.timeline = retention.continue_timeline(path, self.root, state, self.is_main, self._info)
+        self.timeline = continue_timeline(path, self.root, state, self.is_main, self._info)
         barrier()
         self.load(path, state)
         return path
 
-    def check_compatible(self, path: Path, state: dict) -> None:
-        problem = model_mismatch(self.cfg.model, state, self.cfg.checkpoint.allow_model_change)
-        if problem:
-            raise NdtrainError(f"checkpoint {path} {problem}", all_ranks=True)
-        if state.get("kind", "full") != "full":
-            return
-        saved, here = state.get("data"), self.data
-        if saved and saved != here:
-            diff = [k for k in here if saved.get(k) != here[k]]
-            raise NdtrainError(f"checkpoint {path} was trained on different data ({', '.join(diff)} differ from "
-                               f"{self.cfg.data.path}); resuming would not continue the same sample stream",
-                               all_ranks=True)
-
     def load(self, path: Path, state: dict | None = None) -> None:
         self.wait()
         state = state or read_train_state(path)
-        self.check_compatible(path, state)
+        check_compatible(path, state, self.cfg, self.data)
         model = self.states["model"]
         if state.get("kind", "full") != "full":  # imported weights: model only, fresh optimizer and data
             sd = {"model": model.state_dict()}
@@ -386,16 +337,9 @@ class Checkpointer:
             self.loaded_from = path
             self._info(f"initialised weights from {path} ({state.get('kind')}); step 0")
             return
-        sd = self._state(saved=state)
+        sd = tensor_state(self.states, saved=state)
         dcp_load(sd, path)
-        sd = checkpoint_restore(self._diloco(), sd, state)  # diloco hook
-        for key in TENSOR_STATES:  # the model before its optimizer
-            if key in self.states:
-                self.states[key].load_state_dict(sd[key])
-        self.states[FLAT_STATE].load_state_dict(state)
-        for key, obj in self.states.items():
-            if key not in (*TENSOR_STATES, FLAT_STATE) and key in state:
-                obj.load_state_dict(state[key])
+        load_states(self.states, sd, state)
         self.last_saved_step = self.step
         self.loaded_from = path
         self._info(f"resumed from {path} at step {self.step} (saved as {state.get('layout')} on "
@@ -407,3 +351,47 @@ class Checkpointer:
         self.fault = fault
 
 
+# ---- what a failed write tells the user ---------------------------------------------------------
+def write_failure(error: BaseException | None, name: str, root: Path, needed_bytes) -> RunError:
+    """One line with the path, the bytes it needed (and the bytes free), and which checkpoint is
+    still the newest published one. `needed_bytes()` is called only for a full disk (estimating
+    it may walk the state)."""
+    root = Path(root)
+    cause = os_error(error)
+    kept = list_checkpoints(root)
+    safe = f"{kept[-1]} is still the newest published checkpoint" if kept else "no checkpoint was published"
+    if cause is not None and cause.errno == errno.ENOSPC or "No space left" in str(error):
+        needed = needed_bytes()
+        free = shutil.disk_usage(_existing(root)).free
+        what = (f"no space left on the device of {root}: checkpoint {name} needs about "
+                f"{needed / 1e6:,.1f} MB ({needed:,} bytes), {free / 1e6:,.1f} MB are free")
+    elif cause is not None:
+        what = f"cannot write checkpoint {name}: {cause.strerror or cause}: {cause.filename or root}"
+    else:
+        first = next((ln.strip() for ln in str(error or "failed on another rank").splitlines() if ln.strip()), "")
+        what = f"checkpoint {name} could not be written to {root}: {first[:200]}"
+    return RunError(f"{what}; the partial checkpoint was removed and {safe}", all_ranks=True)
+
+
+def os_error(exc: BaseException | None) -> OSError | None:
+    """The OSError behind a failed write, wherever DCP wrapped it (its CheckpointException keeps
+    each rank's exception in `failures`)."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        todo += [e.__cause__, e.__context__]
+        for failure in getattr(e, "failures", {}).values():
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+    return None
+
+
+def _existing(path: Path) -> Path:
+    path = Path(path)
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path

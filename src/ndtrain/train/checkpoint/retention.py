@@ -1,6 +1,7 @@
-"""What stays in a checkpoints directory: retention, timelines, and checkpoints moved aside.
-Run by rank 0 only; renames within the directory, never copies. The rules (docs/checkpoints.md,
-"Retention and timelines" and the sections after it):
+"""What stays in a checkpoints directory: retention, clean-up, and checkpoints moved aside.
+Deleting and moving is rank 0's alone, by renames within the directory, never copies; checking
+what retention will count is every rank's (Retention.check_before_save). The rules
+(docs/checkpoints.md, "Retention and timelines" and the sections after it):
 
 - Retention counts only checkpoints that verify: the newest `keep_last` intact ones stay, and
   every `keep_every`-th step; older ones are deleted. One that fails verification is never
@@ -10,46 +11,39 @@ Run by rank 0 only; renames within the directory, never copies. The rules (docs/
 - Retention also keeps the newest checkpoint read back intact (hashed again after it was
   published, before the next save) while none of the kept ones has been: with keep_last = 1
   the newest and the one before it stay, so one damaged file never leaves nothing to resume.
-- `resume=auto` that finds checkpoints but none usable stops with one line (nothing_usable);
-  it starts from scratch only where no checkpoint ever was.
 - Clean-up and retention touch only ndtrain's own names (store.leftovers): a user's
   `photos.partial/` in a checkpoints directory stays.
-- One directory, one timeline. Resuming from a checkpoint older than the newest one there
-  starts a new timeline: before training, the newer checkpoints (the abandoned timeline) move to
-  `abandoned-<time>/`, so `resume=auto` after a later crash continues the new timeline. The move
-  is journalled (`.abandoning-from-<step>-<time>/` first), so a crash halfway is finished at the
-  next start instead of leaving the old timeline's newest checkpoint to be resumed.
+
+Which checkpoint a resume loads, and the timelines that follow from it: resume.py.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import time
-import uuid
+from collections.abc import Callable
 from pathlib import Path
 
-from ndtrain.train.checkpoint.store import (MARKER, TRAIN_STATE, holds_only_checkpoint_files, leftovers, list_checkpoints,
-                                      step_of)
+from ndtrain.train.checkpoint.digest import verify_shared
+from ndtrain.train.checkpoint.store import holds_only_checkpoint_files, leftovers, list_checkpoints, step_of, verify
+from ndtrain.train.distributed import broadcast_object
 
 CORRUPT = "corrupt"
-ABANDONING = ".abandoning-from-"
-_JOURNAL = re.compile(r"^\.abandoning-from-\d{8}-\d{8}-\d{6}$")  # ABANDONING + step + _stamp(): only ours
 
 
-def _stamp() -> str:
+def stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 
 
 def move_aside(ckpt: Path, root: Path, folder: str = CORRUPT) -> Path:
     dest = Path(root) / folder
     dest.mkdir(exist_ok=True)
-    target = dest / f"{ckpt.name}-{_stamp()}"
+    target = dest / f"{ckpt.name}-{stamp()}"
     n = 1
     while target.exists():
         n += 1
-        target = dest / f"{ckpt.name}-{_stamp()}-{n}"
+        target = dest / f"{ckpt.name}-{stamp()}-{n}"
     os.replace(ckpt, target)
     return target
 
@@ -76,32 +70,6 @@ def clear_partial(tmp: Path, root: Path, log) -> None:
         return
     target = move_aside(tmp, root)
     log(f"{tmp} was in the way of a save and holds files no checkpoint has: moved it to {target} (nothing deleted)")
-
-
-def abandon_newer(root: Path, step: int, log) -> None:
-    """Starts a new timeline at `step`: checkpoints after it move to `abandoned-<time>/`."""
-    root = Path(root)
-    if not any(step_of(c) > step for c in list_checkpoints(root)):
-        return
-    (root / f"{ABANDONING}{step:08d}-{_stamp()}").mkdir()
-    finish_abandoning(root, log)
-
-
-def finish_abandoning(root: Path, log) -> None:
-    root = Path(root)
-    if not root.is_dir():
-        return
-    for journal in sorted(p for p in root.iterdir() if _JOURNAL.match(p.name) and p.is_dir()):
-        rest = journal.name[len(ABANDONING):]
-        step = int(rest[:8])
-        for ckpt in list_checkpoints(root):
-            if step_of(ckpt) > step:
-                os.replace(ckpt, journal / ckpt.name)
-        final = root / f"abandoned-{rest[9:]}"
-        os.replace(journal, final)
-        moved = sorted(p.name for p in final.iterdir())
-        log(f"resumed from step {step}, so checkpoints after it ({', '.join(moved)}) belong to an abandoned "
-            f"timeline: moved to {final} (nothing deleted)")
 
 
 def retain(root: Path, keep_last: int, keep_every: int, verdict, log, read_back=lambda ckpt: True) -> None:
@@ -151,47 +119,41 @@ def unverified(root: Path, keep_last: int, verdicts: dict, written=frozenset()) 
     return todo
 
 
-def new_timeline(parent: str | None = None) -> dict:
-    return {"id": uuid.uuid4().hex[:12], "parent": parent}
+class Retention:
+    """Retention of the checkpoints under `root`, with what this process knows of them.
 
+    `verdicts`: None (intact) or the reason, for every checkpoint this process wrote or checked;
+    retention hashes none of them again but those in `written`: published here, known intact
+    only as hashed while written, so read back before the next save (retention lets an older
+    one go only once a newer one was)."""
 
-def resume_candidates(spec: str, root: Path) -> tuple[list[str], str | None, bool]:
-    """What `checkpoint.resume = spec` may load, newest first; whether it is one explicit
-    checkpoint (which must verify, no fallback); or an error."""
-    if spec == "auto":
-        found = [str(c) for c in reversed(list_checkpoints(root))]
-        aside = Path(root) / CORRUPT
-        if not found and aside.is_dir() and any(p.name.startswith("step_") for p in aside.iterdir()):
-            # every checkpoint there was has been set aside as damaged (by an earlier attempt)
-            return [], nothing_usable(root, f"what there was failed verification and is in {aside}"), False
-        return found, None, False
-    path = Path(spec)
-    if path.is_dir() and not (path / MARKER).exists() and not (path / TRAIN_STATE).exists():
-        for sub in (path, path / "checkpoints"):  # a checkpoints/ or run directory: its newest good one
-            found = list_checkpoints(sub)
-            if found:
-                return [str(c) for c in reversed(found)], None, False
-        return [], f"cannot resume from {path}: it holds no checkpoint (no step_XXXXXXXX/ with a COMPLETE marker)", False
-    return [str(path)], None, True
+    def __init__(self, root: Path, keep_last: int, keep_every: int, log: Callable[[str], None]):
+        self.root, self.keep_last, self.keep_every, self.log = Path(root), keep_last, keep_every, log
+        self.verdicts: dict[str, str | None] = {}
+        self.written: set[str] = set()
 
+    def check_before_save(self, is_main: bool) -> None:
+        """Every rank: what the publish's retention will ask about and nobody has checked, hashed
+        now, shared over the ranks; once one fails, retention looks further back, so again."""
+        while todo := broadcast_object(unverified(self.root, self.keep_last, self.verdicts, self.written)
+                                       if is_main else None):
+            checked = verify_shared(todo)
+            self.verdicts.update(checked)
+            self.written.difference_update(checked)
 
-def nothing_usable(root: Path, why: str) -> str:
-    """A resume that finds checkpoints but none usable stops: starting at step 0 would append a
-    second history to the run (metrics.jsonl) and report success for what was not asked."""
-    return (f"no usable checkpoint under {root} to resume from ({why}); nothing was trained. "
-            f"To start over at step 0, drop --checkpoint.resume and pass --train.overwrite=true (the old run "
-            f"moves aside, nothing is deleted), or resume from a checkpoint you name with --checkpoint.resume=<path>")
+    def published(self, ckpt: Path) -> None:
+        self.verdicts[str(ckpt)] = None  # hashed as it was written
+        self.written.add(str(ckpt))
 
+    def apply(self) -> None:
+        """Rank 0, after a publish."""
+        retain(self.root, self.keep_last, self.keep_every, self._verdict, self.log, self._read_back)
 
-def continue_timeline(path: Path, root: Path, state: dict, is_main: bool, log) -> dict:
-    """The timeline checkpoints continue after resuming from `path`: its own when it is the
-    newest checkpoint of this directory; a new one otherwise, and then (rank 0) the newer
-    checkpoints move to abandoned-<time>/."""
-    ours = Path(path).parent.resolve() == Path(root).resolve()
-    newest = ours and all(step_of(c) <= step_of(path) for c in list_checkpoints(root))
-    saved = state.get("timeline") or {}
-    if ours and not newest and is_main:
-        abandon_newer(root, step_of(path), log)
-    if newest and saved.get("id"):
-        return dict(saved)
-    return new_timeline(f"{Path(path).name}@{saved.get('id', '?')}")
+    def _read_back(self, ckpt: Path) -> bool:
+        return self.verdicts.get(str(ckpt), "unknown") is None and str(ckpt) not in self.written
+
+    def _verdict(self, ckpt: Path) -> str | None:
+        key = str(ckpt)
+        if key not in self.verdicts:  # not reached: check_before_save checked it before the save
+            self.verdicts[key] = verify(ckpt)
+        return self.verdicts[key]

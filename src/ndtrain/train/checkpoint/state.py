@@ -1,8 +1,10 @@
-"""The state objects a checkpoint is made of. Each has `state_dict()` / `load_state_dict()`; the
-checkpointer (manager.py) takes a mapping of them by name and knows nothing of who owns them.
+"""The state objects a checkpoint is made of, and how they map onto its files. Each has
+`state_dict()` / `load_state_dict()`; the checkpointer (manager.py) takes a mapping of them by
+name and knows nothing of who owns them.
 
 - "model" (ModelState) and "optim" (OptimizerState): tensors, written through DCP under those
-  keys, with flattened optimizer keys so any layout loads any other's checkpoint.
+  keys, with flattened optimizer keys so any layout loads any other's checkpoint (under DiLoCo
+  laid out by parallel.diloco's checkpoint view).
 - "progress" (TrainProgress): step, tokens seen, data windows to skip; its fields sit at the top
   level of train_state.json (format version 2).
 - "loader", "rng" (RNGState), "diloco" (DiLoCoState), and any other: JSON in train_state.json
@@ -20,7 +22,11 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+from ndtrain.parallel.diloco import checkpoint_restore, checkpoint_view
+
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+TENSOR_STATES = ("model", "optim")  # through DCP; every other state goes into train_state.json
+FLAT_STATE = "progress"  # its fields sit at train_state.json's top level (format version 2)
 
 
 @dataclass
@@ -117,3 +123,49 @@ class DiLoCoState:
 
     def load_state_dict(self, state: dict) -> None:
         pass  # applied with the tensors by checkpoint_restore (it needs both)
+
+
+# ---- a mapping of states, onto the files and back -------------------------------------------------
+def _diloco(states: dict):
+    state = states.get("diloco")
+    return state.diloco if state is not None else None
+
+
+def tensor_state(states: dict, saved: dict | None = None) -> dict:
+    """The tensors DCP saves, or loads into (`saved`: the train_state.json being loaded)."""
+    tensors = {k: states[k].state_dict() for k in TENSOR_STATES if k in states}
+    return checkpoint_view(_diloco(states), tensors, saved)  # diloco: global model, outer and inner states
+
+
+def json_states(states: dict) -> dict:
+    """The states train_state.json holds under their own names."""
+    return {k: v.state_dict() for k, v in states.items() if k not in (*TENSOR_STATES, FLAT_STATE)}
+
+
+def load_states(states: dict, tensors: dict, saved: dict) -> None:
+    """Every state back from a checkpoint: `tensors` as DCP read them into tensor_state(states,
+    saved), `saved` its train_state.json."""
+    tensors = checkpoint_restore(_diloco(states), tensors, saved)
+    for key in TENSOR_STATES:  # the model before its optimizer
+        if key in states:
+            states[key].load_state_dict(tensors[key])
+    states[FLAT_STATE].load_state_dict(saved)
+    for key, obj in states.items():
+        if key not in (*TENSOR_STATES, FLAT_STATE) and key in saved:
+            obj.load_state_dict(saved[key])
+
+
+def state_bytes(state, world_size: int) -> int:
+    """This rank's tensor bytes times the world: a checkpoint's size, roughly."""
+    return sum(t.numel() * t.element_size() for t in _flat_tensors(state)) * world_size
+
+
+def _flat_tensors(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _flat_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _flat_tensors(v)
+    elif isinstance(obj, torch.Tensor):
+        yield obj.to_local() if hasattr(obj, "to_local") else obj
