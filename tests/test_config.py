@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -120,3 +122,80 @@ def test_cli_reports_one_line_and_exit_code_2():
     ok = subprocess.run([sys.executable, "-m", "ndtrain", "config", "show", "--config", "configs/default.toml"],
                         capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and 'preset = "tiny"' in ok.stdout
+
+
+# ---- [parallel] is the layout's field list (ndtrain.layout.degrees) -------------------------
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_a_config_toml_written_by_main_before_the_one_schema_still_loads():
+    # Written by commit 1232899's to_toml (hand-written TOML, its own key order): a run
+    # directory's config.toml and a checkpoint's stored config of that day.
+    path = FIXTURES / "config-written-by-1232899.toml"
+    for cfg in (load_config(str(path)), from_dict(tomllib.loads(path.read_text()))):
+        p = cfg.parallel
+        assert (p.zero, p.reshard_after_forward, p.tp, p.sequence_parallel) == (1, False, 2, False)
+        assert (p.pp_schedule, p.activation_checkpoint, p.mixed_precision) == ("Interleaved1F1B", "selective", "bf16")
+        assert (p.dp_auto, p.mixed_precision_auto, p.compile_auto) == (False, False, True)
+        assert cfg.train.batch_ramp == [[0, 8], [1000, 16]] and cfg.checkpoint.async_ is True
+        assert cfg.data.mix == [["web", 0.7], ["code", 0.3]] and cfg.optimizer.lr == 1.0
+        assert to_dict(load_config(None, tomllib.loads(to_toml(cfg)))) == to_dict(cfg)  # tomli_w writes it back
+
+
+def test_every_layout_key_of_parallel_is_a_config_key_with_the_configs_default():
+    from ndtrain.config import ParallelConfig
+    from ndtrain.layout import Layout, from_config
+    from ndtrain.layout.degrees import CONFIG_KEYS
+
+    par = ParallelConfig()
+    for name, (section, key) in CONFIG_KEYS.items():
+        if section == "parallel":
+            assert hasattr(par, key), key
+    # The config's layout is a bare Layout but for dp_shard (the rest of the world) and the micro-batch.
+    cfg = load_config(None, {})
+    assert from_config(cfg.parallel, cfg.train, cfg.data) == Layout(dp_shard=-1, mb=cfg.train.micro_batch)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--parallel.pp_split=zigzag", "must be one of balanced, uniform, llama3, got 'zigzag'"),
+    ("--parallel.replicate_sync=gossip", "must be one of step, diloco, got 'gossip'"),
+    ("--parallel.diloco_outer_dtype=fp16", "must be one of fp32, bf16, got 'fp16'"),
+    ("--parallel.tp=true", "expected an integer, got True"),
+    ("--parallel.layers_per_stage=[2, 2.5]", "expected an integer, got 2.5"),
+    ("--parallel.cpu_offload=1", "expected true or false, got 1"),
+    ("--optimizer.betas=[0.9, nan]", "must be a finite number, got nan"),
+    ("--parallel.auto_hardware=[1]", "expected a string, got [1]"),
+])
+def test_type_and_vocabulary_errors_are_one_line_naming_the_key(override, message):
+    key = override[2:].split("=")[0]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert err.value.key == key and str(err.value) == f"config key '{key}': {message}"
+
+
+def test_reshard_after_forward_follows_the_stage_unless_given():
+    # One meaning, in the config and the text syntax alike (layout/degrees.py reshard_default):
+    # not given, it is true at zero = 3 and false at 1 and 2; given true below 3, it is refused.
+    from ndtrain.layout import parse_layout
+
+    assert load_config(None, ["--parallel.zero=1"]).parallel.reshard_after_forward is False
+    assert load_config(None, ["--parallel.zero=2", "--parallel.reshard_after_forward=false"]).parallel.zero == 2
+    assert load_config(None, ["--parallel.zero=3"]).parallel.reshard_after_forward is True
+    assert parse_layout("zero=1").reshard_after_forward is False and parse_layout("zero=3").reshard_after_forward
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["--parallel.zero=1", "--parallel.reshard_after_forward=true"])
+    assert err.value.key == "parallel.reshard_after_forward"
+    from ndtrain.layout import problems
+    from ndtrain.model.config import preset
+
+    found = problems(parse_layout("dp_shard=2,zero=2,raf=1", 2), preset("debug"), 2)
+    assert found and found[0].key == "parallel.reshard_after_forward"
+
+
+def test_the_planner_choices_turn_off_where_their_key_is_given():
+    given = load_config(None, ["--parallel.compile=true", "--parallel.cpu_matmul=blas", "--parallel.zero=3"]).parallel
+    assert (given.compile_auto, given.cpu_matmul_auto, given.dp_auto, given.mixed_precision_auto) == \
+        (False, False, False, True)
+    both = load_config(None, ["--parallel.compile=true", "--parallel.compile_auto=true"]).parallel
+    assert both.compile_auto is True

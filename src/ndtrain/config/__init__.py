@@ -1,11 +1,14 @@
-"""Typed job configuration: dataclasses per section, loaded from TOML with `--section.key=value`
-overrides, validated up front (config/checks.py) so a bad value fails with one message naming
-its key. `ndtrain config show` and `config check` live in tools/config_check.py."""
+"""Typed job configuration: a dataclass per section, loaded from TOML with `--section.key=value`
+overrides. Each section's values are checked against its annotations by pydantic (strict), then
+by config/checks.py and the layout's rules, so a bad value fails with one message naming its key;
+the resolved config is written back with tomli_w. [parallel]'s layout keys are not declared here:
+they are ndtrain.layout.Layout's fields. `ndtrain config show` and `config check` live in
+tools/config_check.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -13,7 +16,7 @@ from pathlib import Path
 
 from ndtrain.config.checks import TRACKERS, global_batch_at, layout_batches, validate
 from ndtrain.errors import ConfigError, NdtrainError
-from ndtrain.layout.schedules import DEFAULT as DEFAULT_SCHEDULE
+from ndtrain.layout.degrees import reshard_default, section_fields
 from ndtrain.model.config import PRESETS, ModelConfig
 
 __all__ = ["DataConfig", "OptimizerConfig", "ParallelConfig", "TrainConfig", "CheckpointConfig", "LoggingConfig",
@@ -52,58 +55,27 @@ class OptimizerConfig:
     implementation: str = "fused"
 
 
+# The layout's keys of [parallel], generated from ndtrain.layout's one field list (Layout: type,
+# default and config key of each; the renamed few keep their config names here).
+_LayoutKeys = dataclasses.make_dataclass("LayoutKeys", section_fields("parallel"))
+
+
 @dataclass
-class ParallelConfig:
-    # Mesh degrees, outermost first in the mesh: [pp, dp_replicate, dp_shard, cp, tp]. One may be
-    # -1 ("the rest of the world"); ep = -1 takes the whole shard group (dp_shard x cp).
-    # The rules they obey are ndtrain.layout's (problems()).
-    dp_replicate: int = 1
-    dp_shard: int = -1
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
-    ep: int = 1
-    sequence_parallel: bool = True
-    # The ZeRO stage over the shard group dp_shard x cp, in the paper's sense: 1 = optimizer
-    # state sharded, 2 = also gradients, 3 = also parameters. Moot when dp_shard x cp = 1 (DDP).
-    zero: int = 3
-    # ZeRO-3 only: free a block's gathered parameters after its forward (and gather them again
-    # for its backward), or keep them until the backward (more memory, one gather fewer).
-    reshard_after_forward: bool = True
-    # fp32 | bf16 (bf16 params/compute, fp32 gradient reduction) | fp8 (bf16, and the qualifying
-    # Linear layers' matmuls in float8 through torchao; see docs/fp8.md)
-    mixed_precision: str = "fp32"
+class ParallelConfig(_LayoutKeys):
+    """[parallel]: the layout (every key of ndtrain.layout.Layout that lives here, under its config
+    name: dp_shard, sequence_parallel, pp_schedule, ...) and the keys below, which say who chooses
+    it and the outer optimizer's, which are no part of a layout."""
+
     # Unless `mixed_precision` is given, `ndtrain train` on CPU ranks trains in bf16 where the host
     # has bf16 matmuls in hardware and the planner, from the host probe's rates, predicts bf16 at
     # least 1.5x faster than fp32 (train/plan_choices.py; the planner's start-up line says why).
     mixed_precision_auto: bool = True
-    fp8_recipe: str = "tensorwise"  # tensorwise | rowwise: torchao's Float8LinearConfig scaling recipe
-    cpu_offload: bool = False
-    activation_checkpoint: str = "none"  # none | full | every_n | selective
-    ac_every: int = 2  # for every_n: checkpoint every N-th layer
-    compile: bool = False  # torch.compile each decoder block
     # Unless `compile` is given, `ndtrain train` turns it on when the planner predicts it repays its
     # cold compile within train.steps (planner/compile_choice.py; the start-up log gives the sums).
     compile_auto: bool = True
-    # The Linear layers' fp32 matmuls on CPU: "onednn" (faster than MKL's on the AMD host measured,
-    # docs/benchmarks.md) or "blas" (torch's own choice). GPUs and other dtypes are unaffected.
-    # "onednn" is the default where nothing chooses (a Trainer without the planner glue).
-    cpu_matmul: str = "onednn"
     # Unless `cpu_matmul` is given, `ndtrain train` takes the host probe's choice: oneDNN only
     # where its fp32 linears measured faster than the BLAS on this host (planner/host_cache.py).
     cpu_matmul_auto: bool = True
-    # How CUDA runs fp32 matmuls: "tf32" on the tensor cores (inputs rounded to a 10-bit mantissa,
-    # fp32 accumulation; ~7x the IEEE rate on A100/H100, as Megatron-LM and torchtitan train) or
-    # "ieee" on the CUDA cores. CPU ranks have no TF32: their fp32 stays IEEE whichever is set.
-    fp32_matmul_precision: str = "tf32"
-    cp_attention: str = "ring"  # ring | allgather
-    pp_schedule: str = DEFAULT_SCHEDULE
-    pp_virtual_stages: int = 1
-    pp_microbatches: int = 0  # 0 = one per micro-batch of the accumulation
-    layers_per_stage: list[int] = field(default_factory=list)
-    # How layers are split when layers_per_stage is empty: balanced (FLOPs + parameters) | uniform
-    # | llama3 (even, one layer fewer on the first and last stage).
-    pp_split: str = "balanced"
     auto: bool = False  # let the planner choose the whole layout for this world size
     # With no data-parallel key given (DP_CHOICE_KEYS), `ndtrain train` lets the planner choose
     # the data-parallel flavour - DDP, HSDP or ZeRO-1/2/3 - over the ranks tp x cp leave, for this
@@ -115,19 +87,11 @@ class ParallelConfig:
     # planner's catalog; the calibrated profile on CPU), a catalog name (h100, a100-80, ...) or a
     # hardware profile JSON written by `ndtrain calibrate`.
     auto_hardware: str = ""
-    # How the dp_replicate replicas agree: "step" (gradients all-reduced every step, HSDP/DDP) or
-    # "diloco" (each replica trains alone for diloco_inner_steps steps, then an outer Nesterov SGD
-    # step on the replicas' averaged parameter change; see docs/diloco.md). The layout rule
-    # (layout/diloco.py) checks these keys; the outer optimizer's are checked in validate().
-    replicate_sync: str = "step"
-    diloco_inner_steps: int = 8  # H: inner steps between outer steps
-    # Outer SGD: lr 1 without momentum averages the replicas every H steps. The paper's lr 0.7,
-    # Nesterov 0.9 suits long rounds (H ~ 500); at H <= 32 here it lost 25-40% (docs/benchmarks.md).
+    # DiLoCo's outer SGD (replicate_sync = "diloco"): lr 1 without momentum averages the replicas
+    # every H steps. The paper's lr 0.7, Nesterov 0.9 suits long rounds (H ~ 500); at H <= 32 here
+    # it lost 25-40% (docs/benchmarks.md). Checked in validate(), not by the layout rules.
     diloco_outer_lr: float = 1.0
     diloco_outer_momentum: float = 0.0  # Nesterov momentum
-    diloco_fragments: int = 1  # streaming DiLoCo: parameter fragments synced at staggered steps
-    diloco_overlap_steps: int = 0  # outer all-reduce runs in the background this many inner steps
-    diloco_outer_dtype: str = "fp32"  # fp32 | bf16: dtype of the outer gradient on the wire
 
 
 @dataclass
@@ -231,48 +195,45 @@ def _toml_key(key: str) -> str:
     return {v: k for k, v in _RENAMED.items()}.get(key, key)
 
 
-def _coerce(key: str, value, typ):
-    origin = typing.get_origin(typ)
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(key, f"expected true or false, got {value!r}")
-    if typ is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(key, f"expected an integer, got {value!r}")
-    if typ is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if not math.isfinite(value):  # TOML spells nan and inf; no ndtrain key means either
-                raise ConfigError(key, f"must be a finite number, got {value!r}")
-            return float(value)
-        raise ConfigError(key, f"expected a number, got {value!r}")
-    if typ is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(key, f"expected a string, got {value!r}")
-    if typ is list:  # a free-form list (data.mix), checked by validate()
-        if isinstance(value, list):
-            return value
-        raise ConfigError(key, f"expected a list, got {value!r}")
-    if origin is list:
-        (inner,) = typing.get_args(typ)
-        if not isinstance(value, list):
-            raise ConfigError(key, f"expected a list, got {value!r}")
-        return [_coerce(key, v, inner) for v in value]
-    raise ConfigError(key, f"unsupported type {typ}")
+@functools.cache
+def _validator(cls):
+    """pydantic's strict validator of a section's keys, from the dataclass's own annotations:
+    bools are true/false, ints are not bools or floats, floats are finite (ints widen), strings
+    are strings, lists hold their element type, Literal keys one of their values."""
+    from pydantic import TypeAdapter
+    from typing_extensions import TypedDict  # pydantic reads typing.TypedDict only from Python 3.12
+
+    hints = typing.get_type_hints(cls, include_extras=True)
+    keys = TypedDict(f"{cls.__name__}Keys", {f.name: hints[f.name] for f in dataclasses.fields(cls)}, total=False)
+    keys.__pydantic_config__ = {"strict": True, "allow_inf_nan": False}
+    return TypeAdapter(keys)
+
+
+_EXPECTED = {"bool_type": "expected true or false", "int_type": "expected an integer", "float_type": "expected a number",
+             "string_type": "expected a string", "list_type": "expected a list", "finite_number": "must be a finite number"}
 
 
 def _apply(obj, section: str, values: dict):
-    hints = typing.get_type_hints(type(obj))
     names = {f.name for f in dataclasses.fields(obj)}
+    given = {}
     for key, value in values.items():
-        fkey = _field_key(key)
-        full = f"{section}.{key}"
-        if fkey not in names:
+        if _field_key(key) not in names:
             known = ", ".join(sorted(_toml_key(n) for n in names))
-            raise ConfigError(full, f"unknown key (known keys in [{section}]: {known})")
-        setattr(obj, fkey, _coerce(full, value, hints[fkey]))
+            raise ConfigError(f"{section}.{key}", f"unknown key (known keys in [{section}]: {known})")
+        given[_field_key(key)] = value
+    from pydantic import ValidationError
+
+    try:
+        checked = _validator(type(obj)).validate_python(given)
+    except ValidationError as exc:  # the first error, as one line naming its key
+        err = exc.errors(include_url=False)[0]
+        key, value = f"{section}.{_toml_key(err['loc'][0])}", err["input"]
+        if err["type"] == "literal_error":  # the vocabulary as the layout rules spell it
+            allowed = typing.get_args(typing.get_type_hints(type(obj))[err["loc"][0]])
+            raise ConfigError(key, f"must be one of {', '.join(allowed)}, got {value!r}") from None
+        raise ConfigError(key, f"{_EXPECTED.get(err['type'], err['msg'])}, got {value!r}") from None
+    for key, value in checked.items():
+        setattr(obj, key, value)
 
 
 def parse_value(text: str):
@@ -339,6 +300,10 @@ def _zero_meaning(raw: dict, translate: bool) -> None:
 
 # Keys that choose the data-parallel flavour: any one given turns [parallel] dp_auto off.
 DP_CHOICE_KEYS = ("dp_replicate", "dp_shard", "zero", "reshard_after_forward", "replicate_sync", "auto")
+# Each planner choice ("<x>_auto") and the keys whose explicit value makes it: the user (or a
+# stored config) said, so the planner does not choose, unless the flag itself is given too.
+AUTO_FLAGS = {"dp_auto": DP_CHOICE_KEYS, "compile_auto": ("compile",), "mixed_precision_auto": ("mixed_precision",),
+              "cpu_matmul_auto": ("cpu_matmul",)}
 
 
 def load_config(path: str | None = None, overrides: list[str] | dict | None = None,
@@ -360,7 +325,6 @@ def load_config(path: str | None = None, overrides: list[str] | dict | None = No
         overrides = parse_overrides(overrides)
     raw = _merge(raw, overrides or {})
     _zero_meaning(raw, translate=stored)
-    zero_stage_only = isinstance(raw.get("parallel"), dict) and "reshard_after_forward" not in raw["parallel"]
     cfg = JobConfig(name=raw.pop("name", name) if isinstance(raw.get("name"), str) else name)
     raw.pop("name", None)
     for section, values in raw.items():
@@ -376,33 +340,13 @@ def load_config(path: str | None = None, overrides: list[str] | dict | None = No
             cfg.model = ModelConfig(preset=preset_name, **PRESETS[preset_name])
         _apply(getattr(cfg, section), section, values)
     given = raw.get("parallel") if isinstance(raw.get("parallel"), dict) else {}
-    if "dp_auto" not in given and any(_field_key(key) in DP_CHOICE_KEYS for key in given):
-        cfg.parallel.dp_auto = False  # the user chose the data-parallel flavour (a stored config says)
-    if "compile_auto" not in given and "compile" in given:
-        cfg.parallel.compile_auto = False  # the user (or a stored config) said whether to compile
-    for key in ("mixed_precision", "cpu_matmul"):  # an explicit value wins over the host probe
-        if f"{key}_auto" not in given and key in given:
-            setattr(cfg.parallel, f"{key}_auto", False)
-    if cfg.parallel.zero in (1, 2) and (zero_stage_only or "parallel" not in raw):
-        cfg.parallel.reshard_after_forward = False  # ZeRO-1/2 never reshard: parameters stay gathered
+    for flag, keys in AUTO_FLAGS.items():
+        if flag not in given and any(key in given for key in keys):
+            setattr(cfg.parallel, flag, False)
+    if "reshard_after_forward" not in given:  # the knob follows the stage (layout/degrees.py)
+        cfg.parallel.reshard_after_forward = reshard_default(cfg.parallel.zero)
     validate(cfg)
     return cfg
-
-
-# ---------------------------------------------------------------------------------------------
-# Writing the resolved config back as TOML (flat tables of scalars and lists are all we need).
-
-
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(type(v))
 
 
 def to_dict(cfg: JobConfig) -> dict:
@@ -413,11 +357,10 @@ def to_dict(cfg: JobConfig) -> dict:
 
 
 def to_toml(cfg: JobConfig) -> str:
-    d = to_dict(cfg)
-    lines = [f"name = {_toml_value(d.pop('name'))}"]
-    for section, values in d.items():
-        lines += ["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
-    return "\n".join(lines) + "\n"
+    """The resolved config as TOML (what a run directory's config.toml holds); it loads back as is."""
+    import tomli_w
+
+    return tomli_w.dumps(to_dict(cfg))
 
 
 def from_dict(d: dict) -> JobConfig:

@@ -1,7 +1,8 @@
 """The one definition of a parallel layout, shared by the config, the runtime, `verify`,
 `[parallel] auto` and the planner. Pure Python: no torch import, so the planner runs on a laptop.
 
-- degrees.py    the Layout value, its text syntax, -1 resolution, the map to config keys
+- degrees.py    the Layout value: the one field list of [parallel]'s layout keys, -1 resolution
+- syntax.py     its `key=value,...` text syntax
 - schedules.py  the pipeline schedule registry: v and micro-batch rules, bubbles, stage placement
 - timeline.py   the ideal-timeline simulator
 - partition.py  the pipeline stage partition
@@ -11,7 +12,8 @@
 - diloco.py     DiLoCo's rules (replicate_sync) and its fragment sync schedule
 """
 
-from ndtrain.layout.degrees import Layout, from_config, parse_items, parse_layout, resolve
+from ndtrain.layout.degrees import Layout, from_config, resolve
 from ndtrain.layout.rules import RULES, Problem, check, problems
+from ndtrain.layout.syntax import parse_items, parse_layout
 
 __all__ = ["Layout", "from_config", "parse_items", "parse_layout", "resolve", "RULES", "Problem", "check", "problems"]

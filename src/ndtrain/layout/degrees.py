@@ -12,85 +12,117 @@ and the stage is moot (`effective_zero` is 0). `reshard_after_forward` is FSDP's
 only means something at stage 3: whether a block's gathered parameters are freed after its
 forward (and gathered again for its backward) or kept until the backward.
 
-One text syntax for a layout everywhere (`plan --layout`, `--fix`, `verify --layouts`,
-`config check`): `key=value` items joined by commas, e.g. `tp=2,pp=4,zero=1,schedule=ZBVZeroBubble`.
-Keys are the `[parallel]` names or their short forms below; `mb` is `[train] micro_batch`.
+Layout's fields are the one field list of `[parallel]`'s layout keys (type, default and config
+key of each; config/ builds its ParallelConfig from them). Its text syntax is layout/syntax.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 from ndtrain.errors import NdtrainError
-from ndtrain.layout.schedules import DEFAULT, DEFAULT_INTERLEAVED
+from ndtrain.layout.schedules import DEFAULT
+from ndtrain.model.config import CPU_MATMUL_KERNELS
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first, tp innermost
 DEGREES = MESH_ORDER + ("ep",)
-AC_POLICIES = ("none", "full", "every_n", "selective")
-SPLITS = ("balanced", "uniform", "llama3")
-PRECISIONS = ("fp32", "bf16", "fp8")
-CP_ATTENTION = ("ring", "allgather")
-FP32_MATMUL_PRECISIONS = ("tf32", "ieee")  # CUDA's fp32 matmuls: TF32 tensor cores, or IEEE on the CUDA cores
 
-# Layout field -> (config section, config key). The one mapping between the two vocabularies.
-CONFIG_KEYS = {
-    "pp": ("parallel", "pp"), "dp_replicate": ("parallel", "dp_replicate"), "dp_shard": ("parallel", "dp_shard"),
-    "cp": ("parallel", "cp"), "tp": ("parallel", "tp"), "ep": ("parallel", "ep"), "zero": ("parallel", "zero"),
-    "reshard_after_forward": ("parallel", "reshard_after_forward"), "sp": ("parallel", "sequence_parallel"),
-    "schedule": ("parallel", "pp_schedule"), "v": ("parallel", "pp_virtual_stages"),
-    "m": ("parallel", "pp_microbatches"), "split": ("parallel", "pp_split"),
-    "layers_per_stage": ("parallel", "layers_per_stage"), "ac": ("parallel", "activation_checkpoint"),
-    "ac_every": ("parallel", "ac_every"), "mp": ("parallel", "mixed_precision"),
-    "offload": ("parallel", "cpu_offload"), "compile": ("parallel", "compile"),
-    "cp_attention": ("parallel", "cp_attention"), "fp8_recipe": ("parallel", "fp8_recipe"),
-    "cpu_matmul": ("parallel", "cpu_matmul"), "fp32_matmul_precision": ("parallel", "fp32_matmul_precision"),
-    "mb": ("train", "micro_batch"), "doc_mask": ("data", "document_mask"),
-    "sync": ("parallel", "replicate_sync"), "inner_steps": ("parallel", "diloco_inner_steps"),
-    "fragments": ("parallel", "diloco_fragments"), "overlap": ("parallel", "diloco_overlap_steps"),
-    "outer_dtype": ("parallel", "diloco_outer_dtype"),
-}
-# Other names accepted in the text syntax: the config keys themselves, and a few short forms.
-ALIASES = {**{key: name for name, (_, key) in CONFIG_KEYS.items()},
-           "micro_batch": "mb", "virtual_stages": "v", "raf": "reshard_after_forward",
-           "mixed_precision": "mp", "precision": "mp", "cpu_offload": "offload"}
+# The vocabularies, each spelt once: the config's validator (pydantic, on these Literal types),
+# the layout rules' messages and the tuples below all read them from here.
+AcPolicy = Literal["none", "full", "every_n", "selective"]
+Split = Literal["balanced", "uniform", "llama3"]  # FLOPs + parameters | even | even, one fewer at the ends
+Precision = Literal["fp32", "bf16", "fp8"]
+Fp8Recipe = Literal["tensorwise", "rowwise"]  # torchao Float8LinearConfig recipe names
+CpAttention = Literal["ring", "allgather"]
+CpuMatmul = Literal[CPU_MATMUL_KERNELS]  # the kernels model/linear.py implements
+Fp32MatmulPrecision = Literal["tf32", "ieee"]  # CUDA's fp32 matmuls: TF32 tensor cores, or IEEE on the CUDA cores
+ReplicateSync = Literal["step", "diloco"]
+OuterDtype = Literal["fp32", "bf16"]
+
+AC_POLICIES = typing.get_args(AcPolicy)
+SPLITS = typing.get_args(Split)
+PRECISIONS = typing.get_args(Precision)
+FP8_RECIPES = typing.get_args(Fp8Recipe)
+CP_ATTENTION = typing.get_args(CpAttention)
+FP32_MATMUL_PRECISIONS = typing.get_args(Fp32MatmulPrecision)
+SYNCS = typing.get_args(ReplicateSync)
+OUTER_DTYPES = typing.get_args(OuterDtype)
+
+_SAME = object()
+
+
+@dataclass(frozen=True)
+class Key:
+    """Where a Layout field lives in the job config, when that is not `[parallel] <field name>`
+    (the renamed few, and the two keys of other sections); `default`: the config's default where
+    it differs from a bare Layout's."""
+
+    name: str | None = None
+    section: str = "parallel"
+    default: object = _SAME
 
 
 @dataclass(frozen=True)
 class Layout:
+    """The one field list of `[parallel]`'s layout keys: type, default and (through `Key`) the
+    config key of each. config/ builds its ParallelConfig from these fields (`section_fields`)."""
+
     pp: int = 1
     dp_replicate: int = 1
-    dp_shard: int = 1  # -1: the rest of the world (any one mesh degree may be -1; see resolve)
+    # -1: the rest of the world (any one mesh degree may be -1; see resolve). A bare Layout is
+    # one rank wide; the config's dp_shard takes the rest of the world unless told otherwise.
+    dp_shard: Annotated[int, Key(default=-1)] = 1
     cp: int = 1
     tp: int = 1
     ep: int = 1  # -1: every rank of the shard group (dp_shard x cp)
+    # The ZeRO stage over the shard group dp_shard x cp, in the paper's sense: 1 = optimizer
+    # state sharded, 2 = also gradients, 3 = also parameters. Moot when dp_shard x cp = 1 (DDP).
     zero: int = 3
-    reshard_after_forward: bool = True  # zero = 3 only
-    sp: bool = True  # sequence parallel, with tp > 1
-    mb: int = 1  # micro-batch: sequences per rank per forward/backward
-    schedule: str = DEFAULT
-    v: int = 1  # stages per pipeline rank
-    m: int = 0  # pipeline micro-batches per step; 0 = one per micro-batch of the accumulation
-    split: str = "balanced"
-    layers_per_stage: tuple = ()
-    ac: str = "none"
-    ac_every: int = 2
-    mp: str = "fp32"  # mixed precision: fp32 | bf16 | fp8 (bf16 with float8 matmuls, layout/fp8.py)
-    fp8_recipe: str = "tensorwise"  # with mp = fp8: torchao's scaling recipe (tensorwise | rowwise)
-    offload: bool = False
-    compile: bool = False
-    cpu_matmul: str = "onednn"  # the Linear layers' CPU fp32 kernel: onednn | blas (model/linear.py)
-    fp32_matmul_precision: str = "tf32"  # CUDA's fp32 matmuls: tf32 | ieee (CPU ranks have no TF32)
-    cp_attention: str = "ring"
-    doc_mask: bool = False  # [data] document_mask: attention stays inside each packed document
-    # How dp_replicate replicas agree (layout/diloco.py): "step" all-reduces gradients every step;
-    # "diloco" trains each replica alone for `inner_steps` steps, then takes an outer step, in
-    # `fragments` staggered parameter fragments whose reduction overlaps `overlap` inner steps.
-    sync: str = "step"
-    inner_steps: int = 8
-    fragments: int = 1
-    overlap: int = 0
-    outer_dtype: str = "fp32"  # dtype of the outer gradient on the wire
+    # ZeRO-3's knob: free a block's gathered parameters after its forward (and gather them again
+    # for its backward), or keep them until the backward (more memory, one gather fewer). Not
+    # given, it follows the stage (`reshard_default`): true at zero = 3, false at 1 and 2, where
+    # parameters are never sharded; true there is refused (layout/rules.py).
+    reshard_after_forward: bool = True
+    sp: Annotated[bool, Key("sequence_parallel")] = True  # sequence parallel, with tp > 1
+    mb: Annotated[int, Key("micro_batch", "train")] = 1  # sequences per rank per forward/backward
+    schedule: Annotated[str, Key("pp_schedule")] = DEFAULT  # a name in layout/schedules.py's registry
+    v: Annotated[int, Key("pp_virtual_stages")] = 1  # stages per pipeline rank
+    # Pipeline micro-batches per step; 0 = one per micro-batch of the accumulation.
+    m: Annotated[int, Key("pp_microbatches")] = 0
+    # How layers are split when layers_per_stage is empty (layout/partition.py).
+    split: Annotated[Split, Key("pp_split")] = "balanced"
+    layers_per_stage: tuple[int, ...] = ()
+    ac: Annotated[AcPolicy, Key("activation_checkpoint")] = "none"
+    ac_every: int = 2  # for every_n: checkpoint every N-th layer
+    # fp32 | bf16 (bf16 params/compute, fp32 gradient reduction) | fp8 (bf16, and the qualifying
+    # Linear layers' matmuls in float8 through torchao; layout/fp8.py, docs/fp8.md)
+    mp: Annotated[Precision, Key("mixed_precision")] = "fp32"
+    fp8_recipe: Fp8Recipe = "tensorwise"  # with mp = fp8: torchao's scaling recipe
+    offload: Annotated[bool, Key("cpu_offload")] = False
+    compile: bool = False  # torch.compile each decoder block
+    # The Linear layers' CPU fp32 kernel (model/linear.py): "onednn" (faster than MKL's on the AMD
+    # host measured, docs/benchmarks.md) or "blas" (torch's own choice); GPUs and other dtypes
+    # are unaffected. "onednn" is the default where nothing chooses (a Trainer without the planner).
+    cpu_matmul: CpuMatmul = "onednn"
+    # How CUDA runs fp32 matmuls: "tf32" on the tensor cores (inputs rounded to a 10-bit mantissa,
+    # fp32 accumulation; ~7x the IEEE rate on A100/H100) or "ieee" on the CUDA cores. CPU ranks
+    # have no TF32: their fp32 stays IEEE whichever is set.
+    fp32_matmul_precision: Fp32MatmulPrecision = "tf32"
+    cp_attention: CpAttention = "ring"
+    # [data] document_mask: attention stays inside each packed document.
+    doc_mask: Annotated[bool, Key("document_mask", "data")] = False
+    # How dp_replicate replicas agree (layout/diloco.py, docs/diloco.md): "step" all-reduces
+    # gradients every step; "diloco" trains each replica alone for `inner_steps` steps, then takes
+    # an outer step, in `fragments` staggered parameter fragments whose reduction overlaps
+    # `overlap` inner steps.
+    sync: Annotated[ReplicateSync, Key("replicate_sync")] = "step"
+    inner_steps: Annotated[int, Key("diloco_inner_steps")] = 8
+    fragments: Annotated[int, Key("diloco_fragments")] = 1
+    overlap: Annotated[int, Key("diloco_overlap_steps")] = 0
+    outer_dtype: Annotated[OuterDtype, Key("diloco_outer_dtype")] = "fp32"  # the outer gradient on the wire
 
     # ---- derived quantities ----------------------------------------------------------------
     @property
@@ -237,6 +269,70 @@ class Layout:
         return args
 
 
+# ---- the field list, read off Layout ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayoutField:
+    name: str  # the Layout attribute (the short name: sp, m, schedule, ...)
+    section: str  # the job config section that holds it
+    key: str  # its key there
+    type: object  # the annotation, Key removed
+    default: object  # a bare Layout's
+    config_default: object  # the config's
+    choices: tuple | None  # a Literal type's values (None for other types)
+
+
+def _read_fields() -> tuple[LayoutField, ...]:
+    hints = typing.get_type_hints(Layout, include_extras=True)
+    out = []
+    for f in dataclasses.fields(Layout):
+        hint, key = hints[f.name], Key()
+        if typing.get_origin(hint) is Annotated:
+            key = next((m for m in hint.__metadata__ if isinstance(m, Key)), key)
+            hint = hint.__origin__
+        default = f.default
+        out.append(LayoutField(f.name, key.section, key.name or f.name, hint, default,
+                               default if key.default is _SAME else key.default,
+                               typing.get_args(hint) if typing.get_origin(hint) is Literal else None))
+    return tuple(out)
+
+
+FIELDS = _read_fields()
+FIELD = {f.name: f for f in FIELDS}
+# Layout field -> (config section, config key): the one mapping between the two vocabularies.
+CONFIG_KEYS = {f.name: (f.section, f.key) for f in FIELDS}
+# Other names accepted in the text syntax: the config keys themselves, and a few short forms.
+ALIASES = {**{key: name for name, (_, key) in CONFIG_KEYS.items()},
+           "micro_batch": "mb", "virtual_stages": "v", "raf": "reshard_after_forward",
+           "mixed_precision": "mp", "precision": "mp", "cpu_offload": "offload"}
+
+
+def choices(name: str) -> tuple | None:
+    """The values a Literal-typed Layout field may take (None for other fields)."""
+    return FIELD[name].choices
+
+
+def section_fields(section: str) -> list[tuple]:
+    """`dataclasses.make_dataclass` specs of the Layout fields a config section holds, under their
+    config keys and with the config's defaults (tuples become the lists TOML reads)."""
+    out = []
+    for f in FIELDS:
+        if f.section != section:
+            continue
+        if f.type == tuple[int, ...]:
+            out.append((f.key, list[int], dataclasses.field(default_factory=lambda d=f.config_default: list(d))))
+        else:
+            out.append((f.key, f.type, dataclasses.field(default=f.config_default)))
+    return out
+
+
+def reshard_default(zero: int) -> bool:
+    """reshard_after_forward where it is not given: it follows the ZeRO stage. Stage 3 frees each
+    block's gathered parameters after its forward; stages 1 and 2 never shard parameters, so
+    there is nothing to free (and true is refused there, layout/rules.py)."""
+    return zero not in (1, 2)
+
+
 def _format(value, toml: bool = False) -> str:
     if isinstance(value, bool):
         return ("true" if value else "false") if toml else str(int(value))
@@ -266,104 +362,6 @@ def from_config(par, train=None, data=None) -> Layout:
         value = getattr(src, key)
         values[name] = tuple(value) if isinstance(value, list) else value
     return Layout(**values)
-
-
-# ---- the text syntax -----------------------------------------------------------------------
-
-_INTS = {"pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "zero", "mb", "v", "m", "ac_every", "inner_steps",
-         "fragments", "overlap"}
-_BOOLS = {"reshard_after_forward", "sp", "offload", "compile", "doc_mask"}
-
-
-def parse_items(text: str | dict, what: str = "layout") -> dict:
-    """`key=value,...` (or a dict) -> {Layout field: typed value}. Unknown keys and bad values
-    raise NdtrainError naming the item."""
-    if isinstance(text, dict):
-        raw = {str(k).strip().lower(): v for k, v in text.items()}
-    else:
-        raw = {}
-        for item in filter(None, (p.strip() for p in _split_items(text))):
-            key, sep, value = item.partition("=")
-            if not sep or not key.strip():
-                raise NdtrainError(f"{what}: bad item {item!r} (expected key=value, items joined by commas)")
-            raw[key.strip().lower()] = value.strip()
-    out: dict = {}
-    for key, value in raw.items():
-        name = ALIASES.get(key, key)
-        if name not in CONFIG_KEYS:
-            known = ", ".join(sorted(CONFIG_KEYS))
-            raise NdtrainError(f"{what}: unknown key {key!r}; keys are {known} (or their [parallel] names)")
-        out[name] = _typed(name, value, what)
-    return out
-
-
-def _split_items(text: str) -> list[str]:
-    """Split on commas outside brackets, so `layers_per_stage=[3,5,5,3]` stays one item."""
-    items, depth, cur = [], 0, ""
-    for ch in text:
-        depth += ch == "["
-        depth -= ch == "]"
-        if ch == "," and depth == 0:
-            items.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    return items + [cur]
-
-
-def _typed(name: str, value, what: str):
-    text = str(value).strip()
-    if name in _INTS:
-        if isinstance(value, bool):
-            raise NdtrainError(f"{what}: {name}={value!r} is not an integer")
-        try:
-            return int(value) if isinstance(value, int) else int(text)
-        except ValueError:
-            raise NdtrainError(f"{what}: {name}={text!r} is not an integer") from None
-    if name in _BOOLS:
-        if isinstance(value, bool):
-            return value
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise NdtrainError(f"{what}: {name}={text!r} is not a boolean (use 1/0 or true/false)")
-    if name == "layers_per_stage":
-        items = value if isinstance(value, (list, tuple)) else text.strip("[]").replace(" ", "").split(",")
-        try:
-            return tuple(int(x) for x in items if str(x) != "")
-        except ValueError:
-            raise NdtrainError(f"{what}: layers_per_stage={text!r} is not a list of integers") from None
-    if name == "schedule":
-        from ndtrain.layout.schedules import canonical_schedule
-
-        return canonical_schedule(text)
-    lowered = ("ac", "mp", "split", "cp_attention", "cpu_matmul", "fp32_matmul_precision", "fp8_recipe", "sync",
-               "outer_dtype")
-    return text.lower() if name in lowered else text
-
-
-def parse_layout(text: str | dict, world: int | None = None, base: Layout | None = None) -> Layout:
-    """A Layout from the text syntax, on top of `base` (default: all degrees 1 except dp_shard,
-    which takes the rest of the world, as `[parallel] dp_shard = -1` does). With `world` the
-    -1 degrees are resolved (and a world the degrees cannot fill is an error).
-
-    Convenience defaults, as a user would expect: `v` defaults to 2 for the V schedules, and a
-    `v` above 1 without a schedule means Interleaved1F1B; at ZeRO-1/2 `reshard_after_forward`
-    is false (parameters stay gathered)."""
-    items = parse_items(text)
-    base = base or Layout(dp_shard=-1)
-    if "schedule" not in items and items.get("v", 1) > 1:
-        items["schedule"] = DEFAULT_INTERLEAVED
-    from ndtrain.layout.schedules import SCHEDULES
-
-    sched = SCHEDULES.get(items.get("schedule", base.schedule))
-    if sched is not None and sched.fixed_v and "v" not in items:
-        items["v"] = sched.fixed_v
-    if items.get("zero", base.zero) in (1, 2) and "reshard_after_forward" not in items:
-        items["reshard_after_forward"] = False
-    lay = dataclasses.replace(base, **items)
-    return resolve(lay, world) if world is not None else lay
 
 
 # ---- -1 degrees ----------------------------------------------------------------------------

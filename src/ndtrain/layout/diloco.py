@@ -10,9 +10,7 @@ of a run syncs every fragment whose last send is older, so a run ends on one glo
 
 from __future__ import annotations
 
-
-SYNCS = ("step", "diloco")
-OUTER_DTYPES = ("fp32", "bf16")
+from ndtrain.layout.degrees import SYNCS
 
 
 def diloco_on(par) -> bool:
@@ -26,8 +24,7 @@ def problems(lay, model):
     (layout/rules.py RULES): the trainer, `config show`/`config check`, `verify` and the planner
     all see these. The ZeRO stage composes: FSDP shards (and reduces) inside each replica only,
     whatever the stage, and the replicas meet in the outer step alone."""
-    if lay.sync not in SYNCS:
-        yield "parallel.replicate_sync", f"must be step or diloco, got {lay.sync!r}"
+    if lay.sync not in SYNCS:  # its vocabulary is the layout's (layout/rules.py values)
         return
     if lay.inner_steps < 1:
         yield "parallel.diloco_inner_steps", f"must be >= 1, got {lay.inner_steps}"
@@ -43,8 +40,6 @@ def problems(lay, model):
     if not 0 <= lay.overlap < stride:
         yield "parallel.diloco_overlap_steps", (f"must be in [0, diloco_inner_steps/diloco_fragments) = [0, {stride}), "
                                                 f"got {lay.overlap}")
-    if lay.outer_dtype not in OUTER_DTYPES:
-        yield "parallel.diloco_outer_dtype", f"must be fp32 or bf16, got {lay.outer_dtype!r}"
     if lay.sync != "diloco":
         return
     if lay.dp_replicate < 2:

@@ -20,7 +20,6 @@ The third GEMM dimension of the weight gradient is the token count of a micro-ba
 
 from __future__ import annotations
 
-FP8_RECIPES = ("tensorwise", "rowwise")  # torchao Float8LinearConfig recipe names
 ALIGN = 16  # fp8 GEMM dimensions must be multiples of this
 
 # Linears inside MoE feed-forward layers: not converted (see the module docstring).
@@ -114,9 +113,7 @@ def problems(lay, model, seq_len: int | None = None) -> list[tuple[str, str]]:
     """(config key, one-line reason) for each way this fp8 layout cannot run; [] when it can (or
     when mixed precision is not fp8). `lay` is a resolved ndtrain.layout.Layout (mp, fp8_recipe,
     tp, cp), `model` a ModelConfig. layout.problems() runs this as one of its rules."""
-    out = []
-    if lay.fp8_recipe not in FP8_RECIPES:
-        out.append(("parallel.fp8_recipe", f"must be {' or '.join(FP8_RECIPES)}, got {lay.fp8_recipe!r}"))
+    out = []  # fp8_recipe's vocabulary is the layout's (layout/rules.py values)
     if lay.mp != "fp8":
         return out
     tp, cp = lay.tp, lay.cp

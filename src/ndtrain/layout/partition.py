@@ -21,10 +21,10 @@ import dataclasses
 from functools import lru_cache
 
 from ndtrain.errors import NdtrainError
+from ndtrain.layout.degrees import SPLITS
 from ndtrain.layout.flops import MFU_ATTENTION, head_forward_flops, layer_forward_flops
 from ndtrain.model.config import ModelConfig, layer_params
 
-SPLITS = ("balanced", "uniform", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ndtrain.layout import schedules as sch
-from ndtrain.layout.degrees import (AC_POLICIES, CP_ATTENTION, DEGREES, FP32_MATMUL_PRECISIONS, MESH_ORDER, PRECISIONS,
-                                    Layout, ResolveError, resolve)
-from ndtrain.layout.partition import SPLITS, partition_problem
-from ndtrain.model.config import CPU_MATMUL_KERNELS, ModelConfig
+from ndtrain.layout.degrees import DEGREES, FIELDS, MESH_ORDER, Layout, ResolveError, resolve
+from ndtrain.layout.partition import partition_problem
+from ndtrain.model.config import ModelConfig
 
 
 class Problem(str):
@@ -46,6 +45,9 @@ class Context:
 Rule = Callable[[Context], Iterable[tuple[str, str]]]
 
 
+_NAMED = [(f.name, f"{f.section}.{f.key}", f.choices) for f in FIELDS if f.choices]  # read once: problems() is hot
+
+
 def values(c: Context):
     lay = c.lay
     if lay.zero not in (1, 2, 3):
@@ -54,21 +56,14 @@ def values(c: Context):
         yield ("parallel.reshard_after_forward", f"zero={lay.zero} keeps parameters gathered (only optimizer state"
                f"{'' if lay.zero == 1 else ' and gradients'} are sharded); reshard_after_forward applies to "
                f"zero=3: set it false, or zero=3")
-    if lay.ac not in AC_POLICIES:
-        yield "parallel.activation_checkpoint", f"must be one of {', '.join(AC_POLICIES)}, got {lay.ac!r}"
+    # Each named value against its field's vocabulary (the Literal types of layout/degrees.py, which
+    # the config's validator reads too): a Layout built in Python or from text meets them here.
+    for name, key, allowed in _NAMED:
+        value = getattr(lay, name)
+        if value not in allowed:
+            yield key, f"must be one of {', '.join(allowed)}, got {value!r}"
     if lay.ac_every < 1:
         yield "parallel.ac_every", f"must be positive, got {lay.ac_every}"
-    if lay.split not in SPLITS:
-        yield "parallel.pp_split", f"must be one of {', '.join(SPLITS)}, got {lay.split!r}"
-    if lay.mp not in PRECISIONS:
-        yield "parallel.mixed_precision", f"must be one of {', '.join(PRECISIONS)}, got {lay.mp!r}"
-    if lay.cp_attention not in CP_ATTENTION:
-        yield "parallel.cp_attention", f"must be one of {', '.join(CP_ATTENTION)}, got {lay.cp_attention!r}"
-    if lay.cpu_matmul not in CPU_MATMUL_KERNELS:
-        yield "parallel.cpu_matmul", f"must be one of {', '.join(CPU_MATMUL_KERNELS)}, got {lay.cpu_matmul!r}"
-    if lay.fp32_matmul_precision not in FP32_MATMUL_PRECISIONS:
-        yield ("parallel.fp32_matmul_precision",
-               f"must be one of {', '.join(FP32_MATMUL_PRECISIONS)}, got {lay.fp32_matmul_precision!r}")
     if lay.mb < 1:
         yield "train.micro_batch", f"must be positive, got {lay.mb}"
     if lay.v < 1:
