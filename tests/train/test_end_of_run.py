@@ -59,8 +59,7 @@ def test_retention_in_a_publish_never_hashes_on_one_rank(world, parity_base, tmp
     from ckpt_helpers import job
 
     from ndtrain.parallel.launch import run_ranks
-    from ndtrain.train.checkpoint import retention
-    from ndtrain.train.checkpoint import list_checkpoints
+    from ndtrain.train.checkpoint import list_checkpoints, retention
 
     run = tmp_path / "run"
     _train(job(parity_base, run, train={"steps": 4}, checkpoint={"interval_steps": 1, "keep_last": 3}))
