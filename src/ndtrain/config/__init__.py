@@ -13,6 +13,7 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from ndtrain.config.checks import TRACKERS, global_batch_at, layout_batches, validate
 from ndtrain.errors import ConfigError, NdtrainError
@@ -28,7 +29,7 @@ __all__ = ["DataConfig", "OptimizerConfig", "ParallelConfig", "TrainConfig", "Ch
 class DataConfig:
     path: str = "data/stdlib-byte"  # prepared directory (token shards + manifest.json); with mix, their parent
     sources: list[str] = field(default_factory=list)  # empty = the Python standard library
-    tokenizer: str = "byte"  # byte | bpe
+    tokenizer: Literal["byte", "bpe"] = "byte"
     vocab_size: int = 8192  # for bpe
     max_mb: float = 16.0  # cap on the default corpus, in MB of text
     seq_len: int = 256
@@ -44,15 +45,15 @@ class OptimizerConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 20
-    schedule: str = "cosine"  # cosine | constant
+    schedule: Literal["cosine", "constant"] = "cosine"
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # 0 disables clipping
     # fused: one kernel per parameter group (CPU and CUDA, plain and DTensor parameters); on the
     # CPU it halved the optimizer's time against foreach (benchmarks/breakdown.py), same update
-    # to rounding (~1e-7 per step). foreach | fused | for-loop
-    implementation: str = "fused"
+    # to rounding (~1e-7 per step).
+    implementation: Literal["foreach", "fused", "for-loop"] = "fused"
 
 
 # The layout's keys of [parallel], generated from ndtrain.layout's one field list (Layout: type,
@@ -101,8 +102,8 @@ class TrainConfig:
     micro_batch: int = 8  # sequences per rank per forward/backward
     batch_ramp: list[list[int]] = field(default_factory=list)  # [[tokens_seen, global_batch], ...]
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda
-    backend: str = "auto"  # auto | gloo | nccl
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
     autocast_bf16: bool = False
     output_dir: str = ""  # default runs/<config-name>-<timestamp>
     # A fresh run in a directory that holds another run's checkpoints or metrics is refused;
@@ -142,9 +143,9 @@ class LoggingConfig:
     # offline and mlflow into a file store under the run directory unless told otherwise.
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     tensorboard: bool = True  # false drops "tensorboard" from trackers (the key predates trackers)
-    progress: str = "auto"  # auto (only on a TTY) | on | off
+    progress: Literal["auto", "on", "off"] = "auto"  # auto: only on a TTY
     project: str = "ndtrain"  # W&B project and MLflow experiment name
-    wandb_mode: str = "offline"  # offline | online
+    wandb_mode: Literal["offline", "online"] = "offline"
     mlflow_uri: str = ""  # "" = file store <run dir>/mlruns; or a tracking server / database URI
     # pp > 1: time every rank's F/B/W actions during this step and keep the timeline in the run
     # directory (pipeline_trace.json) for `ndtrain report`'s Gantt chart; 0 = never.
@@ -156,11 +157,11 @@ class ResilienceConfig:
     # What a run does about a rank that keeps straggling or a host that keeps failing
     # (docs/self-healing.md). log: name it (as always); exclude: save, take that rank's host out
     # of torchrun's elastic rendezvous and let the others re-form, re-planned for their world.
-    on_straggler: str = "log"  # log | exclude
+    on_straggler: Literal["log", "exclude"] = "log"
     straggler_windows: int = 3  # K: slow in this many train.straggler_window windows running
     # log | exclude: a host whose ranks failed (died without a word) or hung (train.step_deadline_s)
     # `failures` times within `failure_window_s` is excluded at the start of the next attempt.
-    on_failure: str = "log"
+    on_failure: Literal["log", "exclude"] = "log"
     failures: int = 3
     failure_window_s: float = 3600.0
     min_world: int = 1  # no exclusion leaves fewer ranks than this
