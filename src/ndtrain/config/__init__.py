@@ -152,16 +152,19 @@ class LoggingConfig:
     pipeline_trace_step: int = 3
 
 
+ExclusionPolicy = Literal["log", "exclude"]
+
+
 @dataclass
 class ResilienceConfig:
     # What a run does about a rank that keeps straggling or a host that keeps failing
     # (docs/self-healing.md). log: name it (as always); exclude: save, take that rank's host out
     # of torchrun's elastic rendezvous and let the others re-form, re-planned for their world.
-    on_straggler: Literal["log", "exclude"] = "log"
+    on_straggler: ExclusionPolicy = "log"
     straggler_windows: int = 3  # K: slow in this many train.straggler_window windows running
-    # log | exclude: a host whose ranks failed (died without a word) or hung (train.step_deadline_s)
-    # `failures` times within `failure_window_s` is excluded at the start of the next attempt.
-    on_failure: Literal["log", "exclude"] = "log"
+    # The same for a host whose ranks failed (died without a word) or hung (train.step_deadline_s)
+    # `failures` times within `failure_window_s`: exclude takes it out at the start of the next attempt.
+    on_failure: ExclusionPolicy = "log"
     failures: int = 3
     failure_window_s: float = 3600.0
     min_world: int = 1  # no exclusion leaves fewer ranks than this
