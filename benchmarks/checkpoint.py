@@ -101,7 +101,11 @@ def bench_restart(args) -> None:
         for trial in range(args.restarts):
             out = Path(tmp) / f"run{trial}"
             kill_step = 3
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "NDTRAIN_FAULTS": f"0:1:{kill_step}:step:0.0"}
+            # The kill comes from the tests' fault plan (tests/train/fault_plan.py), installed by the job hook.
+            fault_plan_dir = str(Path(__file__).resolve().parents[1] / "tests" / "train")
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "NDTRAIN_FAULTS": f"0:1:{kill_step}:step:0.0",
+                   "NDTRAIN_JOB_HOOKS": "fault_plan:hooks",
+                   "PYTHONPATH": os.pathsep.join(filter(None, [fault_plan_dir, os.environ.get("PYTHONPATH")]))}
             cmd = [sys.executable, "-m", "ndtrain", "train", "--nproc", "2", "--max-restarts", "1",
                    f"--model.preset={args.preset}", f"--data.path={args.data}", f"--data.seq_len={args.seq_len}",
                    "--train.steps=4", "--train.global_batch=2", "--train.micro_batch=1", "--train.val_interval=0",

@@ -2,7 +2,7 @@
 
 Each (seq_len, cp) point trains a few steps of one sequence per step (global batch 1) on the
 prepared corpus; cp ranks are forked Gloo processes, one thread each. Activation memory is the
-bytes autograd saves for backward (train/activation_meter.py), per rank; throughput uses the
+bytes autograd saves for backward (tests/parallel/activation_meter.py), per rank; throughput uses the
 fastest of the measured steps after one warm-up step (the least disturbed by other processes
 on a shared host). Read the ratios: this host has 2 cores, so cp=1 uses one, cp=2 both, and
 cp=4 oversubscribes them 2x.
@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The activation meter is test code (not shipped): tests/parallel/activation_meter.py.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "parallel"))
 
 import torch  # noqa: E402
 
@@ -46,7 +48,7 @@ def job(data: str, seq: int, cp: int, mode: str, model: dict):
 
 
 def measure(cfg, steps: int) -> dict:
-    from ndtrain.train.activation_meter import SavedActivationMeter
+    from activation_meter import SavedActivationMeter  # tests/parallel/, on sys.path above
     from ndtrain.train.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -109,7 +111,7 @@ def _memory(fn, dev) -> float:
         fn()
         _sync(dev)
         return (torch.cuda.max_memory_allocated(dev) - base) / 2**20
-    from ndtrain.train.activation_meter import SavedActivationMeter
+    from activation_meter import SavedActivationMeter  # tests/parallel/, on sys.path above
 
     with SavedActivationMeter() as meter:
         fn()

@@ -4,6 +4,7 @@ fp8 matmul speed) and the per-file time budget report printed at the end of a ru
 from __future__ import annotations
 
 import os
+import sys
 import time
 import tomllib
 from dataclasses import dataclass
@@ -12,6 +13,14 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every run a test starts, in this process or as a rank of `ndtrain train --nproc`, installs the
+# test-only fault plan (tests/train/fault_plan.py: it does nothing while NDTRAIN_FAULTS is unset)
+# through the job's hook (src/ndtrain/train/hooks.py).
+_FAULT_PLAN_DIR = str(Path(__file__).parent / "train")
+if _FAULT_PLAN_DIR not in sys.path:
+    sys.path.insert(0, _FAULT_PLAN_DIR)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_FAULT_PLAN_DIR, os.environ.get("PYTHONPATH", "")]))
+os.environ.setdefault("NDTRAIN_JOB_HOOKS", "fault_plan:hooks")
 
 
 def _reference_host_cache() -> Path:
@@ -144,15 +153,15 @@ def fp8_cheap_peak(fp8_speed, monkeypatch) -> Fp8Speed:
     yields the bf16 peak anyway (fp8 measures below it), which is what this returns, so only tests
     that do not read MFU use it (test_fp8_mfu_names_both_peaks runs the real probe)."""
     if fp8_speed.slow:
-        from ndtrain.train import trainer
+        from ndtrain.train import step
 
-        real = trainer.run_peaks
+        real = step.run_peaks
 
         def bf16_peak_for_fp8(device, dtype, fp8):
             peak, source, _, _ = real(device, dtype, False)
             return peak, source, (peak if fp8 else 0.0), ("the bf16 peak (fp8 emulated here)" if fp8 else "")
 
-        monkeypatch.setattr(trainer, "run_peaks", bf16_peak_for_fp8)  # forked ranks inherit it
+        monkeypatch.setattr(step, "run_peaks", bf16_peak_for_fp8)  # forked ranks inherit it
     return fp8_speed
 
 

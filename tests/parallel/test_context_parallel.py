@@ -161,7 +161,7 @@ def _cfg(corpus, seq, parallel, gb=1):
 
 
 def _long_run(cfg, steps=2, budget=None):
-    from ndtrain.train.activation_meter import SavedActivationMeter
+    from activation_meter import SavedActivationMeter
     from ndtrain.train.trainer import Trainer
 
     trainer = Trainer(cfg, run_dir=None, log=False)
@@ -255,7 +255,7 @@ def test_kv_traffic_is_unexpanded(cp_ranks, cp, mode):
 
 @pytest.mark.timeout(300)
 def test_long_sequence_fits_budget_only_with_cp4(cp_ranks, corpus_dir):
-    from ndtrain.train.activation_meter import ActivationBudgetExceeded
+    from activation_meter import ActivationBudgetExceeded
 
     cfg = _cfg(corpus_dir, LONG_SEQ, {})
     with pytest.raises(ActivationBudgetExceeded):

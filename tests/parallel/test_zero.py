@@ -26,25 +26,29 @@ def _state(trainer) -> list[bool]:
 
 
 def _holdings(cfgs) -> list[torch.Tensor]:
+    from ndtrain.train import step as steps
     from ndtrain.train.trainer import Trainer
 
     out = []
+    loss_sum, fwd_bwd = steps.loss_sum, steps.forward_backward
     for cfg in cfgs:
         trainer = Trainer(cfg, run_dir=None, log=False)
         seen = []
-        loss_sum, fwd_bwd = trainer._loss_sum, trainer.forward_backward
 
-        def spy_loss(inputs, targets, *rest):  # each micro-batch's forward starts here
+        def spy_loss(state, inputs, targets, *rest):  # each micro-batch's forward starts here
             seen.append(_state(trainer))
-            return loss_sum(inputs, targets, *rest)
+            return loss_sum(state, inputs, targets, *rest)
 
         def spy_step(*args):  # ... and the last backward has ended when this returns
             total = fwd_bwd(*args)
             seen.append(_state(trainer))
             return total
 
-        trainer._loss_sum, trainer.forward_backward = spy_loss, spy_step
-        trainer.train_step()
+        steps.loss_sum, steps.forward_backward = spy_loss, spy_step  # put back below, whatever happens
+        try:
+            trainer.train_step()
+        finally:
+            steps.loss_sum, steps.forward_backward = loss_sum, fwd_bwd
         trainer.close()
         out.append(torch.tensor(seen))
     return out

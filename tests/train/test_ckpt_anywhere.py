@@ -75,13 +75,16 @@ def _straggler(base: dict, root: Path) -> list:
     once ZeRO-3 reduce-scattered after every micro-batch (~95 ms a step on a busy machine)."""
     import torch.distributed as dist
 
+    from ndtrain.train.metrics import compute_modules
     from ndtrain.train.recovery import Recovery
     from ndtrain.train.trainer import Trainer
 
     cfg = cfg_of({**base, "parallel": {"dp_shard": 2},
                   "train": {**base["train"], "straggler_window": 2, "straggler_threshold": 0.25}})
     trainer = Trainer(cfg, run_dir=None, log=False)
-    guard = Recovery(cfg, trainer, trainer.checkpointer(root / "unused", cfg), None)
+    guard = Recovery(cfg, None, rt=trainer.rt, progress=trainer.progress, loader=trainer.loader,
+                     ckpt=trainer.checkpointer(root / "unused", cfg), logger=trainer.logger,
+                     compute=compute_modules(trainer.model_parts), layout=trainer.dims.describe())
     events = []
     guard._event = lambda row, text: events.append(row)
     for _ in range(6):

@@ -1,5 +1,5 @@
 """Recovery building blocks in isolation: watchdog, non-finite guard, straggler judgement, restart
-semantics, fault-plan parsing."""
+semantics, fault-plan parsing, the job hooks that install it."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import threading
 import time
 from pathlib import Path
 
+import fault_plan
 import pytest
 from ckpt_helpers import cfg_of, job
 
 from ndtrain.errors import NdtrainError
-from ndtrain.train import recovery
+from ndtrain.train import hooks, recovery, rundir
 
 
 def test_watchdog_fires_only_for_a_step_past_its_deadline():
@@ -61,16 +62,34 @@ def test_restart_semantics(monkeypatch, parity_base):
     cfg.checkpoint.resume = "/pretrained/step_00000000"
     assert recovery.resume_specs(cfg) == ["auto", "/pretrained/step_00000000"]
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
-    assert recovery.launcher_run_dir(cfg) == Path("runs") / "debug-job42"
+    assert rundir.launcher_run_dir(cfg) == Path("runs") / "debug-job42"
     cfg.train.output_dir = "/out"
-    assert recovery.launcher_run_dir(cfg) is None
+    assert rundir.launcher_run_dir(cfg) is None
 
 
 def test_fault_plan_selects_this_attempt_and_rank(monkeypatch):
-    monkeypatch.setenv(recovery.FAULTS_ENV, "0:1:5:step:0.01,1:1:7:save,1:0:9:hang")
+    monkeypatch.setenv(fault_plan.FAULTS_ENV, "0:1:5:step:0.01,1:1:7:save,1:0:9:hang")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert recovery.FaultPlan.from_env(rank=1).faults == [(7, "save", 0.0)]
-    assert recovery.FaultPlan.from_env(rank=0).faults == [(9, "hang", 0.0)]
-    monkeypatch.setenv(recovery.FAULTS_ENV, "0:1:5:explode")
+    assert fault_plan.FaultPlan.from_env(rank=1).faults == [(7, "save", 0.0)]
+    assert fault_plan.FaultPlan.from_env(rank=0).faults == [(9, "hang", 0.0)]
+    monkeypatch.setenv(fault_plan.FAULTS_ENV, "0:1:5:explode")
     with pytest.raises(NdtrainError, match="attempt:rank:step:point"):
-        recovery.FaultPlan.from_env(rank=0)
+        fault_plan.FaultPlan.from_env(rank=0)
+
+
+def test_job_hooks_call_the_named_function_and_refuse_a_bad_one_in_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv(hooks.HOOKS_ENV, fault_plan.HOOKS)
+    monkeypatch.setenv(fault_plan.FAULTS_ENV, "0:0:3:hang")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    loaded = hooks.load(rank=0, run_dir=tmp_path)
+    assert loaded.inner.faults == [(3, "hang", 0.0)] and loaded.inner.log_path == tmp_path / hooks.HOOK_LOG
+    loaded.at_step(2)  # not its step: returns at once
+    loaded.at_checkpoint(2, "save")
+    loaded.close()
+    for bad in ("no_such_module_here:hooks", "fault_plan:no_such_function", "fault_plan"):
+        monkeypatch.setenv(hooks.HOOKS_ENV, bad)
+        with pytest.raises(NdtrainError, match=hooks.HOOKS_ENV) as err:
+            hooks.load(0, None)
+        assert "\n" not in str(err.value)
+    monkeypatch.delenv(hooks.HOOKS_ENV)
+    assert hooks.load(0, tmp_path).inner is None  # no hooks: every point is a no-op

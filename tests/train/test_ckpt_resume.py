@@ -10,7 +10,8 @@ import pytest
 from ckpt_helpers import assert_bit_identical, cfg_of, job, metrics, weights
 
 from ndtrain.errors import NdtrainError
-from ndtrain.train import trainer as trainer_mod
+from ndtrain.data.loader import StatefulLoader
+from ndtrain.train import step as step_mod
 from ndtrain.train.checkpoint import list_checkpoints, step_name
 from ndtrain.train.trainer import train
 
@@ -21,15 +22,15 @@ RAMP = dict(steps=6, global_batch=4, micro_batch=2, batch_ramp=[[768, 8]])
 
 def _preempt_after(monkeypatch, step: int):
     """SIGTERM to ourselves right after optimizer step `step`: the run saves and stops there."""
-    original = trainer_mod.Trainer.train_step
+    original = step_mod.train_step
 
-    def train_step(self):
-        result = original(self)
-        if self.step == step:
+    def train_step(state, batch, data_wait_s=0.0):
+        result = original(state, batch, data_wait_s)
+        if state.progress.step == step:
             os.kill(os.getpid(), signal.SIGTERM)
         return result
 
-    monkeypatch.setattr(trainer_mod.Trainer, "train_step", train_step)
+    monkeypatch.setattr(step_mod, "train_step", train_step)
 
 
 @pytest.mark.timeout(120)
@@ -61,26 +62,26 @@ def test_preempted_and_resumed_run_is_bit_identical(parity_base, tmp_path, monke
 
 def _poison(monkeypatch, poisoned: set[int], seen: list):
     """Steps whose batch contains a poisoned sample id produce NaN loss and gradients."""
-    original_next = trainer_mod.StatefulLoader.next_batch
-    original_fb = trainer_mod.Trainer.forward_backward
+    original_next = StatefulLoader.next_batch
+    original_fb = step_mod.forward_backward
 
     def next_batch(self, global_batch):
         batch = original_next(self, global_batch)
         self._last_ids = set(batch.global_ids.tolist())
         return batch
 
-    def forward_backward(self, inputs, targets, micro):
-        total = original_fb(self, inputs, targets, micro)
-        ids = self.loader._last_ids
+    def forward_backward(state, inputs, targets, micro):
+        total = original_fb(state, inputs, targets, micro)
+        ids = state.loader._last_ids
         seen.append(ids)
         if ids & poisoned:
-            for p in self.params:
+            for p in state.params:
                 p.grad.mul_(float("nan"))
             return float("nan")
         return total
 
-    monkeypatch.setattr(trainer_mod.StatefulLoader, "next_batch", next_batch)
-    monkeypatch.setattr(trainer_mod.Trainer, "forward_backward", forward_backward)
+    monkeypatch.setattr(StatefulLoader, "next_batch", next_batch)
+    monkeypatch.setattr(step_mod, "forward_backward", forward_backward)
 
 
 @pytest.mark.timeout(120)

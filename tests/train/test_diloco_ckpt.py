@@ -23,18 +23,18 @@ STREAMING = {"replicate_sync": "diloco", "dp_replicate": 2, "dp_shard": -1, "dil
 def _train(base: dict, preempt_at: int | None = None):
     """train() on every rank; with `preempt_at`, every rank signals itself after that step."""
     from ndtrain.config import load_config
-    from ndtrain.train import trainer as tm
+    from ndtrain.train import step as steps, trainer as tm
 
     if preempt_at is not None:
-        original = tm.Trainer.train_step
+        original = steps.train_step
 
-        def train_step(self):
-            result = original(self)
-            if self.step == preempt_at:
+        def train_step(state, batch, data_wait_s=0.0):
+            result = original(state, batch, data_wait_s)
+            if state.progress.step == preempt_at:
                 os.kill(os.getpid(), signal.SIGTERM)
             return result
 
-        tm.Trainer.train_step = train_step  # a forked rank: the parent's class is untouched
+        steps.train_step = train_step  # a forked rank: the parent's module is untouched
     return tm.train(load_config(None, {k: dict(v) for k, v in base.items()}))
 
 

@@ -105,24 +105,25 @@ def test_an_mfu_above_100_percent_is_not_printed(capsys):
 def test_each_step_reports_its_own_peak_memory_and_no_mfu_above_100(parity_base, monkeypatch):
     """The trainer resets the peak when a step starts and reads it after: a fake allocator (the
     CUDA path; the CPU has no resettable peak) whose first step alone peaks 256 MiB higher."""
-    from ndtrain.train import trainer as trainer_module
+    from ndtrain.train import step as step_module
+    from ndtrain.train.trainer import Trainer
 
     allocator = {"peak": 0.0}
-    monkeypatch.setattr(trainer_module, "reset_peak_memory", lambda device: allocator.update(peak=100.0), raising=False)
-    monkeypatch.setattr(trainer_module, "peak_memory_mb", lambda device: allocator["peak"])
-    trainer = trainer_module.Trainer(load_config(None, {**parity_base, "train": {**parity_base["train"], "steps": 2}}),
-                                     run_dir=None, log=False)
-    plain = trainer.forward_backward
+    monkeypatch.setattr(step_module, "reset_peak_memory", lambda device: allocator.update(peak=100.0))
+    monkeypatch.setattr(step_module, "peak_memory_mb", lambda device: allocator["peak"])
+    trainer = Trainer(load_config(None, {**parity_base, "train": {**parity_base["train"], "steps": 2}}),
+                      run_dir=None, log=False)
+    plain = step_module.forward_backward
 
     def heavy(*args):
         allocator["peak"] += 256.0
         return plain(*args)
 
     try:
-        trainer.forward_backward = heavy
+        monkeypatch.setattr(step_module, "forward_backward", heavy)
         first = trainer.metrics_row(trainer.train_step())
-        trainer.forward_backward = plain
-        trainer.peak_flops_total = 1.0  # a peak far below what the run does
+        monkeypatch.setattr(step_module, "forward_backward", plain)
+        trainer.peaks.total = 1.0  # a peak far below what the run does
         second = trainer.metrics_row(trainer.train_step())
     finally:
         trainer.close()
@@ -210,11 +211,11 @@ def test_cuda_stragglers_are_named_by_compute_not_wall_time(monkeypatch, parity_
         model = nn.Module()
         model.layers = nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
         model.output = None
-        trainer = types.SimpleNamespace(
-            rt=types.SimpleNamespace(rank=rank, device=CUDA, world_size=1), model_parts=[model], step=0,
-            loader=types.SimpleNamespace(consumed_samples=0), progress=types.SimpleNamespace(window_at=lambda c: None))
-        ckpt = types.SimpleNamespace(set_fault_hook=lambda hook: None)
-        guard = recovery.Recovery(cfg, trainer, ckpt, None)
+        guard = recovery.Recovery(
+            cfg, None, rt=types.SimpleNamespace(rank=rank, device=CUDA, world_size=1),
+            progress=types.SimpleNamespace(step=0, window_at=lambda c: None),
+            loader=types.SimpleNamespace(consumed_samples=0), ckpt=None, logger=None,
+            compute=metrics.compute_modules([model]), layout="one process")
         try:
             guard.before_step()
             _step(clock, blocks, wait=0.64 - 0.4 * speed)  # every rank's step ends together

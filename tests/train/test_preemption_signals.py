@@ -118,7 +118,7 @@ def _python(code: str, worker: bool = True) -> subprocess.CompletedProcess:
 def test_a_worker_absorbs_repeated_stop_signals_up_to_its_exit():
     done = _python("""
 import os, signal, time
-from ndtrain.train.recovery import Preemption
+from ndtrain.train.signals import Preemption
 
 def deliver(sig):
     os.kill(os.getpid(), sig)
@@ -139,7 +139,7 @@ print(stop.requested, stop.signal_name, stop.received)
 def test_a_worker_not_stopped_gets_its_previous_handlers_back():
     done = _python("""
 import signal
-from ndtrain.train.recovery import Preemption
+from ndtrain.train.signals import Preemption
 
 stop = Preemption()
 stop.close()
@@ -154,7 +154,7 @@ def test_the_launcher_raises_its_first_stop_signal_and_absorbs_the_rest():
     waits for them); another one raised inside that wait would make torchrun give up on them."""
     done = _python("""
 import os, signal, time
-from ndtrain.train.command import LauncherSignals
+from ndtrain.train.signals import LauncherSignals
 
 class Stop(Exception):  # stands in for torchrun's SignalException(msg, sigval=...)
     def __init__(self, msg, sigval):

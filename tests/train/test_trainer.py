@@ -9,10 +9,11 @@ import sys
 import pytest
 import torch
 
-from ndtrain.config import OptimizerConfig, load_config
+from ndtrain.config import OptimizerConfig, global_batch_at, load_config
 from ndtrain.tools.verify import run_steps
 from ndtrain.train.optim import lr_at
-from ndtrain.train.trainer import global_batch_at, split_micro, train
+from ndtrain.train.step import split_micro
+from ndtrain.train.trainer import train
 
 
 def _cfg(parity_base, **train):

@@ -115,7 +115,7 @@ PRIVATE: dict[str, Private] = {
     "pytree_logger": _p("torch.utils._pytree", "__name__", "quieting torchao's import-time notice (parallel/float8.py)",
                         "fallback: nothing to quiet"),
     "redistribute_logger": _p("torch.distributed.tensor._redistribute", "__name__",
-                              "quieting FSDP x TP gathers' expected warning (train/trainer.py)",
+                              "quieting FSDP x TP gathers' expected warning (train/state.py full_weights)",
                               "fallback: nothing to quiet"),
     "dtensor_local_tensor": _p("torch.distributed.tensor", "DTensor._local_tensor",
                                "fp8 checkpoints: the fp32 tensor inside torchao's weight wrapper (parallel/float8.py)",

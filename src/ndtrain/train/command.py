@@ -2,7 +2,7 @@
 
 Exit codes: 0 done; 2 bad input (one line naming the key or path); 1 the run failed (a full
 disk, a dead rank: one line); 130 interrupted (Ctrl-C); 143 stopped by SIGTERM/SIGUSR1 after
-saving a checkpoint (schedulers retry nonzero exits).
+saving a checkpoint (schedulers retry nonzero exits). Which signal does what: train/signals.py.
 """
 
 from __future__ import annotations
@@ -12,12 +12,10 @@ import logging
 import os
 import signal
 import sys
-import threading
 
 from ndtrain.config import load_config
 from ndtrain.errors import UsageError
-
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+from ndtrain.train.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, STOP_SIGNALS, TORCHRUN_KEEPS, LauncherSignals, hold
 
 
 def _under_launcher() -> bool:
@@ -35,8 +33,6 @@ def launch_local(nproc: int, max_restarts: int, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    from ndtrain.train.recovery import EXIT_PREEMPTED, Preemption
-
     # Restarted workers that reuse the agent's shared rendezvous store sometimes see stale
     # connections; a store per attempt makes restarts reliable.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
@@ -53,7 +49,7 @@ def launch_local(nproc: int, max_restarts: int, argv: list[str]) -> int:
         torchrun_main(args)
     except SignalException as exc:  # Ctrl-C / SIGTERM / SIGUSR1 to this process: forwarded to the workers
         # What the workers exit with: 143 after their save, whichever stop signal it was.
-        return EXIT_PREEMPTED if exc.sigval in Preemption.SIGNALS else 128 + int(exc.sigval)
+        return LauncherSignals.exit_code(exc.sigval)
     except SystemExit as exc:  # torchrun exits via SystemExit on some paths
         return int(exc.code or 0)
     except ChildFailedError as exc:
@@ -63,46 +59,12 @@ def launch_local(nproc: int, max_restarts: int, argv: list[str]) -> int:
     return 0
 
 
-TORCHRUN_KEEPS = (signal.SIGQUIT,)
-
-
-class LauncherSignals:
-    """The `--nproc` launcher's Ctrl-C, SIGTERM, SIGUSR1 and SIGHUP. The first is raised as
-    torchrun's own SignalException, so torchrun does what it always does: forwards it to the
-    workers and waits for them up to its shutdown timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s),
-    then SIGKILLs them. Later ones are absorbed. torchrun's handler would raise again inside that
-    wait and exit with the workers still saving, and the kernel then kills them (their
-    PDEATHSIG). A scheduler signals every process of a job, often more than once. SIGUSR1 is
-    handled here too: torchrun leaves it alone by default, and its default action would kill this
-    process and so, through PDEATHSIG, the workers."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
-
-    def __init__(self, exception_type):
-        self.exception_type = exception_type
-        self.first: signal.Signals | None = None
-        main = threading.current_thread() is threading.main_thread()  # Python's rule for handlers
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS} if main else {}
-
-    def _handle(self, signum, frame) -> None:
-        if self.first is not None:
-            return  # the workers are already stopping
-        self.first = signal.Signals(signum)
-        raise self.exception_type(f"Process {os.getpid()} got signal: {self.first}", sigval=self.first)
-
-    def restore(self) -> None:
-        if self.first is not None:  # this process exits next, with the workers' code: keep absorbing
-            return
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
 def _child_failure(exc) -> int:
     codes = {f.exitcode for f in exc.failures.values()}
-    if codes <= {1, 2, EXIT_INTERRUPTED, 143}:
+    if codes <= {1, 2, EXIT_INTERRUPTED, EXIT_PREEMPTED}:
         # Bad input (2), a failed run (1: disk full, a dead peer), Ctrl-C, a stop signal sent
         # to the workers themselves: a worker already said what happened, in one line.
-        return next(c for c in (1, 2, EXIT_INTERRUPTED, 143) if c in codes)
+        return next(c for c in (1, 2, EXIT_INTERRUPTED, EXIT_PREEMPTED) if c in codes)
     rank, failure = min(((r, f) for r, f in exc.failures.items() if f.exitcode not in (1, 2)),
                         key=lambda rf: rf[1].timestamp)
     if failure.exitcode < 0:
@@ -145,7 +107,6 @@ def main(argv: list[str]) -> int:
 
 
 def _run(cfg) -> int:
-    from ndtrain.train.recovery import EXIT_PREEMPTED
     from ndtrain.train.trainer import train
 
     try:
@@ -175,9 +136,7 @@ def _run(cfg) -> int:
             os._exit(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
     if summary.get("preempted"):
-        from ndtrain.train.recovery import Preemption, hold_sigterm
-
-        hold_sigterm(Preemption.SIGNALS)  # this process exits next, with 143: later stop signals are absorbed
+        hold(STOP_SIGNALS)  # this process exits next, with 143: later stop signals are absorbed
         if rank0:
             print(f"ndtrain train: stopped by {summary.get('stop_signal') or 'a signal'} at step {summary['steps']}; "
                   f"saved {ckpt}; {again}", file=sys.stderr, flush=True)
@@ -230,13 +189,12 @@ def _launch(cfg, args, argv: list[str]) -> int:
     holds the run directory's lock for its workers and all their restarts."""
     from ndtrain.train import preflight, rundir
     from ndtrain.train.plan import resolve_plan
-    from ndtrain.train.trainer import default_run_dir
 
     # The plan's errors (the layout's rules, the batch rule among them) before spawning; it also
     # measures the host probe once, here, for the workers, which resolve the same plan themselves.
     resolve_plan(cfg, args.nproc)
     preflight.check_all(cfg)
-    run_dir = default_run_dir(cfg)
+    run_dir = rundir.default_run_dir(cfg)
     lock = rundir.claim(cfg, run_dir, log=lambda text: print(text, flush=True))
     try:
         # One run directory for every rank and every restart attempt.

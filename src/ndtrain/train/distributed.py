@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -291,13 +290,7 @@ def peer_failure_message(exc: BaseException, peers: list[tuple[str, int]], rank:
             f"a restart resumes from the last checkpoint")
 
 
-# Here, not in recovery: faults and resilience need them too, and recovery imports both.
+# Here, not in recovery: resilience needs it too, and recovery imports resilience.
 def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
-
-def hold_sigterm(signals=(signal.SIGTERM,)) -> None:
-    """From here on these signals do not end this process (it is about to end on its own)."""
-    if threading.current_thread() is threading.main_thread():
-        for sig in signals:
-            signal.signal(sig, lambda *_: None)

@@ -1,10 +1,11 @@
 """Keeping a run alive: restart semantics, hang watchdog, non-finite rollback, straggler report,
-graceful preemption, and fault injection for the chaos tests.
+and graceful preemption (its signal handling: signals.py).
 
 Everything here is per-run state owned by a `Recovery` object that job.run creates; nothing is
-global. It asks, never writes: the checkpointer (`wait`, `resume`, `set_fault_hook`), the loader
-(`consumed_samples`, `skip_to`) and the trainer's TrainProgress (`window_at`, `add_skip_window`). Decisions that every rank must take together (roll back, stop) derive from values that
-are already all-reduced (loss, grad norm) or are agreed with one small all-reduce.
+global. It is handed, and only asks: the checkpointer (`wait`, `resume`), the loader
+(`consumed_samples`, `skip_to`) and the run's TrainProgress (`step`, `window_at`,
+`add_skip_window`). Decisions that every rank must take together (roll back, stop) derive from
+values that are already all-reduced (loss, grad norm) or are agreed with one small all-reduce.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import faulthandler
 import math
 import os
-import signal
 import statistics
 import sys
 import threading
@@ -24,12 +24,11 @@ import torch.distributed as dist
 
 from ndtrain.errors import NdtrainError
 from ndtrain.train import resilience
-from ndtrain.train.distributed import hold_sigterm, restart_count, under_launcher  # noqa: F401  (re-exported)
-from ndtrain.train.faults import FAULTS_ENV, FaultPlan  # noqa: F401  (FAULTS_ENV: re-exported for rundir and tests)
-from ndtrain.train.metrics import busy_timer, compute_modules, peak_memory_mb
+from ndtrain.train.distributed import restart_count
+from ndtrain.train.metrics import busy_timer, peak_memory_mb
+from ndtrain.train.signals import Preemption
 
 EXIT_HANG = 70  # a watchdog abort: nonzero, so torchrun restarts the group
-EXIT_PREEMPTED = 143  # 128 + SIGTERM: the job was told to stop and saved; schedulers retry nonzero exits
 MAX_ROLLBACKS = 5  # more than this and the problem is the run, not a few batches
 
 
@@ -37,15 +36,6 @@ def run_id() -> str:
     """torchrun's id of this job ('' when none): the same for every restart attempt."""
     rid = os.environ.get("TORCHELASTIC_RUN_ID", "")
     return "" if rid == "none" else rid
-
-
-def launcher_run_dir(cfg) -> Path | None:
-    """runs/<name>-<rdzv id> under torchrun with a run id: the same directory on every restart
-    attempt (a timestamp would give each attempt a new one, with no checkpoint to resume)."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if cfg.train.output_dir or not run_id or run_id == "none":
-        return None
-    return Path("runs") / f"{cfg.name}-{run_id}"
 
 
 def resume_specs(cfg) -> list[str]:
@@ -161,126 +151,56 @@ class StragglerMonitor:
         return named
 
 
-# ---- preemption ----------------------------------------------------------------------------
-class Preemption:
-    """SIGTERM/SIGUSR1 set a flag (a handler must not save: it could interrupt a collective).
-    At the next step boundary all ranks agree, save and exit with EXIT_PREEMPTED. Later ones are
-    absorbed up to the exit (Slurm signals every process, torchrun forwards its own copy: the
-    default action would kill the worker mid-save); the launcher's and the scheduler's SIGKILL
-    bound the grace period (docs/launch.md)."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self):
-        self.requested = False
-        self.signal_name = ""  # the first stop signal this rank received
-        self.received = 0  # how many arrived (the later ones were absorbed)
-        self.previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self.previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.requested = True
-        self.received += 1
-        self.signal_name = self.signal_name or signal.Signals(signum).name
-
-    def agreed(self, device) -> bool:
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return self.requested
-        t = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item() > 0)
-
-    def close(self) -> None:
-        # A stopped worker exits next, with 143: a late signal must not turn that into -15. A
-        # process that goes on (trainer.train called in-process) gets its handlers back; the CLI
-        # holds them itself up to its exit (command._run).
-        if self.requested and under_launcher():
-            return hold_sigterm(self.SIGNALS)
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C, carrying how far the run got (for the one line the user sees)."""
-
-    def __init__(self, step: int | None = None):
-        super().__init__()
-        self.step = step
-
-
-class InterruptRecord:
-    """Notes that this process got SIGINT, then raises KeyboardInterrupt as Python would. A
-    KeyboardInterrupt raised while a collective fails can be lost inside torch; the note is
-    not, so a rank whose peer stopped on Ctrl-C does not report that peer as dead."""
-
-    def __init__(self):
-        self.seen = False
-        self.previous = None
-        if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.seen = True
-        raise KeyboardInterrupt
-
-    def close(self) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
-            self.previous = None
-
-
 # ---- the per-run coordinator ---------------------------------------------------------------
 class Recovery:
-    def __init__(self, cfg, trainer, ckpt, run_dir: Path | None):
-        self.cfg, self.trainer, self.ckpt = cfg, trainer, ckpt
-        rank = trainer.rt.rank
+    """The guard around each step (before_step / after_step), handed what it acts on: the
+    runtime (rank, world, device), the run's TrainProgress (step, skip windows), the loader
+    (consumed samples, skip_to), the checkpointer (wait, resume), the logger, the modules whose
+    busy time it measures and the layout's description."""
+
+    def __init__(self, cfg, run_dir: Path | None, *, rt, progress, loader, ckpt, logger, compute: list,
+                 layout: str):
+        self.cfg, self.run_dir = cfg, run_dir
+        self.rt, self.progress, self.loader, self.ckpt, self.logger = rt, progress, loader, ckpt, logger
+        self.layout = layout
         tc = cfg.train
         if run_dir is not None and cfg.resilience.on_failure == "exclude":
-            resilience.mark_alive(run_dir, rank)  # before Exclusion.start's gather: its successor's ledger
-        self.watchdog = Watchdog(tc.step_deadline_s, rank, self._hung) if tc.step_deadline_s > 0 else None
+            resilience.mark_alive(run_dir, rt.rank)  # before Exclusion.start's gather: its successor's ledger
+        self.watchdog = Watchdog(tc.step_deadline_s, rt.rank, self._hung) if tc.step_deadline_s > 0 else None
         self.guard = NonFiniteGuard(tc.nonfinite_skip)
         self.stragglers = StragglerMonitor.from_config(cfg)
         self.leave: resilience.Leave | None = None  # set when a host is taken out (resilience.py)
         self.exclusion = resilience.Exclusion.start(cfg, self.stragglers.persist)
-        self.run_dir = run_dir
         if self.exclusion is not None:  # a host excluded before, or failing too often, leaves before any step
-            self.leave = self.exclusion.at_start(run_dir, trainer.step, rank, trainer.rt.world_size, self._event)
+            self.leave = self.exclusion.at_start(run_dir, progress.step, rt.rank, rt.world_size, self._event)
         self.preemption = Preemption()
-        log_path = Path(run_dir) / "faults.log" if run_dir is not None else None
-        self.faults = FaultPlan.from_env(rank, log_path)
-        ckpt.set_fault_hook(lambda point, step: self.faults.at_checkpoint(step, point))
         self.rollbacks = 0
         self._consumed_before = 0
-        self.busy = busy_timer(trainer.rt.device, compute_modules(trainer.model_parts))
+        self.busy = busy_timer(rt.device, compute)
 
     def _event(self, row: dict, text: str) -> None:
-        self.trainer.logger.log({"step": self.trainer.step, **row})
-        self.trainer.logger.info(text)
+        self.logger.log({"step": self.progress.step, **row})
+        self.logger.info(text)
 
     def before_step(self) -> None:
-        t = self.trainer
-        consumed = t.loader.consumed_samples
-        while (window := t.progress.window_at(consumed)) is not None:
+        consumed = self.loader.consumed_samples
+        while (window := self.progress.window_at(consumed)) is not None:
             start, end = window
-            t.loader.skip_to(end)
+            self.loader.skip_to(end)
             consumed = end
             self._event({"event": "skip_window", "window": [start, end]},
-                        f"step {t.step + 1}: skipping samples [{start}, {end}) that gave non-finite steps")
+                        f"step {self.progress.step + 1}: skipping samples [{start}, {end}) that gave non-finite steps")
         self._consumed_before = consumed
         if self.watchdog:
-            self.watchdog.arm(t.step + 1)
+            self.watchdog.arm(self.progress.step + 1)
         self.busy.start()
-        self.faults.at_step(t.step + 1)
 
     def after_step(self, result) -> str:
         """'ok', 'rollback' (the trainer was rolled back: continue the loop) or 'stop' (preempted)."""
-        t = self.trainer
         busy = self.busy.stop()
         if self.watchdog:
             self.watchdog.disarm()
-        action, window = self.guard.observe(result.skipped, self._consumed_before, t.loader.consumed_samples)
+        action, window = self.guard.observe(result.skipped, self._consumed_before, self.loader.consumed_samples)
         if action != "ok":
             self._event({"event": "nonfinite", "bad_loss": _num(result.loss), "bad_grad_norm": _num(result.grad_norm)},
                         f"step {result.step}: non-finite loss {result.loss} or grad norm {result.grad_norm}; "
@@ -289,53 +209,53 @@ class Recovery:
             self.rollback(window)
             return "rollback"
         if os.environ.get(resilience.SAMPLE_LOG_ENV) and self.run_dir is not None:
-            resilience.log_samples(self.run_dir, t, result.step, restart_count())
+            resilience.log_samples(self.run_dir, self.rt.rank, self.rt.world_size, getattr(result, "sample_ids", None),
+                                   result.step, restart_count())
         if self.stragglers.add(busy):
             self._report_stragglers(result.step)
         if self.leave is not None:
             return "leave"
-        return "stop" if self.preemption.agreed(t.rt.device) else "ok"
+        return "stop" if self.preemption.agreed(self.rt.device) else "ok"
 
     def rollback(self, window: list[int]) -> None:
-        t, ckpt = self.trainer, self.ckpt
         self.rollbacks += 1
         if self.rollbacks > MAX_ROLLBACKS:
             raise NdtrainError(f"{self.rollbacks} rollbacks for non-finite steps in one run: training diverges "
                                f"beyond a few bad batches; lower optimizer.lr or check the data")
-        ckpt.wait()  # a save still in flight may be the checkpoint to return to
-        path = ckpt.resume("auto")
+        self.ckpt.wait()  # a save still in flight may be the checkpoint to return to
+        path = self.ckpt.resume("auto")
         if path is None:
             raise NdtrainError(f"{self.guard.limit} consecutive non-finite steps and no checkpoint to roll back to; "
                                f"set checkpoint.interval_steps")
-        t.progress.add_skip_window(window)  # after the resume, which restored the checkpoint's windows
+        self.progress.add_skip_window(window)  # after the resume, which restored the checkpoint's windows
         self._event({"event": "rollback", "to": str(path), "skip_window": window},
-                    f"rolled back to {path.name} (step {t.step}); samples [{window[0]}, {window[1]}) will be skipped")
+                    f"rolled back to {path.name} (step {self.progress.step}); samples [{window[0]}, {window[1]}) "
+                    f"will be skipped")
 
     def _report_stragglers(self, step: int) -> None:
-        t = self.trainer
+        rank, world = self.rt.rank, self.rt.world_size
         mean = self.stragglers.take_mean()
-        world = t.rt.world_size
         if world == 1:
             return
         # Each rank's peak memory rides along in the same all-reduce (for the report's per-rank plot).
-        vec = torch.zeros(2, world, dtype=torch.float64, device=t.rt.device)
-        vec[0, t.rt.rank] = mean
-        vec[1, t.rt.rank] = peak_memory_mb(t.rt.device)
+        vec = torch.zeros(2, world, dtype=torch.float64, device=self.rt.device)
+        vec[0, rank] = mean
+        vec[1, rank] = peak_memory_mb(self.rt.device)
         dist.all_reduce(vec)
         per_rank, memory = vec.cpu().tolist()
-        t.logger.log({"step": step, "rank_busy_s": per_rank, "rank_peak_memory_mb": memory})
+        self.logger.log({"step": step, "rank_busy_s": per_rank, "rank_peak_memory_mb": memory})
         named = self.stragglers.judge(per_rank)
-        for rank, ratio in named:
-            self._event({"event": "straggler", "rank": rank, "ratio": ratio},
-                        f"straggler: rank {rank} is {ratio:.2f}x the median busy time per step "
-                        f"({per_rank[rank]:.3f} s vs {statistics.median(per_rank):.3f} s) for "
-                        f"{self.stragglers.strikes[rank]} windows of {self.stragglers.window} steps")
+        for r, ratio in named:
+            self._event({"event": "straggler", "rank": r, "ratio": ratio},
+                        f"straggler: rank {r} is {ratio:.2f}x the median busy time per step "
+                        f"({per_rank[r]:.3f} s vs {statistics.median(per_rank):.3f} s) for "
+                        f"{self.stragglers.strikes[r]} windows of {self.stragglers.window} steps")
         if named and self.exclusion is not None and self.leave is None:
-            self.leave = self.exclusion.decide(step, named, t.rt.rank, t.rt.world_size, t.dims.describe(), self._event)
+            self.leave = self.exclusion.decide(step, named, rank, world, self.layout, self._event)
 
     def _hung(self) -> None:
         if self.run_dir is not None and self.cfg.resilience.on_failure == "exclude":
-            resilience.strike(self.run_dir, self.trainer.rt.rank, f"rank {self.trainer.rt.rank} hung (watchdog)")
+            resilience.strike(self.run_dir, self.rt.rank, f"rank {self.rt.rank} hung (watchdog)")
             resilience.mark_ended(self.run_dir)
         os._exit(EXIT_HANG)
 
@@ -344,7 +264,6 @@ class Recovery:
             resilience.mark_ended(self.run_dir)
         if self.watchdog:
             self.watchdog.close()
-        self.faults.cancel()
         self.preemption.close()
         self.busy.close()
 

@@ -277,22 +277,21 @@ def excluded_hosts(run_dir: Path) -> set[str]:
     return out
 
 
-def log_samples(run_dir: Path, trainer, step: int, attempt: int) -> None:
-    """Tests: the global sample numbers this rank trained on in `step` (the exactly-once check)."""
-    ids = getattr(trainer, "last_sample_ids", None)
+def log_samples(run_dir: Path, rank: int, world: int, ids, step: int, attempt: int) -> None:
+    """Tests: the global sample numbers (`ids`) this rank trained on in `step` (the exactly-once check)."""
     if ids is None:
         return
-    with open(Path(run_dir) / f"samples.rank{trainer.rt.rank}.jsonl", "a") as f:
-        f.write(json.dumps({"step": step, "world": trainer.rt.world_size, "attempt": attempt,
+    with open(Path(run_dir) / f"samples.rank{rank}.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, "world": world, "attempt": attempt,
                             "ids": [int(i) for i in ids]}) + "\n")
 
 
 def leave(decision: Leave, rank: int) -> None:
     """Exit for a membership change (never returns). The excluded host's local rank 0 signals
     its agent first, so that the agent leaves the rendezvous instead of restarting its workers."""
-    from ndtrain.train.distributed import hold_sigterm
+    from ndtrain.train.signals import hold
 
-    hold_sigterm()  # the agent's own SIGTERM (forwarded to its workers) must not turn the code into -15
+    hold()  # the agent's own SIGTERM (forwarded to its workers) must not turn the code into -15
     if decision.code == EXIT_EXCLUDED or rank == 0:
         print(f"ndtrain train: rank {rank}: {decision.reason}", file=sys.stderr, flush=True)
     sys.stdout.flush()

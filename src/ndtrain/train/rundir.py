@@ -27,6 +27,7 @@ import socket
 import stat
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from ndtrain.errors import ConfigError, NdtrainError
@@ -36,12 +37,12 @@ from ndtrain.train.run_files import LOCK_NAME, RUN_ENTRIES, RUN_MARKER, check_en
 LAUNCHER_ENV = "NDTRAIN_RUN_LOCK_PID"  # set by `ndtrain train --nproc` for its workers: the lock's holder
 
 
-# Lives here, not in run_files: it reads the trackers' and the fault plan's names, and those
+# Lives here, not in run_files: it reads the trackers' and the job hooks' names, and those
 # modules write through run_files (which would make an import cycle).
 def written_entries(cfg) -> tuple[str, ...]:
     """The run entries this run's config writes in its directory: a user's own `wandb/` or
     `checkpoints/` there is no concern of a run that writes neither."""
-    from ndtrain.train.recovery import FAULTS_ENV
+    from ndtrain.train.hooks import HOOK_LOG, HOOKS_ENV
     from ndtrain.train.trackers import STATE_FILE, enabled
 
     trackers = enabled(cfg.logging)
@@ -49,7 +50,7 @@ def written_entries(cfg) -> tuple[str, ...]:
              "tensorboard": "tensorboard" in trackers, "wandb": "wandb" in trackers,
              "mlruns": "mlflow" in trackers and not cfg.logging.mlflow_uri,
              STATE_FILE: "wandb" in trackers or "mlflow" in trackers,
-             "pipeline_trace.json": cfg.logging.pipeline_trace_step > 0, "faults.log": bool(os.environ.get(FAULTS_ENV)),
+             "pipeline_trace.json": cfg.logging.pipeline_trace_step > 0, HOOK_LOG: bool(os.environ.get(HOOKS_ENV)),
              "resilience": cfg.resilience.on_failure == "exclude"}  # the failure ledger (train/resilience.py)
     return tuple(name for name in RUN_ENTRIES if names.get(name))
 
@@ -289,12 +290,40 @@ def _refusal(run_dir: Path, traces: list[str], spec: str) -> str:
             f"to move the old run aside (nothing is deleted)")
 
 
+def default_run_dir(cfg) -> Path:
+    """train.output_dir, else runs/<name>-<timestamp>."""
+    if cfg.train.output_dir:
+        return Path(cfg.train.output_dir)
+    return Path("runs") / f"{cfg.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def launcher_run_dir(cfg) -> Path | None:
+    """runs/<name>-<rdzv id> under torchrun with a run id: the same directory on every restart
+    attempt (a timestamp would give each attempt a new one, with no checkpoint to resume)."""
+    from ndtrain.train.recovery import run_id
+
+    if cfg.train.output_dir or not run_id():
+        return None
+    return Path("runs") / f"{cfg.name}-{run_id()}"
+
+
+def group_run_dir(cfg) -> Path:
+    """The run directory of every rank of this group: the launcher's (stable across restarts, so
+    a restarted group finds its checkpoints), else default_run_dir, rank 0's: ranks started by
+    plain torchrun would each pick their own timestamp."""
+    from ndtrain.train import distributed
+
+    run_dir = launcher_run_dir(cfg) or default_run_dir(cfg)
+    if distributed.env_world_size() > 1 and not cfg.train.output_dir:
+        distributed.setup(cfg.train)
+        run_dir = Path(distributed.broadcast_object(str(run_dir)))
+    return run_dir
+
+
 def claim_for_group(cfg, run_dir: Path) -> RunLock | None:
     """Before anything is built: the checks that need no model (preflight.py), then the run
     directory. Rank 0 decides, every rank learns the verdict, rank 0 holds the lock
     unless the `--nproc` launcher already does."""
-    import torch
-
     from ndtrain.train import distributed, preflight, recovery
 
     rt = distributed.setup(cfg.train)
@@ -309,10 +338,7 @@ def claim_for_group(cfg, run_dir: Path) -> RunLock | None:
             error = (str(exc), exc.exit_code)
         except OSError as exc:  # e.g. the lock file cannot be created: one line, and no rank left waiting
             error = (f"{exc.strerror or exc}: {exc.filename or run_dir}", 1)
-    if rt.world_size > 1:
-        holder = [error]
-        torch.distributed.broadcast_object_list(holder, src=0)
-        error = holder[0]
+    error = distributed.broadcast_object(error)
     if error:
         exc = NdtrainError(error[0], all_ranks=True)
         exc.exit_code = error[1]

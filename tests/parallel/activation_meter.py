@@ -1,4 +1,6 @@
-"""Measure activation memory as the bytes autograd keeps for backward.
+"""Measure activation memory as the bytes autograd keeps for backward (test and benchmark code:
+tests/parallel/test_context_parallel.py imports it, benchmarks/context_parallel.py too, through
+sys.path).
 
 Process RSS mixes in the allocator's caching, parameters, optimizer state and transient
 workspaces, and on CPU it never goes down; the tensors saved for backward are what grows with

@@ -1,5 +1,9 @@
-"""Fault injection for the chaos and self-healing tests and for drills (NDTRAIN_FAULTS): kill,
-hang or slow a rank at a chosen step of a chosen restart attempt. Read by recovery.Recovery."""
+"""Fault injection for the chaos, preemption and self-healing tests and for drills: kill, hang or
+slow a rank at a chosen step of a chosen restart attempt. Installed in each rank through the
+job's hooks (src/ndtrain/train/hooks.py); tests/conftest.py points every test's runs at it:
+
+    PYTHONPATH=tests/train NDTRAIN_JOB_HOOKS=fault_plan:hooks NDTRAIN_FAULTS=0:1:3:step ndtrain train ...
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from pathlib import Path
 from ndtrain.errors import NdtrainError
 
 FAULTS_ENV = "NDTRAIN_FAULTS"
+HOOKS = "fault_plan:hooks"  # the value of NDTRAIN_JOB_HOOKS that installs it
 
 
 def _attempt() -> int:
@@ -27,7 +32,7 @@ class FaultPlan:
     step is shorter), `save` (right after the async save of step `step` starts writing), `publish`
     (rank 0, manifest written, marker not yet), `rename` (marker written, not yet renamed),
     `hang` (the step never ends: exercises the watchdog), `slow` (from step `step` on, each step
-    burns `delay` s of CPU: a straggler to the busy-time comparison). Tests and benchmarks only."""
+    burns `delay` s of CPU: a straggler to the busy-time comparison)."""
 
     POINTS = ("step", "save", "publish", "rename", "hang", "slow")
 
@@ -79,6 +84,11 @@ class FaultPlan:
         if any(at == step and p == point for at, p, _ in self.faults):
             self._kill(step, point)
 
-    def cancel(self) -> None:
+    def close(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
+
+
+def hooks(rank: int, log_path: Path | None = None) -> FaultPlan:
+    """NDTRAIN_JOB_HOOKS=fault_plan:hooks: this rank's faults from NDTRAIN_FAULTS."""
+    return FaultPlan.from_env(rank, log_path)

@@ -1,0 +1,85 @@
+"""TrainState: everything one rank trains with, as build.py assembles it (mesh, data, model parts,
+optimizer, DiLoCo, precision) and step.py advances it. Flat on purpose: the step, the job and
+the checkpointer each read a field, never a field's field. Also the state's two views that
+leave the step: the checkpointer of its stateful parts, and the full weights."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ndtrain.compat.torch import torch_logger
+from ndtrain.config import JobConfig
+from ndtrain.model.init import canonical_name
+from ndtrain.train.checkpoint import DiLoCoState, ModelState, OptimizerState, RNGState, TrainProgress
+
+
+@dataclass
+class TrainState:
+    cfg: JobConfig  # the config that trains (the plan's)
+    rt: object  # distributed.Runtime: rank, world, device
+    layout: object  # the resolved layout.Layout (checked by its rules, batch rule included)
+    mesh: object  # parallel.dims mesh; one process: a mesh with no dimension
+    train_set: object  # the opened training split (manifest, eos id)
+    loader: object  # data.loader.StatefulLoader of this rank's data-parallel share
+    model_parts: list  # the model, or this pipeline rank's stage(s)
+    params: list  # the trainable parameters of every part
+    optimizer: torch.optim.Optimizer
+    dp_rank: int
+    dp_size: int
+    cp_rank: int
+    tp_rank: int
+    cp_positions: torch.Tensor | None  # this cp rank's global RoPE positions (None: 0..s-1)
+    pipeline: object | None = None  # parallel.pipeline runtime when pp > 1
+    fsdp: bool = False  # FSDP2 wraps the parts (plain replication has torch's DDP instead)
+    moe: list = field(default_factory=list)  # the MoE layers (routing statistics, aux-loss scale)
+    moe_group: object | None = None  # dp x cp group MoE statistics sum over (None: one such rank)
+    diloco: object | None = None  # parallel.diloco.DiLoCo when replicas sync every H steps
+    scalar_group: object | None = None  # per-step scalars reduce here (DiLoCo: inside the replica)
+    autocast: bool = False  # bf16 autocast around the forward (bf16/fp8 without FSDP's policy)
+    fp8: bool = False
+    fp8_scales: Callable | None = None  # FSDP float8 all-gather: refresh the weights' fp8 scales
+    progress: TrainProgress = field(default_factory=TrainProgress)  # step, tokens, skip windows
+    # Set by checkpointer(): an async save may still be copying the state, and the optimizer must
+    # not write the weights until it is done (the copy overlaps forward and backward).
+    before_update: Callable | None = None
+    val_data: list | None = None  # the fixed validation batches, built on first use
+
+    @property
+    def model(self):
+        return self.model_parts[0]
+
+
+def checkpointer(state: TrainState, run_dir: Path | None, cfg: JobConfig | None = None, *,
+                 info: Callable[[str], None] = print, record: Callable[[dict], None] = lambda row: None):
+    """A Checkpointer of the state's stateful parts (`cfg`: other checkpoint settings); `info`
+    and `record`: the logger's line and row. Its staging wait guards the optimizer's update."""
+    from ndtrain.train.checkpoint import Checkpointer, data_fingerprint
+
+    model = ModelState(state.model_parts, fp8=state.fp8)
+    states = {"model": model, "optim": OptimizerState(model, state.optimizer), "progress": state.progress,
+              "loader": state.loader, "rng": RNGState()}
+    if state.diloco:
+        states["diloco"] = DiLoCoState(state.diloco)
+    ckpt = Checkpointer(cfg or state.cfg, run_dir, states, runtime=state.rt,
+                        data=data_fingerprint(state.train_set.manifest), layout=state.layout.describe(),
+                        dp_size=state.dp_size, info=info, record=record)
+    state.before_update = ckpt.wait_for_staging
+    return ckpt
+
+
+def full_weights(state: TrainState) -> dict[str, torch.Tensor]:
+    """Unsharded fp32 copies of this rank's parameters (a collective under FSDP/TP)."""
+    # Gathering FSDP x TP (strided) shards warns about sequential all-gathers; that is expected.
+    torch_logger("redistribute_logger").setLevel(logging.ERROR)  # a private torch module's: compat.torch
+    out = {}
+    for part in state.model_parts:
+        for name, t in part.state_dict().items():
+            if hasattr(t, "full_tensor"):
+                t = t.full_tensor()
+            out[canonical_name(name)] = t.detach().float().cpu().clone()
+    return out

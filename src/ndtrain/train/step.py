@@ -1,0 +1,301 @@
+"""One optimizer step of a TrainState, and what surrounds it: the step's batch, validation, the
+metrics row, a pipeline trace. `train_step(state, batch) -> StepResult` branches on the layout
+only where a dimension adds work: pipeline (pp > 1: the schedule runs the micro-batches),
+context parallel (cp > 1: a share of each sequence), tensor parallel (tp > 1: the vocab-parallel
+loss), FSDP (gradient sync per micro-batch) and fp8; and on the data for document masking."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ndtrain.config import global_batch_at
+from ndtrain.data.loader import IGNORE, validation_batches
+from ndtrain.data.mixture import open_dataset
+from ndtrain.data.packing import document_ids, document_positions
+from ndtrain.layout.flops import flops_per_token
+from ndtrain.model.moe import end_step as moe_end_step, set_aux_scale
+from ndtrain.parallel.data_parallel import accumulation, reshard
+from ndtrain.parallel.grad_norm import all_reduce_sum, clip_coefficient, local_grad_sq, reduce_partial_grads, scale_grads
+from ndtrain.train.metrics import mfu, peak_memory_mb, reset_peak_memory, run_peaks
+from ndtrain.train.optim import lr_at, set_lr
+from ndtrain.train.state import TrainState
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    seconds: float
+    skipped: bool = False
+    extra: dict = field(default_factory=dict)
+    sample_ids: torch.Tensor | None = None  # the global sample numbers this rank trained on
+    rows: list = field(default_factory=list)  # DiLoCo's outer-step rows, for metrics.jsonl
+
+
+def split_micro(n: int, micro: int) -> list[tuple[int, int]]:
+    """[start, end) slices of at most `micro` rows. Loss is normalised by tokens, so an uneven
+    last micro-batch (after an elastic shrink) is still exact."""
+    return [(s, min(s + micro, n)) for s in range(0, n, micro)]
+
+
+# ---- the step's input ------------------------------------------------------------------------
+def next_batch(state: TrainState):
+    """(this rank's share of the step's batch, seconds waited for it). Its size is the batch
+    rule's for the tokens seen so far (layout/rules.py checked it splits over dp)."""
+    t0 = time.perf_counter()
+    batch = state.loader.next_batch(global_batch_at(state.cfg, state.progress.tokens_seen))
+    return batch, time.perf_counter() - t0  # ~0 when prefetching keeps ahead of the step
+
+
+def _loss_context(state: TrainState):
+    if state.layout.tp > 1:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
+def _autocast(state: TrainState):
+    if state.autocast:
+        return torch.autocast(state.rt.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _to_device(state: TrainState, t: torch.Tensor) -> torch.Tensor:
+    return t.to(state.rt.device, non_blocking=True)  # from pinned memory on a GPU: an async copy
+
+
+def cp_shard(state: TrainState, t: torch.Tensor) -> torch.Tensor:
+    """This cp rank's tokens of [batch, seq] inputs or targets."""
+    if state.layout.cp == 1:
+        return t
+    from ndtrain.parallel.context import shard_sequence
+
+    return shard_sequence(t, state.layout.cp, state.cp_rank)
+
+
+def doc_inputs(state: TrainState, inputs: torch.Tensor) -> dict | None:
+    """Document ids and per-document positions of full [batch, seq] inputs, cp-sharded like the
+    tokens (None without document masking)."""
+    if not state.cfg.data.document_mask:
+        return None
+    doc = document_ids(inputs, state.train_set.eos_id)
+    return {"positions": cp_shard(state, document_positions(doc)), "doc_ids": cp_shard(state, doc)}
+
+
+def _value(t: torch.Tensor) -> float:
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return float(t.detach())
+
+
+# ---- forward and backward --------------------------------------------------------------------
+def loss_sum(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor, docs: dict | None = None) -> torch.Tensor:
+    with _autocast(state):
+        model = state.model
+        logits = model(inputs, positions=state.cp_positions) if docs is None else model(inputs, **docs)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+
+def refresh_fp8_scales(state: TrainState) -> None:
+    """Before the weights' first use since they changed (a step, a resume, a rollback): every fp8
+    all-gather scale in one all-reduce, rather than one per weight inside the forward."""
+    if state.fp8_scales is not None:
+        state.fp8_scales(state.model_parts)
+
+
+def forward_backward(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor, micro: int,
+                     docs: dict | None = None) -> float:
+    """Runs all micro-batches of this rank's share; returns the summed (unnormalised) loss."""
+    refresh_fp8_scales(state)
+    if state.pipeline is not None:
+        # The schedule runs the micro-batches; its loss normalises exactly as below and the sum
+        # comes back on the last stage only (0.0 elsewhere), so train_step counts it once.
+        with _loss_context(state), _autocast(state):
+            return state.pipeline.run(inputs.to(state.rt.device), targets.to(state.rt.device), micro)
+    tokens_here = targets.numel()
+    total = None  # summed on the device; read once per step (a read per micro-batch syncs the host)
+    slices = split_micro(inputs.shape[0], micro)
+    for i, (a, b) in enumerate(slices):
+        # The ZeRO stage decides: reduce after every micro-batch (2, 3) or accumulate whole
+        # gradients locally and reduce on the last (1, and plain replication).
+        accumulation(state.model_parts, state.layout, i == len(slices) - 1)
+        with _loss_context(state):
+            mb_docs = None if docs is None else {k: _to_device(state, v[a:b]) for k, v in docs.items()}
+            loss = loss_sum(state, _to_device(state, inputs[a:b]), _to_device(state, targets[a:b]), mb_docs)
+            # Normalise by this rank's tokens for the whole step: summed over micro-batches and
+            # averaged over data-parallel ranks by FSDP, this is the exact global mean.
+            (loss / tokens_here).backward()
+        loss = loss.detach()
+        total = loss if total is None else total + loss
+    return _value(total) if total is not None else 0.0
+
+
+# ---- one optimizer step ----------------------------------------------------------------------
+def train_step(state: TrainState, batch, data_wait_s: float = 0.0) -> StepResult:
+    """One optimizer step on `batch` (next_batch's; `data_wait_s`: what fetching it took, counted
+    in the step's time). Advances state.progress; a non-finite step skips its update."""
+    cfg, rt, progress = state.cfg, state.rt, state.progress
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    reset_peak_memory(rt.device)  # each step's row reports that step's peak
+    gb = global_batch_at(cfg, progress.tokens_seen)  # the batch `batch` is this rank's share of
+    lr = lr_at(progress.step, cfg.optimizer, cfg.train.steps)
+    set_lr(state.optimizer, lr)
+    # The MoE aux loss is a mean over sequences: each of this rank's sequences weighs 1/n here,
+    # and FSDP's average over ranks completes the global mean (as for the token loss).
+    set_aux_scale(state.moe, 1.0 / batch.inputs.shape[0])
+    # Under cp, each rank normalises by its own tokens (forward_backward); FSDP averages over
+    # dp x cp ranks, which makes that the global token mean.
+    docs = doc_inputs(state, batch.inputs)
+    args = (state, cp_shard(state, batch.inputs), cp_shard(state, batch.targets), cfg.train.micro_batch)
+    total_loss = forward_backward(*args) if docs is None else forward_backward(*args, docs)
+    reduce_partial_grads(state.params)
+    # tp ranks hold the same loss; count it once. cp ranks hold disjoint tokens: sum them.
+    # Pipeline ranks without the last stage return 0.0, so each loss is still counted once.
+    contributes = state.tp_rank == 0
+    replicas = state.layout.dp_replicate if state.diloco else 1  # DiLoCo: each replica on its own
+    ranks_per_stage = rt.world_size // replicas // state.layout.pp
+    loss_total, grad_sq = all_reduce_sum(
+        [total_loss if contributes else 0.0, float(local_grad_sq(state.params, ranks_per_stage))], rt.device,
+        state.scalar_group)
+    global_tokens = gb * cfg.data.seq_len
+    loss = loss_total / (global_tokens // replicas)
+    grad_norm = math.sqrt(grad_sq) if grad_sq >= 0 else float("nan")
+    skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+    agreed = state.diloco.agree_start(skipped, rt.device) if state.diloco else None
+    if state.before_update is not None:
+        state.before_update()
+    if not skipped:
+        coef = clip_coefficient(grad_norm, cfg.optimizer.grad_clip)
+        if coef < 1.0:
+            scale_grads(state.params, coef)
+        state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    # After the step, from the step's global load: aux-loss-free bias update and MoE metrics.
+    reduce = (lambda t: torch.distributed.all_reduce(t, group=state.moe_group)) if state.moe_group else None
+    extra = {**moe_end_step(state.moe, reduce, update_bias=not skipped), "data_wait_s": data_wait_s,
+             # CPU seconds this process spent on the step (all its threads): the work done,
+             # which a shared host's load stretches far less than the wall time.
+             "step_cpu_s": time.process_time() - cpu0}
+    progress.step += 1
+    progress.tokens_seen += global_tokens
+    rows = []
+    if state.diloco:
+        # Replicas skip their own non-finite steps; skip and rollback counts use "any replica".
+        skipped = state.diloco.agree_finish(agreed)
+        state.diloco.after_inner_step(progress.step, loss)
+        extra["cross_replica_bytes"] = state.diloco.take_step_bytes()
+        rows = state.diloco.take_rows()  # outer steps
+    return StepResult(progress.step, loss, grad_norm, lr, global_tokens, time.perf_counter() - t0 + data_wait_s,
+                      skipped, extra, batch.global_ids, rows)
+
+
+@torch.no_grad()
+def validate(state: TrainState) -> float:
+    cfg = state.cfg
+    if state.val_data is None:
+        # A fixed set of validation samples (val_batches x val_batch_size) whatever the batch size
+        # and the layout, so validation losses compare across runs; in batches of the training
+        # shape, the last one padded with ignored rows.
+        val_set = open_dataset(cfg.data.path, cfg.data.mix, "val")
+        state.val_data = [(cp_shard(state, i), cp_shard(state, t), doc_inputs(state, i)) for i, t in validation_batches(
+            val_set, cfg.data.seq_len, cfg.train.global_batch, cfg.train.val_batches * cfg.train.val_batch_size,
+            state.dp_rank, state.dp_size)]
+    for part in state.model_parts:
+        part.eval()
+    refresh_fp8_scales(state)
+    device, micro, pipeline = state.rt.device, cfg.train.micro_batch, state.pipeline
+    total, tokens = 0.0, 0
+    for inputs, targets, docs in state.val_data:
+        if pipeline is not None:  # forward-only schedule; the loss exists on the last stage
+            with _loss_context(state), _autocast(state):
+                total += pipeline.run(inputs.to(device), targets.to(device), micro, train=False)
+            tokens += int((targets != IGNORE).sum()) if pipeline.has_last else 0
+            continue
+        for a, b in split_micro(inputs.shape[0], micro):
+            with _loss_context(state):
+                mb_docs = None if docs is None else {k: _to_device(state, v[a:b]) for k, v in docs.items()}
+                loss = loss_sum(state, _to_device(state, inputs[a:b]), _to_device(state, targets[a:b]), mb_docs)
+            total += _value(loss)
+            tokens += int((targets[a:b] != IGNORE).sum())
+    for part in state.model_parts:
+        part.train()
+    if state.fsdp:
+        reshard(state.model_parts)  # ZeRO-1/2 keep what a forward gathered; the step must not see it
+    total, tokens = all_reduce_sum([total if state.tp_rank == 0 else 0.0,
+                                    tokens if state.tp_rank == 0 else 0.0], device)
+    return total / max(tokens, 1)
+
+
+# ---- what a step reports ---------------------------------------------------------------------
+@dataclass
+class Peaks:
+    """The run's peak FLOP/s (summed over ranks) that MFU divides by, and the model's FLOPs per
+    token. fp8 runs report MFU against the bf16 peak (comparable with bf16 runs) and the fp8 peak."""
+
+    total: float
+    source: str
+    fp8_total: float
+    fp8_source: str
+    flops_per_token: float
+    fp8: bool
+
+
+def measure_peaks(state: TrainState) -> Peaks:
+    low = state.autocast or state.cfg.parallel.mixed_precision in ("bf16", "fp8")
+    per_rank, source, fp8_peak, fp8_source = run_peaks(state.rt.device, torch.bfloat16 if low else torch.float32,
+                                                       state.fp8)
+    total, fp8_total = all_reduce_sum([per_rank, fp8_peak], state.rt.device)
+    return Peaks(total, source, fp8_total, fp8_source, flops_per_token(state.cfg.model, state.cfg.data.seq_len),
+                 state.fp8)
+
+
+def metrics_row(r: StepResult, peaks: Peaks, tokens_seen: int, device) -> dict:
+    tps = r.tokens / r.seconds
+    return {"step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens_per_s": tps,
+            "mfu": mfu(peaks.flops_per_token * tps, peaks.total), "step_time_s": r.seconds,
+            "tokens_seen": tokens_seen, "peak_memory_mb": peak_memory_mb(device), "skipped": r.skipped, **r.extra,
+            **({"mfu_fp8": mfu(peaks.flops_per_token * tps, peaks.fp8_total)} if peaks.fp8 else {})}
+
+
+def close(state: TrainState) -> None:
+    """Stops the loader's prefetch thread: the state trains no more."""
+    state.loader.close()
+
+
+# ---- a pipeline trace ------------------------------------------------------------------------
+def trace_next_step(state: TrainState, trace_step: int) -> bool:
+    """Whether the next step is the pipeline step to trace (logging.pipeline_trace_step); if so,
+    the pipeline starts timing its actions."""
+    if state.pipeline is None or state.progress.step + 1 != trace_step:
+        return False
+    state.pipeline.trace = True
+    return True
+
+
+def save_pipeline_trace(state: TrainState, run_dir: Path) -> None:
+    """Every rank's timed F/B/W actions of the step just traced, gathered into rank 0's
+    `pipeline_trace.json` (the input of `ndtrain report`'s Gantt chart)."""
+    pipeline, rt = state.pipeline, state.rt
+    trace = {"rank": rt.rank, "stages": [s.stage_index for s in pipeline.stages], "traces": pipeline.traces[-1:]}
+    pipeline.trace, pipeline.traces = False, []
+    gathered = [None] * rt.world_size
+    torch.distributed.all_gather_object(gathered, trace)
+    if rt.is_main:
+        from ndtrain.train.run_files import write_run_file
+
+        p = state.cfg.parallel
+        write_run_file(run_dir / "pipeline_trace.json", json.dumps(
+            {"step": state.progress.step, "schedule": p.pp_schedule, "p": state.layout.pp, "v": p.pp_virtual_stages,
+             "ranks": gathered}))
