@@ -12,6 +12,8 @@ GeLU MLPs, padded vocabularies); those layouts are never trained here.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -45,7 +47,11 @@ class Context:
 Rule = Callable[[Context], Iterable[tuple[str, str]]]
 
 
-_NAMED = [(f.name, f"{f.section}.{f.key}", f.choices) for f in FIELDS if f.choices]  # read once: problems() is hot
+# Read once, for problems() is hot (the planner's search asks it per candidate): the named fields,
+# a getter of their values and every combination of values within the vocabularies.
+_NAMED = [(f.name, f"{f.section}.{f.key}", f.choices) for f in FIELDS if f.choices]
+_named_values = operator.attrgetter(*(name for name, _, _ in _NAMED))
+_WITHIN_VOCABULARIES = frozenset(itertools.product(*(allowed for _, _, allowed in _NAMED)))
 
 
 def values(c: Context):
@@ -58,10 +64,11 @@ def values(c: Context):
                f"zero=3: set it false, or zero=3")
     # Each named value against its field's vocabulary (the Literal types of layout/degrees.py, which
     # the config's validator reads too): a Layout built in Python or from text meets them here.
-    for name, key, allowed in _NAMED:
-        value = getattr(lay, name)
-        if value not in allowed:
-            yield key, f"must be one of {', '.join(allowed)}, got {value!r}"
+    if _named_values(lay) not in _WITHIN_VOCABULARIES:
+        for name, key, allowed in _NAMED:
+            value = getattr(lay, name)
+            if value not in allowed:
+                yield key, f"must be one of {', '.join(allowed)}, got {value!r}"
     if lay.ac_every < 1:
         yield "parallel.ac_every", f"must be positive, got {lay.ac_every}"
     if lay.mb < 1:
