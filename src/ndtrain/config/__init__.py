@@ -58,7 +58,7 @@ class OptimizerConfig:
 
 # The layout's keys of [parallel], generated from ndtrain.layout's one field list (Layout: type,
 # default and config key of each; the renamed few keep their config names here).
-_LayoutKeys = dataclasses.make_dataclass("LayoutKeys", section_fields("parallel"))
+_LayoutKeys = dataclasses.make_dataclass("_LayoutKeys", section_fields("parallel"), namespace={"__module__": __name__})
 
 
 @dataclass
