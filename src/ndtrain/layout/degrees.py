@@ -31,7 +31,7 @@ MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first, 
 DEGREES = MESH_ORDER + ("ep",)
 
 # The vocabularies, each spelt once: the config's validator (pydantic, on these Literal types),
-# the layout rules' messages and the tuples below all read them from here.
+# the layout rules (rules.py values, through `choices`) and their messages all read them here.
 AcPolicy = Literal["none", "full", "every_n", "selective"]
 Split = Literal["balanced", "uniform", "llama3"]  # FLOPs + parameters | even | even, one fewer at the ends
 Precision = Literal["fp32", "bf16", "fp8"]
@@ -42,14 +42,8 @@ Fp32MatmulPrecision = Literal["tf32", "ieee"]  # CUDA's fp32 matmuls: TF32 tenso
 ReplicateSync = Literal["step", "diloco"]
 OuterDtype = Literal["fp32", "bf16"]
 
-AC_POLICIES = typing.get_args(AcPolicy)
-SPLITS = typing.get_args(Split)
-PRECISIONS = typing.get_args(Precision)
-FP8_RECIPES = typing.get_args(Fp8Recipe)
-CP_ATTENTION = typing.get_args(CpAttention)
-FP32_MATMUL_PRECISIONS = typing.get_args(Fp32MatmulPrecision)
-SYNCS = typing.get_args(ReplicateSync)
-OUTER_DTYPES = typing.get_args(OuterDtype)
+SPLITS = typing.get_args(Split)  # for layout/partition.py (`choices(name)` gives any field's)
+SYNCS = typing.get_args(ReplicateSync)  # for layout/diloco.py
 
 _SAME = object()
 
