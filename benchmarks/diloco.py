@@ -129,8 +129,7 @@ def run_variants(cfgs: list[dict]) -> list[dict]:
             times.append(r.seconds)
             losses.append(r.loss)
             own += r.extra.get("cross_replica_bytes", 0)
-            if t.diloco:
-                outer += t.diloco.take_rows()
+            outer += r.rows  # DiLoCo's outer steps (none for other layouts)
         meter.close()
         val = t.validate()
         out.append({"val_loss": val, "train_loss_last10": statistics.mean(losses[-10:]),

@@ -66,21 +66,25 @@ def _held(trainer) -> list[float]:
 
 
 def measure(cfgs):
+    from ndtrain.train import step as steps
     from ndtrain.train.trainer import Trainer
 
     out = []
     for cfg in cfgs:
         t = Trainer(cfg, None, log=False)
         seen = []
-        loss_sum = t._loss_sum
+        loss_sum = steps.loss_sum
 
-        def spy(inputs, targets):  # each micro-batch's forward starts here
+        def spy(state, inputs, targets, *rest):  # each micro-batch's forward starts here
             seen.append(_held(t))
-            return loss_sum(inputs, targets)
+            return loss_sum(state, inputs, targets, *rest)
 
-        t._loss_sum = spy
-        t.train_step()
-        t.train_step()
+        steps.loss_sum = spy
+        try:
+            t.train_step()
+            t.train_step()
+        finally:
+            steps.loss_sum = loss_sum
         out.append(torch.tensor(seen[-1], dtype=torch.float64))  # step 2, before micro-batch 2
         t.close()
     return out

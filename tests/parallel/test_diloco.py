@@ -84,7 +84,7 @@ def _run(specs: list[str], base: dict) -> list[dict]:
         for _ in range(t.cfg.train.steps):
             r = t.train_step()
             steps.append({"loss": r.loss, "bytes": r.extra["cross_replica_bytes"], "skipped": r.skipped})
-            outer += t.diloco.take_rows()
+            outer += r.rows  # the outer steps this step ran
         out.append({"weights": t.full_weights(), "steps": steps, "outer": outer,
                     "params": sum(p.numel() for p in t.params), "replica": t.diloco.replica})
         t.close()

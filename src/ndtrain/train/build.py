@@ -37,6 +37,7 @@ def build(cfg: JobConfig, layout, *, host=None) -> TrainState:
     positions = cp_positions(cfg, layout, cp_rank, rt.device)
     parts, pipeline = model_parts(cfg, layout, mesh, rt.device, positions, host)
     fsdp = isinstance(parts[0], FSDPModule)
+    params = [p for part in parts for p in part.parameters() if p.requires_grad]  # before DiLoCo adds its own
     moe = moe_layers(parts)
     # MoE routing statistics are summed over the ranks that saw different tokens (dp x cp).
     moe_group = mesh["dp_cp"].get_group() if moe else None  # None: one such rank
@@ -45,7 +46,7 @@ def build(cfg: JobConfig, layout, *, host=None) -> TrainState:
     autocast, fp8, fp8_scales = precision(cfg, layout, fsdp)
     return TrainState(
         cfg=cfg, rt=rt, layout=layout, mesh=mesh, train_set=train_set, loader=loader, model_parts=parts,
-        params=[p for part in parts for p in part.parameters() if p.requires_grad],
+        params=params,
         optimizer=optimizer, dp_rank=dp_rank, dp_size=dp_size, cp_rank=cp_rank,
         tp_rank=mesh.coordinate("tp")[0], cp_positions=positions, pipeline=pipeline, fsdp=fsdp, moe=moe,
         moe_group=moe_group, diloco=diloco,
