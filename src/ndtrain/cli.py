@@ -70,9 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         where = f": {exc.filename}" if exc.filename else ""
         print(f"ndtrain {name}: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C where the command has no handling of its own (train's: train/signals.py)
+        from ndtrain.train.signals import EXIT_INTERRUPTED
+
         print(f"ndtrain {name}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def _one_line(exc: Exception) -> str:
