@@ -35,6 +35,32 @@ def test_grad_accumulation_is_token_exact(parity_base):
     assert one["losses"][0] > one["losses"][-1]
 
 
+def test_build_and_train_step_are_what_the_trainer_runs(parity_base):
+    """The pieces the job uses (build.py, step.py), driven by hand, take the Trainer's steps: the
+    same losses, the state's progress advanced, the step's samples reported."""
+    from ndtrain.train import step
+    from ndtrain.train.build import build
+    from ndtrain.train.plan import as_written
+    from ndtrain.train.trainer import Trainer
+
+    cfg = _cfg(parity_base, global_batch=4, micro_batch=2)
+    plan = as_written(cfg, 1)
+    state = build(plan.config, plan.layout)
+    try:
+        results = [step.train_step(state, *step.next_batch(state)) for _ in range(2)]
+    finally:
+        step.close(state)
+    trainer = Trainer(cfg, log=False)
+    try:
+        reference = [trainer.train_step() for _ in range(2)]
+    finally:
+        trainer.close()
+    assert [r.loss for r in results] == [r.loss for r in reference]
+    assert [r.step for r in results] == [1, 2] and state.progress.step == 2
+    assert state.progress.tokens_seen == 2 * 4 * cfg.data.seq_len
+    assert not any(r.skipped for r in results) and results[0].sample_ids.tolist() == [0, 1, 2, 3]
+
+
 def test_lr_schedule():
     cfg = OptimizerConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
     assert lr_at(0, cfg, 100) == pytest.approx(0.1)
