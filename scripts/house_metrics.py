@@ -119,7 +119,7 @@ def measure(root: Path) -> dict:
     owned, homes = _owner_attrs(trees)
     lines = {p: len(p.read_text().splitlines()) for p in files}
     largest = max(lines, key=lines.get)
-    init, reads, deep, private = {}, set(), set(), {}
+    init, reads, deep, private, by_file = {}, set(), set(), {}, {}
     for p in files:
         rel = p.relative_to(src).as_posix()
         tree = trees[rel]
@@ -130,6 +130,7 @@ def measure(root: Path) -> dict:
                 h = _holder(node.value)
                 if h and not defines_holder and node.attr in owned:
                     reads.add(f"{h}.{node.attr}")
+                    by_file.setdefault(rel, set()).add(node.attr)
                 if (isinstance(node.value, ast.Attribute) and _holder(node.value.value) and not defines_holder
                         and node.value.attr in owned):
                     deep.add(f"{_holder(node.value.value)}.{node.value.attr}.{node.attr} ({rel})")
@@ -139,7 +140,8 @@ def measure(root: Path) -> dict:
     return {"src_lines": sum(lines.values()), "src_files": len(files),
             "largest": f"{largest.relative_to(src).as_posix()} ({lines[largest]} lines)",
             "files_over_400": sorted(f"{p.relative_to(src).as_posix()} ({n})" for p, n in lines.items() if n > 400),
-            **init, "owner_attrs_read_outside": sorted({r.split(".", 1)[1] for r in reads}), "reads_two_deep": sorted(deep),
+            **init, "owner_attrs_read_outside": sorted({r.split(".", 1)[1] for r in reads}),
+            "owner_attrs_read_by_file": {k: sorted(v) for k, v in sorted(by_file.items())}, "reads_two_deep": sorted(deep),
             "private_torch_outside_compat": {k: sorted(set(v)) for k, v in sorted(private.items())}}
 
 
