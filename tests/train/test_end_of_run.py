@@ -99,10 +99,10 @@ def test_big_model_configs_do_not_sample():
 def test_a_sample_that_does_not_fit_is_skipped_in_one_line(capsys, monkeypatch):
     """70B in fp32 on a host of 64 GiB: one line naming the need and the way out, nothing read."""
     from ndtrain.config import load_config
-    from ndtrain.train import generate
+    from ndtrain.train import host_memory
     from ndtrain.train.job import closing_sample
 
-    monkeypatch.setattr(generate, "_host_available", lambda: 64 * 2**30)
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 64 * 2**30)
 
     cfg = load_config(None, {"model": {"preset": "llama3-70b"}, "train": {"sample_tokens": 200}})
     summary = {"sample_from": {"checkpoint": "/nonexistent/step_00000001", "device": "cpu", "verified": True}}

@@ -14,7 +14,7 @@ import torch
 from ndtrain.errors import NdtrainError
 from ndtrain.model import llama
 from ndtrain.model.config import ModelConfig
-from ndtrain.train import generate
+from ndtrain.train import host_memory
 from ndtrain.train.interop import export, hf_config, import_hf, to_hf_name
 
 pytestmark = pytest.mark.timeout(120)
@@ -68,7 +68,7 @@ def test_config_json_is_checked_against_the_headers_first(tmp_path, no_big_alloc
 
 def test_a_model_larger_than_the_hosts_memory_is_refused(tmp_path, monkeypatch):
     src, _ = _hf_dir(tmp_path)
-    monkeypatch.setattr(generate, "_host_available", lambda: 100_000)  # 0.1 MB free
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 100_000)  # 0.1 MB free
     with pytest.raises(NdtrainError, match=r"needs about [\d.,]+ MB of memory .*vocab_size.* 0\.1 MB available"):
         import_hf(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -20,6 +20,7 @@ from ndtrain.data.tokenizer import load_tokenizer
 from ndtrain.errors import NdtrainError, UsageError
 from ndtrain.model.config import ModelConfig, num_params
 from ndtrain.model.llama import Transformer, build_model
+from ndtrain.train import host_memory
 from ndtrain.train.checkpoint import list_checkpoints
 
 # Bytes per parameter and per cached K/V element: checkpoints hold fp32 weights and the sample
@@ -64,24 +65,6 @@ def memory_needed(cfg: ModelConfig, tokens: int) -> int:
     return num_params(cfg) * _FP32 + kv
 
 
-def _host_available() -> int | None:
-    """MemAvailable, or less where a cgroup (a container, a Slurm step) caps this process."""
-    found = []
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                found.append(int(line.split()[1]) * 1024)
-    except OSError:
-        pass
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            found.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
-    except (OSError, ValueError):
-        pass
-    return min(found) if found else None
-
-
 def does_not_fit(cfg: ModelConfig, device: torch.device, tokens: int) -> str | None:
     """Why a sample of `tokens` positions would not fit `device` (None: it fits). The weights
     are read onto the device tensor by tensor, so the host holds only one at a time."""
@@ -91,7 +74,7 @@ def does_not_fit(cfg: ModelConfig, device: torch.device, tokens: int) -> str | N
         torch.cuda.empty_cache()
         free, where = int(torch.cuda.mem_get_info(device)[0] * _DEVICE_SHARE), f"{device}"
     else:
-        free, where = _host_available(), "host memory"
+        free, where = host_memory.available_bytes(), "host memory"
         if free is None:
             return None
         free = int(free * _HOST_SHARE)

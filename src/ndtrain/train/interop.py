@@ -261,7 +261,7 @@ def import_hf(src: str | Path, out_root: str | Path) -> Path:
     from ndtrain.paths import check_creatable
     from ndtrain.train import hf_weights
     from ndtrain.train.checkpoint import FORMAT, TRAIN_STATE, fsync_dir, step_name, write_manifest, write_marker
-    from ndtrain.train.generate import _host_available
+    from ndtrain.train import host_memory
 
     out_root = Path(out_root)
     name = step_name(0)
@@ -273,7 +273,7 @@ def import_hf(src: str | Path, out_root: str | Path) -> Path:
     check_creatable(out_root, "--out")
     mcfg, headers, needed = read_hf(src)
     largest = max(math.prod(s) for s, _ in headers.values()) * hf_weights.FP32
-    hf_weights.check_host_memory(Path(src), needed + largest, _host_available())
+    hf_weights.check_host_memory(Path(src), needed + largest, host_memory.available_bytes())
     model = hf_weights.load_hf(Path(src), mcfg, headers)
     created = [d for d in [out_root, *out_root.parents] if not d.exists()]
     try:
