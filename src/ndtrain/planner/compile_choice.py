@@ -13,6 +13,8 @@ elementwise kernels (kappa_fused against kappa_eager); on CPU ranks the fraction
 compiled blocks measured saving there (hardware.py: cpu_compile_saving). Where the planner
 cannot price it (no compile time known, as on uncalibrated CPU ranks; a layout the compile rules
 refuse; a recompute policy it does not model) there is no decision and compile stays as set.
+A profile that says compile was never measured (one fitted to runs that did not compile:
+hardware.compile_unmeasured) decides "off" and says why, so the start-up line names the gap.
 
 Tensor-parallel layouts are priced like any other: the saving is the blocks' local compute
 (layer.py), their TP collectives cost the same compiled or not. Which TP layouts compile is the
@@ -40,10 +42,19 @@ def block_kinds(pb: Problem) -> int:
 def compile_choice(pb: Problem, lay: Layout, steps: int) -> dict | None:
     """{"compile": bool, "eager_step_s", "compiled_step_s", "compile_s" (the run's cold compile
     cost), "breakeven_steps" (None when compiling saves nothing), "steps", "description"}; None
-    where the planner cannot price it."""
-    if pb.hw.compile_s <= 0 or lay.ac not in PLANNED_AC or steps < 1:
+    where the planner cannot price it. Where the profile says compile was never measured: off,
+    the compiled step the eager one, no breakeven, and the description says why."""
+    if lay.ac not in PLANNED_AC or steps < 1 or (pb.hw.compile_s <= 0 and not pb.hw.compile_unmeasured):
         return None
     ev = Evaluator(pb)
+    if pb.hw.compile_s <= 0:  # the profile says compile was not measured: off, and why
+        try:
+            eager = ev(dataclasses.replace(lay, compile=False)).step_time
+        except NdtrainError:
+            return None
+        return {"compile": False, "eager_step_s": eager, "compiled_step_s": eager, "compile_s": 0.0,
+                "breakeven_steps": None, "steps": steps,
+                "description": f"torch.compile off: {pb.hw.compile_unmeasured} (on {pb.hw.name})"}
     try:
         eager = ev(dataclasses.replace(lay, compile=False)).step_time
         compiled = ev(dataclasses.replace(lay, compile=True)).step_time

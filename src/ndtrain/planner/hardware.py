@@ -104,6 +104,9 @@ class Hardware:
     # CPU ranks: the fraction of a decoder layer's forward + backward that compiled blocks save,
     # {precision: fraction} (GPUs price compile as fused elementwise kernels: kappa_fused)
     cpu_compile_saving: dict = field(default_factory=dict, compare=False, hash=False)
+    # Why compile is not priced where a profile says its figures were never measured (a profile
+    # fitted to runs that did not compile, `unmeasured.compile`): compile_auto's start-up line
+    compile_unmeasured: str = ""
     # CPU ranks: False where `ndtrain calibrate` did not measure this host (the host probe's
     # compute rates or the defaults; host and collective costs unmeasured)
     calibrated: bool = True
@@ -319,6 +322,8 @@ UNMEASURED_DDP_EXPOSED = {"alpha": 0.195, "beta": 1.95}
 # (bf16), and 8.9% (fp32, against the eager oneDNN linears) and 13.5-15.0% (bf16) of the model's
 # forward + backward saved, of which the blocks are ~92%: so ~10% and ~14% of a layer. Applied only to a
 # calibrated profile: on the uncalibrated defaults the saving is not priced and compile stays off.
+# A profile's own `compile_s` and `compile_saving` (fitted from compiled runs) replace them; one
+# whose `unmeasured` names compile (fitted to runs that did not compile) prices no compile at all.
 UNMEASURED_CPU_COMPILE = {"compile_s": 18.0, "saving": {"fp32": 0.10, "bf16": 0.14}}
 
 
@@ -364,6 +369,8 @@ def from_profile(data: dict, source: str = "") -> Hardware:
             if "all_reduce" in in_world:
                 in_world["all_reduce_ddp"] = _ddp_reducer_fit(in_world["all_reduce"])
     attn = data.get("attention", {})
+    compile_why = str(data.get("unmeasured", {}).get("compile", ""))
+    compile_priced = not compile_why and (calibrated or {"compile_s", "compile_saving"} <= set(data))
     return Hardware(
         name="this-machine",
         description=data.get("description", "this machine (uncalibrated: host probe)" if probe_only else
@@ -389,9 +396,9 @@ def from_profile(data: dict, source: str = "") -> Hardware:
         optimizer_s_per_param=float(data.get("optimizer_s_per_param", 0.0)),
         pp_action_s=float(data.get("pp_action_s", UNMEASURED_PP_ACTION_S)),
         collectives_by_world=by_world,
-        compile_s=float(data.get("compile_s", UNMEASURED_CPU_COMPILE["compile_s"])) if calibrated else 0.0,
-        cpu_compile_saving=dict(data.get("compile_saving", UNMEASURED_CPU_COMPILE["saving"])) if calibrated else {},
-        calibrated=calibrated,
+        compile_s=float(data.get("compile_s", UNMEASURED_CPU_COMPILE["compile_s"])) if compile_priced else 0.0,
+        cpu_compile_saving=dict(data.get("compile_saving", UNMEASURED_CPU_COMPILE["saving"])) if compile_priced else {},
+        compile_unmeasured=compile_why, calibrated=calibrated,
     )
 
 

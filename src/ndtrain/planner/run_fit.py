@@ -27,6 +27,7 @@ nor the fragmentation: it is compared, not fitted.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -52,6 +53,10 @@ GPU_GROUPS = {"compute": ("gemm_eff", "fp8_gemm_eff", "attn_eff", "hbm_eff"),
               "overhead": ("kappa_eager", "kappa_fused", "fp8_cast_bytes"),
               "comm_eff": ("nvlink_eff", "nic_eff"), "comm_latency": ("alpha_intra", "alpha_inter")}
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+# Why a profile fitted to runs prices no compile (hardware.py: `unmeasured.compile`; compile_auto's line)
+COMPILE_UNMEASURED = ("compile not measured: this profile was fitted to runs without a compiled and an eager "
+                      "run of one layout, over a profile that did not price it (fit such a pair, or run "
+                      "`ndtrain calibrate`)")
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class Observation:
     precision: str
     step_s: float  # median step past warm-up
     peak_bytes: float | None = None  # the fullest rank's peak (CPU: resident set; GPU: allocator)
+    first_step_s: float | None = None  # the last attempt's first step (a compiled run's cold compile in it)
 
 
 @dataclass
@@ -120,6 +126,8 @@ def _scale_cpu(data: dict, k: dict) -> dict:
     out["host_s"] = host
     out["optimizer_s_per_param"] = (hw.optimizer_s_per_param or OPTIMIZER_BYTES_PER_PARAM / hw.hbm_bw) * h
     out["pp_action_s"] = hw.pp_action_s * h
+    if hw.compile_s <= 0:  # no longer a probe's profile, but compile is as unmeasured as it was
+        out["unmeasured"] = {**out.get("unmeasured", {}), "compile": hw.compile_unmeasured or COMPILE_UNMEASURED}
     colls = out.get("collectives", {})
     # the defaults from_profile fills in (reduce-scatter as the all-to-all it runs as) made explicit
     out["collectives"] = {n: _scale_fit(colls.get(n) or hw.collectives[n], d) for n in COLLECTIVES}
@@ -240,6 +248,47 @@ def fit_knobs(base: dict, obs: list[Observation], iterations: int = 30) -> dict:
     return _knobs(theta)
 
 
+def _eager_twin(o: Observation, obs: list[Observation]) -> Observation | None:
+    """The run of o's layout, model and batch that ran eager, if one was fitted with it."""
+    eager = dataclasses.replace(o.layout, compile=False)
+    return next((e for e in obs if e.layout == eager and (e.cfg, e.seq, e.global_batch, e.world, e.precision)
+                 == (o.cfg, o.seq, o.global_batch, o.world, o.precision)), None)
+
+
+def compile_figures(data: dict, obs: list[Observation]) -> dict:
+    """What compiled CPU runs measured of compile beside an eager run of their layout (else {}):
+    `compile_s`, the cold compile of one kind of block (the compiled run's first step over its
+    median, less the eager one's), and `compile_saving`, the fraction of a layer that makes the
+    planner's compiled/eager step ratio on `data` the measured one."""
+    from ndtrain.planner.api import _precision
+
+    plain = {k: v for k, v in data.items() if k != "unmeasured"}
+    colds, savings, labels = [], {}, []
+    for o in obs:
+        e = _eager_twin(o, obs) if o.layout.compile else None
+        if e is None or o.first_step_s is None or e.first_step_s is None:
+            continue
+        kinds = len({o.cfg.is_moe_layer(i) for i in range(o.cfg.n_layers)})
+        cold = ((o.first_step_s - o.step_s) - (e.first_step_s - e.step_s)) / kinds
+        precision = _precision(hardware(plain), o.precision).replace("fp8", "bf16")
+        eager_s = predict(hardware(plain), e).step_time
+
+        def ratio(s: float) -> float:
+            hw = hardware({**plain, "compile_s": 1.0, "compile_saving": {precision: s}})
+            return predict(hw, o).step_time / eager_s
+
+        target, lo, hi = o.step_s / e.step_s, 0.0, 0.95
+        for _ in range(30):  # the predicted ratio falls as the saving grows
+            lo, hi = ((lo + hi) / 2, hi) if ratio((lo + hi) / 2) > target else (lo, (lo + hi) / 2)
+        colds.append(max(cold, 1e-3))  # a warm inductor cache: cheap, yet measured (0 means unknown)
+        savings.setdefault(precision, []).append((lo + hi) / 2)
+        labels.append(o.label)
+    if not colds:
+        return {}
+    return {"compile_s": statistics.median(colds), "compile_measured_by": labels,
+            "compile_saving": {p: statistics.median(v) for p, v in savings.items()}}
+
+
 def fit(base: dict, obs: list[Observation], description: str = "") -> Fit:
     """The profile `base` fitted to the runs `obs`: its three groups scaled, and (CPU) the
     runtime's memory in `overhead_gib` where the runs recorded their peaks. A profile that is
@@ -249,7 +298,16 @@ def fit(base: dict, obs: list[Observation], description: str = "") -> Fit:
     if not obs:
         raise NdtrainError("calibrate --from-run: no run to fit")
     start = base.get("from_runs", {}).get("base_profile") or base
-    knobs = fit_knobs(start, obs)
+    eager = [o for o in obs if not o.layout.compile]
+    knobs = fit_knobs(start, eager or obs)
+    if not is_gpu(start) and (figures := compile_figures(scaled(start, knobs), obs)):
+        # compiled runs beside eager ones measured compile: price it from them, and refit with it
+        rest = {k: v for k, v in start.get("unmeasured", {}).items() if k != "compile"}
+        start = {k: v for k, v in {**start, **figures}.items() if k != "unmeasured"} | (
+            {"unmeasured": rest} if rest else {})
+        knobs = fit_knobs(start, obs)
+    elif eager and eager != obs:
+        knobs = fit_knobs(start, obs)
     prof = scaled(start, knobs)
     before_hw, after_hw = hardware(base), hardware(prof)  # before: what the caller planned with
     peaks = [o for o in obs if o.peak_bytes]

@@ -50,8 +50,9 @@ def observe(run: Run) -> run_fit.Observation:
              and isinstance(r.get("rank_peak_memory_mb"), list) and r["rank_peak_memory_mb"]]
     peaks += [r["peak_memory_mb"] for r in run.train if r["step"] > first and
               isinstance(r.get("peak_memory_mb"), (int, float))]
+    firsts = [r["step_time_s"] for r in run.train if r["step"] == first + 1 and "step_time_s" in r]
     return run_fit.Observation(
-        label=run.label, cfg=cfg.model, layout=lay, seq=cfg.data.seq_len, global_batch=cfg.train.global_batch,
+        first_step_s=firsts[0] if firsts else None, label=run.label, cfg=cfg.model, layout=lay, seq=cfg.data.seq_len, global_batch=cfg.train.global_batch,
         world=world, precision=cfg.parallel.mixed_precision, step_s=run.measured_step_time(),
         peak_bytes=max(peaks) * 2**20 if peaks else None)
 
