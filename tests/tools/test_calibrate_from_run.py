@@ -24,22 +24,23 @@ LAYOUTS = {"ddp": {"dp_replicate": 2, "dp_shard": 1}, "zero3": {"dp_shard": 2, "
            "tp2": {"dp_shard": 1, "tp": 2}, "pp2": {"dp_shard": 1, "pp": 2}}
 
 
-def _cfg(name: str, out: Path, data: str = "data/stdlib-byte", steps: int = 12):
+def _cfg(name: str, out: Path, data: str = "data/stdlib-byte", steps: int = 12, **parallel):
     return load_config(None, {
         "model": MODEL, "data": {"path": data, "seq_len": 128},
-        "parallel": {**LAYOUTS[name], "mixed_precision": "fp32"},
+        "parallel": {**LAYOUTS[name], "mixed_precision": "fp32", **parallel},
         "train": {"steps": steps, "global_batch": 8, "micro_batch": 4 if name != "pp2" else 2, "val_interval": 0,
                   "sample_tokens": 0, "output_dir": str(out)},
         "logging": {"tensorboard": False, "progress": "off"}})
 
 
 def _write_run(path: Path, name: str, step_s: float, steps: int = 10, peak_mb: float = 800.0,
-               cpu_s: float | None = None) -> Path:
-    """A run directory as the trainer leaves it: its config, a start row, timed steps."""
+               cpu_s: float | None = None, cold_s: float = 0.0, **parallel) -> Path:
+    """A run directory as the trainer leaves it: its config, a start row, timed steps (the first
+    slower, by a half and `cold_s`)."""
     path.mkdir(parents=True)
-    (path / "config.toml").write_text(to_toml(_cfg(name, path)))
+    (path / "config.toml").write_text(to_toml(_cfg(name, path, **parallel)))
     rows = [{"step": 0, "event": "start", "attempt": 0, "world": 2, "layout": name, "time": 0.0}]
-    rows += [{"step": s, "loss": 5.0, "step_time_s": step_s * (1.5 if s == 1 else 1.0), "peak_memory_mb": peak_mb,
+    rows += [{"step": s, "loss": 5.0, "step_time_s": step_s * (1.5 if s == 1 else 1.0) + (cold_s if s == 1 else 0.0), "peak_memory_mb": peak_mb,
               "step_cpu_s": step_s if cpu_s is None else cpu_s, "tokens_per_s": 1.0, "time": float(s)}
              for s in range(1, steps + 1)]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -86,6 +87,31 @@ def test_from_run_writes_the_profile_plan_reads(tmp_path, capsys):
                 "--layout", "dp_replicate=2,dp_shard=1,mb=4", "--precision", "fp32", "--json"]) == 0
     (planned,) = json.loads(capsys.readouterr().out)["layouts"]
     assert planned["step_time_s"] == pytest.approx(run_fit.predict(hw, observe(read_run(run))).step_time, rel=1e-9)
+
+
+def test_compile_is_priced_only_where_the_runs_measured_it(tmp_path, capsys):
+    from ndtrain.train.plan import resolve_plan
+
+    def plan_with(profile: Path):
+        cfg = _cfg("ddp", tmp_path / "out", steps=10**6)
+        cfg.parallel.auto_hardware = str(profile)
+        return resolve_plan(cfg, 2).compile
+
+    eager = _write_run(tmp_path / "ddp", "ddp", 1.0)
+    assert cli(["calibrate", "--from-run", str(eager), "--out", str(tmp_path / "eager.json")]) == 0
+    assert "compile" in json.loads((tmp_path / "eager.json").read_text())["unmeasured"]
+    # no compiled run measured it: a million steps, and still off, with the reason in the start-up line
+    off = plan_with(tmp_path / "eager.json")
+    assert not off.compile and off.description.startswith("torch.compile off: compile not measured")
+    compiled = _write_run(tmp_path / "ddp-compiled", "ddp", 0.9, cold_s=20.0, compile=True)
+    assert cli(["calibrate", "--from-run", str(eager), str(compiled), "--out", str(tmp_path / "pair.json")]) == 0
+    prof = json.loads((tmp_path / "pair.json").read_text())
+    # the compiled run's first step over its median, less the eager run's: 20.45 - 0.5 s
+    assert "unmeasured" not in prof and prof["compile_s"] == pytest.approx(19.95)
+    assert 0 < prof["compile_saving"]["fp32"] < 0.95 and prof["compile_measured_by"] == ["ddp-compiled"]
+    on = plan_with(tmp_path / "pair.json")
+    assert on.compile and on.compile_s == pytest.approx(19.95) and on.compiled_step_s < on.eager_step_s
+    capsys.readouterr()
 
 
 def test_from_run_imports_no_torch(tmp_path):
