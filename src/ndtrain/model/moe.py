@@ -205,6 +205,8 @@ class MoE(nn.Module):
         out = self.routed(flat, top_idx, top_w, keep).view_as(x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
+        # Only training forwards count: validation (eval mode) routes its windows and the padded
+        # rows filling its last batch, and must not feed the next step's bias update or metrics.
         record = self.training and not _recomputing()
         attach = self.load_balance == "aux_loss" and self.aux_loss_coef > 0 and torch.is_grad_enabled()
         aux = None
