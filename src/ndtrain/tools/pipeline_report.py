@@ -28,15 +28,14 @@ LABELS = {"F": "forward (F)", "B": "full backward (B)", "I": "backward to input 
 # ---- measuring -----------------------------------------------------------------------------
 
 def _measure_rank(cfg, steps: int) -> dict:
+    from ndtrain.train.step import trace_steps
     from ndtrain.train.trainer import Trainer
 
     trainer = Trainer(cfg, run_dir=None, log=False)
-    trainer.pipeline.trace = True
-    losses = [trainer.train_step().loss for _ in range(steps)]
-    out = {"rank": trainer.rt.rank, "stages": [s.stage_index for s in trainer.pipeline.stages],
-           "traces": trainer.pipeline.traces, "losses": losses}
-    trainer.close()
-    return out
+    try:
+        return trace_steps(trainer.state, steps)  # {"rank", "stages", "traces", "losses"}
+    finally:
+        trainer.close()
 
 
 def measure(cfg, nproc: int, steps: int) -> list[dict]:

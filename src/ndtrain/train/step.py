@@ -284,12 +284,29 @@ def trace_next_step(state: TrainState, trace_step: int) -> bool:
     return True
 
 
+def _rank_trace(state: TrainState, last: int) -> dict:
+    """This rank's {"rank", "stages" (its stage indices), "traces" (the `last` steps' timed
+    actions)}; the pipeline stops timing."""
+    pipeline = state.pipeline
+    trace = {"rank": state.rt.rank, "stages": [s.stage_index for s in pipeline.stages],
+             "traces": pipeline.traces[-last:]}
+    pipeline.trace, pipeline.traces = False, []
+    return trace
+
+
+def trace_steps(state: TrainState, steps: int) -> dict:
+    """Train `steps` steps with every pipeline action timed: this rank's trace (as
+    save_pipeline_trace gathers it, one timeline per step) and "losses" (`ndtrain pipeline-report`)."""
+    state.pipeline.trace = True
+    losses = [train_step(state, *next_batch(state)).loss for _ in range(steps)]
+    return {**_rank_trace(state, steps), "losses": losses}
+
+
 def save_pipeline_trace(state: TrainState, run_dir: Path) -> None:
     """Every rank's timed F/B/W actions of the step just traced, gathered into rank 0's
     `pipeline_trace.json` (the input of `ndtrain report`'s Gantt chart)."""
-    pipeline, rt = state.pipeline, state.rt
-    trace = {"rank": rt.rank, "stages": [s.stage_index for s in pipeline.stages], "traces": pipeline.traces[-1:]}
-    pipeline.trace, pipeline.traces = False, []
+    rt = state.rt
+    trace = _rank_trace(state, 1)
     gathered = [None] * rt.world_size
     torch.distributed.all_gather_object(gathered, trace)
     if rt.is_main:
