@@ -100,6 +100,7 @@ def test_compile_is_priced_only_where_the_runs_measured_it(tmp_path, capsys):
     eager = _write_run(tmp_path / "ddp", "ddp", 1.0)
     assert cli(["calibrate", "--from-run", str(eager), "--out", str(tmp_path / "eager.json")]) == 0
     assert "compile" in json.loads((tmp_path / "eager.json").read_text())["unmeasured"]
+    assert "compile_auto leaves compile off with this profile" in capsys.readouterr().out
     # no compiled run measured it: a million steps, and still off, with the reason in the start-up line
     off = plan_with(tmp_path / "eager.json")
     assert not off.compile and off.description.startswith("torch.compile off: compile not measured")
@@ -109,9 +110,9 @@ def test_compile_is_priced_only_where_the_runs_measured_it(tmp_path, capsys):
     # the compiled run's first step over its median, less the eager run's: 20.45 - 0.5 s
     assert "unmeasured" not in prof and prof["compile_s"] == pytest.approx(19.95)
     assert 0 < prof["compile_saving"]["fp32"] < 0.95 and prof["compile_measured_by"] == ["ddp-compiled"]
+    assert "compile measured by ddp-compiled: a cold compile of 20.0 s per kind of block" in capsys.readouterr().out
     on = plan_with(tmp_path / "pair.json")
     assert on.compile and on.compile_s == pytest.approx(19.95) and on.compiled_step_s < on.eager_step_s
-    capsys.readouterr()
 
 
 def test_from_run_imports_no_torch(tmp_path):

@@ -166,6 +166,13 @@ def main(argv: list[str]) -> int:
     if "overhead_gib" in result.profile:
         print(f"  runtime memory beside the model: {result.profile['overhead_gib']:.2f} GiB per rank")
     print("\n".join(table(result.rows)))
+    prof = result.profile
+    if prof.get("compile_measured_by"):
+        print(f"  compile measured by {', '.join(prof['compile_measured_by'])}: a cold compile of "
+              f"{prof['compile_s']:.1f} s per kind of block; compiled blocks save " + ", ".join(
+                  f"{100 * v:.0f}% of a layer ({p})" for p, v in prof["compile_saving"].items()))
+    elif "compile" in prof.get("unmeasured", {}):
+        print(f"  {prof['unmeasured']['compile']}: compile_auto leaves compile off with this profile")
     lo, hi = run_fit.KNOB_RANGE
     if any(not lo * 1.01 < v < hi / 1.01 for v in result.knobs.values()):
         print(f"  note: a factor reached the edge of its range ({lo:g}-{hi:g}x): the runs and the model disagree "
