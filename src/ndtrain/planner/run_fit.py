@@ -18,6 +18,11 @@ runs of layouts with different mixes separate the e_j. A group no run exercises 
 rank) keeps the shared factor. Residuals are log(predicted / measured) step times, at the spread
 MEASURE_SPREAD a step median keeps from run to run.
 
+Compile (CPU ranks): priced only where measured. A compiled run fitted with an eager twin (its
+layout uncompiled, same model and batch) gives the cold compile and the saving (compile_figures);
+without one a profile that did not price compile says so (`unmeasured.compile`), and compile_auto
+stays off rather than pricing the defaults of another host as this one's.
+
 Memory: on CPU ranks the peak resident set includes the Python and torch runtime, which the model
 holds in `overhead_gib`: the fit is the median of what the runs' peaks leave above the modelled
 states and activations. A GPU run's peak is the allocator's, which holds neither the CUDA context
