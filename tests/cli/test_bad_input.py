@@ -633,7 +633,10 @@ SPLIT_CASES = [
                                                                  "--train.val_batch_size=1000000"),
          r"train\.val_batches.*train\.val_batch_size"),
     Case("generate-bpe-run-without-its-data", lambda w, d: ["generate", "--checkpoint", str(ckpt(d))],
-         r"bpe tokenizer.*data\.path .*gone", prep=_bpe_run_without_its_data),
+         r"bpe tokenizer.*holds no tokenizer\.json.*data\.path .*gone", prep=_bpe_run_without_its_data),
+    Case("export-hf-bpe-run-without-its-data",
+         lambda w, d: ["export", "--checkpoint", str(ckpt(d)), "--to", "hf", str(d / "hf-out")],
+         r"bpe tokenizer.*holds no tokenizer\.json.*data\.path .*gone", prep=_bpe_run_without_its_data),
 ]
 CASES += SPLIT_CASES
 

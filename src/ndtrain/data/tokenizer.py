@@ -1,6 +1,7 @@
 """Tokenizers: raw UTF-8 bytes, or a byte-level BPE trained locally with Hugging Face `tokenizers`.
 
-Both expose the same small surface (name, vocab_size, eos_id, encode, decode, encode_docs, save)
+Both expose the same small surface (name, vocab_size, eos_id, encode, decode, encode_docs, save,
+file_bytes)
 so the rest of ndtrain never branches on which one is in use.
 
 Every document ends with an end-of-sequence token `eos_id`. The byte tokenizer needs no extra id
@@ -31,6 +32,7 @@ class ByteTokenizer:
     name = "byte"
     vocab_size = 256
     eos_id = 0xFF
+    file_bytes = None  # no file describes it: its name does
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -75,6 +77,9 @@ class BPETokenizer:
         if eot is None:
             raise NdtrainError(f"BPE tokenizer has no {EOT} token; retrain it with ndtrain prepare")
         self.eos_id = self.eot_id = eot
+        # The tokenizer.json it was loaded from, byte for byte (load() sets it): what a checkpoint
+        # carries, so its copy has the sha256 the corpus manifest records.
+        self.file_bytes: bytes | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -130,7 +135,9 @@ class BPETokenizer:
             raise NdtrainError(f"{path}: sha256 differs from the manifest's tokenizer_sha256; "
                                "the tokenizer does not belong to these token shards")
         check_tokenizer_json(path, raw)
-        return cls.from_str(raw.decode("utf-8"), str(path))
+        tok = cls.from_str(raw.decode("utf-8"), str(path))
+        tok.file_bytes = raw
+        return tok
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids

@@ -94,7 +94,7 @@ def _published(ckpt: Path) -> bool:
     return (Path(ckpt) / MARKER).is_file()
 
 
-def _load_one(ckpt: Path, device, verified: bool) -> tuple[Transformer, object, dict]:
+def _load_one(ckpt: Path, device, verified: bool, tokenizer: bool) -> tuple:
     from ndtrain.train.checkpoint import checkpoint_config, dcp_load, read_train_state, verify
 
     problem = verify(ckpt, check_hashes=not verified)
@@ -102,19 +102,21 @@ def _load_one(ckpt: Path, device, verified: bool) -> tuple[Transformer, object, 
         raise NdtrainError(f"checkpoint {ckpt} is not usable: {problem}")
     state = read_train_state(ckpt)
     cfg = checkpoint_config(ckpt, state)
+    tok = (checkpoint_tokenizer(cfg, state, ckpt),) if tokenizer else ()  # before the weights: fail fast
     model = build_model(cfg.model, "meta")
     model.to_empty(device=device)
     model.tie_weights()
     with torch.no_grad():
         dcp_load({"model": model.state_dict()}, ckpt, no_dist=True)  # in place, shapes checked first
     model.eval()
-    return model, cfg, state
+    return (model, cfg, state, *tok)
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
-                    verified: bool = False) -> tuple[Transformer, object, dict]:
+                    verified: bool = False, tokenizer: bool = False) -> tuple:
     """(model, config, train_state) of the checkpoint `path` names (the newest, for a run or
-    checkpoints/ directory). Once read, the model is in memory: what retention does next is no
+    checkpoints/ directory), and with `tokenizer` its tokenizer (checkpoint_tokenizer), read from
+    the same checkpoint. Once read, the model is in memory: what retention does next is no
     concern. A checkpoint retention removed while it was being read (it lost its marker) is not
     bad input: for a directory the newest one is read instead; a checkpoint named itself is gone,
     said in one line with exit code 1 (RunError)."""
@@ -123,7 +125,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
     for _ in range(_RELOADS):
         ckpt = resolve_checkpoint(path)
         try:
-            return _load_one(ckpt, device, verified)
+            return _load_one(ckpt, device, verified, tokenizer)
         except (NdtrainError, OSError):
             if _published(ckpt):
                 raise  # still there: the checkpoint itself is at fault
@@ -143,29 +145,46 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", verified: b
     return out if state else out[:2]
 
 
-def _recorded_tokenizer(data) -> str | None:
-    """The tokenizer name a checkpoint's data fingerprint records (a mixture's first component)."""
+def _recorded(data, key: str):
+    """A field of a checkpoint's data fingerprint (a mixture's first component: the components
+    share one tokenizer)."""
     while isinstance(data, dict) and isinstance(data.get("mix"), list) and data["mix"]:
         first = data["mix"][0]
         data = first[2] if isinstance(first, list) and len(first) == 3 else None
-    return data.get("tokenizer") if isinstance(data, dict) else None
+    return data.get(key) if isinstance(data, dict) else None
 
 
-def checkpoint_tokenizer(cfg, state: dict):
+def recorded_tokenizer(state: dict) -> str | None:
+    """The tokenizer a checkpoint's train_state names: "byte", "bpe", or None (an imported
+    checkpoint records no data)."""
+    return _recorded(state.get("data"), "tokenizer")
+
+
+def checkpoint_tokenizer(cfg, state: dict, ckpt: Path | None = None):
     """The tokenizer of a checkpoint's model. The byte tokenizer needs no file: the checkpoint's
     data fingerprint names it, so such a checkpoint samples from any directory, on any machine.
-    A BPE tokenizer is read from the data directory the run trained on (recorded absolute)."""
-    from ndtrain.data.tokenizer import ByteTokenizer
+    A BPE checkpoint `ckpt` carries its run's tokenizer.json (its manifest lists the file); one
+    saved before checkpoints carried it has it read from the data directory the run trained on
+    (recorded absolute)."""
+    from ndtrain.data.tokenizer import BPETokenizer, ByteTokenizer
+    from ndtrain.train.checkpoint import TOKENIZER, manifest_items
 
-    name = _recorded_tokenizer(state.get("data"))
+    name = recorded_tokenizer(state)
     if name == "byte":
         return ByteTokenizer()
-    data_dir = first_data_dir(cfg.data.path, cfg.data.mix)
+    if ckpt is not None and any(rel == TOKENIZER for rel, _, _ in manifest_items(ckpt)[0]):
+        tok = BPETokenizer.load(ckpt)  # its SHA-256 is the manifest's (verify checks it)
+        vocab = _recorded(state.get("data"), "vocab_size")
+        if vocab is not None and tok.vocab_size != vocab:
+            raise NdtrainError(f"{Path(ckpt) / TOKENIZER}: {tok.vocab_size} ids, but the checkpoint's data "
+                               f"fingerprint records vocab_size {vocab}; the file does not belong to it")
+        return tok
+    held = f"{ckpt} holds no {TOKENIZER} (saved before checkpoints carried it) and " if ckpt is not None else ""
     try:
-        return load_tokenizer(data_dir)
+        return load_tokenizer(first_data_dir(cfg.data.path, cfg.data.mix))
     except NdtrainError as exc:
-        raise NdtrainError(f"the checkpoint's {name + ' ' if name else ''}tokenizer is read from the data the run "
-                           f"trained on (data.path {cfg.data.path}): {exc}") from None
+        raise NdtrainError(f"the checkpoint's {name + ' ' if name else ''}tokenizer: {held}the data the run "
+                           f"trained on (data.path {cfg.data.path}) cannot give it: {exc}") from None
 
 
 class KVCache:
@@ -260,8 +279,7 @@ def sample(model: Transformer, tokens: list[int], n: int, temperature: float = 0
 
 def generate_from_checkpoint(path, prompt: str, n: int, temperature: float = 0.8, top_k: int = 40,
                              seed: int = 0, device: str | torch.device = "cpu", verified: bool = False) -> str:
-    model, cfg, state = load_model(path, sample_device(device), verified, state=True)
-    tok = checkpoint_tokenizer(cfg, state)
+    model, cfg, state, tok = load_checkpoint(path, sample_device(device), verified, tokenizer=True)
     out = sample(model, tok.encode(prompt), n, temperature, top_k, seed, getattr(tok, "eos_id", None))
     return tok.decode(out)
 

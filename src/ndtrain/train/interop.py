@@ -103,6 +103,26 @@ def model_config_from_hf(c: dict) -> ModelConfig:
 
 
 # ---- export --------------------------------------------------------------------------------
+def hf_tokenizer_files(tok, max_len: int) -> dict[str, bytes]:
+    """The files a Hugging Face directory loads a BPE tokenizer from: ndtrain's tokenizer.json as
+    it is (it is the `tokenizers` library's format) and a tokenizer_config.json that names its
+    end-of-document token, so AutoTokenizer reads the same ids ndtrain trained on."""
+    from ndtrain.data.tokenizer import EOT
+
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOT, "model_max_length": max_len,
+              "clean_up_tokenization_spaces": False}
+    return {"tokenizer.json": tok.file_bytes, "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode()}
+
+
+def _export_tokenizer(ckpt: Path, cfg, state: dict):
+    """A BPE checkpoint's tokenizer (the checkpoint's copy, else its corpus's; one line when
+    neither is there); None for the byte tokenizer, which no Hugging Face file describes, and
+    for imported weights, which record no data."""
+    from ndtrain.train.generate import checkpoint_tokenizer, recorded_tokenizer
+
+    return checkpoint_tokenizer(cfg, state, ckpt) if recorded_tokenizer(state) == "bpe" else None
+
+
 def check_new_output(out: Path, what: str) -> None:
     """`out` must not exist yet (or be an empty directory, for --to hf) and must be creatable:
     an export never overwrites a file the user already has."""
@@ -176,6 +196,10 @@ def export(checkpoint: str | Path, to: str, out: str | Path, dtype: str = "float
         meta = {"format": "pt", "ndtrain_step": str(state["step"]), "ndtrain_config": json.dumps(state["config"])}
     else:
         hf_cfg = hf_config(cfg.model, dtype)
+        tok = _export_tokenizer(ckpt, cfg, state)
+        tok_files = hf_tokenizer_files(tok, cfg.model.max_seq_len) if tok is not None else {}
+        if tok is not None:
+            hf_cfg["eos_token_id"] = tok.eos_id
         tensors = {to_hf_name(name): value.to(torch_dtype).contiguous().clone() for name, value in weights.items()
                    if not (cfg.model.tie_embeddings and name == "output.weight")}
     needed = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -187,6 +211,8 @@ def export(checkpoint: str | Path, to: str, out: str | Path, dtype: str = "float
         else:
             tmp.mkdir()
             (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+            for name, data in tok_files.items():
+                (tmp / name).write_bytes(data)
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             follow_umask(tmp / "model.safetensors")
         _publish(tmp, out)

@@ -2,8 +2,9 @@
 
 Saving writes DCP shards of model and optimizer state into `.step_XXXXXXXX.partial/`; each rank
 hashes the shards it wrote (digest.py); rank 0 then adds `train_state.json` (step, tokens
-seen, loader position, RNG, data fingerprint, resolved config, timeline), `manifest.json` (sizes
-+ SHA-256, combined from the ranks' digests) and the COMPLETE marker, and renames the directory
+seen, loader position, RNG, data fingerprint, resolved config, timeline), the run's
+`tokenizer.json` (BPE), `manifest.json` (sizes + SHA-256, combined from the ranks' digests) and
+the COMPLETE marker, and renames the directory
 to `step_XXXXXXXX/`. Nothing older is touched until that rename has happened; a save that fails
 (a full disk) removes its partial directory, leaves the previous checkpoint published, and
 says so in one line (write_failure). Retention: retention.py; which checkpoint a resume loads,
@@ -45,8 +46,8 @@ from ndtrain.train.checkpoint.reader import dcp_load
 from ndtrain.train.checkpoint.resume import check_compatible, choose, continue_timeline, finish_abandoning, new_timeline
 from ndtrain.train.checkpoint.retention import Retention, clear_leftovers, clear_partial
 from ndtrain.train.checkpoint.state import FLAT_STATE, json_states, load_states, state_bytes, tensor_state
-from ndtrain.train.checkpoint.store import (FORMAT, TRAIN_STATE, fsync_dir, list_checkpoints, read_train_state,
-                                            step_name, write_marker)
+from ndtrain.train.checkpoint.store import (FORMAT, TOKENIZER, TRAIN_STATE, fsync_dir, list_checkpoints,
+                                            read_train_state, step_name, tokenizer_to_carry, write_marker)
 from ndtrain.train.distributed import any_rank, barrier, broadcast_object, group_active
 
 __all__ = ["Checkpointer", "data_fingerprint"]
@@ -101,6 +102,8 @@ class Checkpointer:
         self.loaded_from: Path | None = None
         self.retention = Retention(self.root, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every, info)
         self._last_bytes = 0  # the size of the last checkpoint published: what the next one needs
+        # Rank 0 publishes, so it alone reads the tokenizer file every checkpoint carries (store.py).
+        self.tokenizer = tokenizer_to_carry(cfg.data.path, cfg.data.mix, info) if runtime.is_main else None
         # Which line of history the checkpoints continue (resume.py): new unless resumed from the
         # newest checkpoint of this directory.
         self.timeline = new_timeline()
@@ -235,6 +238,8 @@ class Checkpointer:
             # their digests, then hash what is missing here (a rank that died after writing).
             grace += 3 * (time.perf_counter() - t0)
         (tmp / TRAIN_STATE).write_text(json.dumps(meta, indent=1))
+        if self.tokenizer is not None:  # hashed into the manifest with train_state.json, below
+            (tmp / TOKENIZER).write_bytes(self.tokenizer)
         world = self.rt.world_size
         self._last_bytes = write_manifest_from(tmp, collect_digests(tmp, world, grace))
         self.fault("publish", meta["step"])

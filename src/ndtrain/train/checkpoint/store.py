@@ -1,8 +1,9 @@
 """The on-disk checkpoint format: what a published checkpoint is and how it is checked.
 
 A checkpoint is a directory `step_XXXXXXXX/` holding DCP shards (`*.distcp` plus `.metadata`),
-`train_state.json`, `manifest.json` (size and SHA-256 of every other file) and the `COMPLETE`
-marker, written last. Reading its tensors (through allow-lists, never plain pickle): reader.py.
+`train_state.json`, the run's `tokenizer.json` when it has one (BPE; the byte tokenizer needs no
+file), `manifest.json` (size and SHA-256 of every other file) and the `COMPLETE` marker, written
+last. Reading its tensors (through allow-lists, never plain pickle): reader.py.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import re
 from pathlib import Path
 
+from ndtrain.data.manifest import TOKENIZER_NAME as TOKENIZER
 from ndtrain.errors import NdtrainError
 from ndtrain.model.config import ARCHITECTURE_KEYS, FUNCTION_KEYS
 
@@ -52,6 +54,21 @@ def write_manifest(ckpt: Path) -> None:
     files = sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name not in (MANIFEST, MARKER))
     entries = {str(p.relative_to(ckpt)): {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in files}
     (ckpt / MANIFEST).write_text(json.dumps({"version": 1, "files": entries}, indent=1))
+
+
+def tokenizer_to_carry(data_path: str, mix: list, info) -> bytes | None:
+    """The bytes of the run's tokenizer.json, read once when the run starts, checked against its
+    corpus manifest; every checkpoint then carries them, so sampling and export do not depend on
+    the corpus staying where it was. None for the byte tokenizer (no file), or when the file
+    cannot be read: training does not need it, so that is said in one line, not refused."""
+    from ndtrain.data.mixture import first_data_dir
+    from ndtrain.data.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(first_data_dir(data_path, mix)).file_bytes
+    except (NdtrainError, OSError) as exc:
+        info(f"checkpoints will not carry the tokenizer: {exc}")
+        return None
 
 
 def write_marker(ckpt: Path, text: str) -> None:
@@ -204,11 +221,12 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 # What ndtrain itself leaves in a checkpoints directory when killed: a save's partial directory
 # and one retention was deleting. Clean-up touches these names only, and only when every entry
-# is a file a checkpoint holds (DCP's shards and metadata, ndtrain's digests, state, manifest,
-# marker): a user's `photos.partial/`, or a directory of that name holding anything else, stays.
+# is a file a checkpoint holds (DCP's shards and metadata, ndtrain's digests, state, tokenizer,
+# manifest, marker): a user's `photos.partial/`, or a directory of that name holding anything
+# else, stays.
 _LEFTOVER = re.compile(r"^\.step_\d{8}\.(partial|deleting)$")
 _CKPT_FILE = re.compile(r"^(__\d+_\d+\.distcp|(__\d+)?\.metadata(\.tmp)?|\.digests-rank\d{5}\.json(\.part)?|"
-                        r"train_state\.json|manifest\.json|COMPLETE)$")
+                        rf"train_state\.json|{re.escape(TOKENIZER)}|manifest\.json|COMPLETE)$")
 
 
 def holds_only_checkpoint_files(path: Path) -> bool:
