@@ -7,7 +7,8 @@ One room per job:
 - resume.py     which checkpoint a resume loads, whether it fits this run, which timeline follows.
 - retention.py  what stays in a checkpoints directory: retention, clean-up, moving aside.
 - state.py      the state objects a checkpoint is made of, and how they map onto its files.
-- store.py      the on-disk format (names, marker, manifest, train_state.json) and its checks.
+- store.py      the on-disk format (names, marker, manifest, train_state.json, the tokenizer file
+                it carries) and its checks.
 - reader.py     reading a checkpoint's tensors without running code from its files.
 - digest.py     who hashes what, so publishing and verifying scale with the number of ranks.
 - staging.py    how an async save copies the state into host memory, per device.
