@@ -136,13 +136,14 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", verified: bool = False,
-               state: bool = False) -> tuple:
+               state: bool = False, tokenizer: bool = False) -> tuple:
     """The checkpoint's model on `device`, read straight into the device's tensors (one copy),
-    and its config (and train_state, with `state`). `verified`: the caller has just hashed this
-    checkpoint (it published it), so only the manifest and sizes are checked, not every byte
-    again. See load_checkpoint for a checkpoint that retention removes while it is read."""
-    out = load_checkpoint(path, device, verified)
-    return out if state else out[:2]
+    and its config (then its train_state, with `state`, and its tokenizer, with `tokenizer`).
+    `verified`: the caller has just hashed this checkpoint (it published it), so only the
+    manifest and sizes are checked, not every byte again. See load_checkpoint for a checkpoint
+    that retention removes while it is read."""
+    out = load_checkpoint(path, device, verified, tokenizer)
+    return out if state else (*out[:2], *out[3:])
 
 
 def _recorded(data, key: str):
@@ -279,7 +280,7 @@ def sample(model: Transformer, tokens: list[int], n: int, temperature: float = 0
 
 def generate_from_checkpoint(path, prompt: str, n: int, temperature: float = 0.8, top_k: int = 40,
                              seed: int = 0, device: str | torch.device = "cpu", verified: bool = False) -> str:
-    model, cfg, state, tok = load_checkpoint(path, sample_device(device), verified, tokenizer=True)
+    model, cfg, state, tok = load_model(path, sample_device(device), verified, state=True, tokenizer=True)
     out = sample(model, tok.encode(prompt), n, temperature, top_k, seed, getattr(tok, "eos_id", None))
     return tok.decode(out)
 
