@@ -34,6 +34,22 @@ from ndtrain.planner.stack import Stack
 FRAGMENTATION = 0.10
 DDP_BUCKETS = 2 * 25e6 * 4  # two 25 MB-element gradient buckets in flight
 
+# CPU ranks (Gloo). Measured per rank with benchmarks/memory_peak.py (peak resident set) and
+# torch.profiler's memory events (live tensor bytes), tiny preset at 8 and 24 layers, world 2
+# and 4, fp32 and bf16 (docs/benchmarks.md, "Peak resident memory per rank"). On this runtime
+# there are no separate 25 MB buckets: fp32 DDP runs on torch's reducer with
+# gradient_as_bucket_view (the buckets are the gradients, already counted), every other data
+# parallel layout on FSDP2, which moves one FSDP group at a time. Its largest group is the root
+# (embedding, final norm and head: fully_shard(model), reshard_after_forward=False), 4.2 M of
+# tiny's 10.5 M parameters. Each of its collectives holds three whole copies of the group:
+GLOO_GATHER_COPIES = 3  # all-gather: FSDP2's flat output, Gloo's own flat copy (newLikeFlat), the copy-out into the parameters
+GLOO_REDUCE_COPIES = 3  # reduce-scatter: the unsharded gradients, FSDP2's flat input, the all-to-all's received buffer (gloo_reduce_scatter.py)
+# The unshards run asynchronously on Gloo's worker thread (data_parallel.overlap_on_gloo), whose
+# flat buffers glibc keeps in that thread's own arena after they are freed: the current and the
+# prefetched group's. MALLOC_ARENA_MAX=1 removed 40 MiB of ZeRO-3's peak (tiny, world 4, fp32),
+# against 34 MiB for two fp32 root groups.
+GLOO_ARENA_GATHERS = 2
+
 
 def activation_terms(shape: Shape, stack: Stack, ac: str, fp8: bool = False) -> tuple[float, float, float]:
     """(R, S, score coefficient) of the module docstring for one layer, after `ac` is applied;
@@ -118,6 +134,25 @@ def device_params(shape: Shape, lay: Layout, layers: int, embed: bool, head: boo
     return dense, layers * shape.expert_params_layer / lay.ep
 
 
+def root_params(shape: Shape, lay: Layout, embed: bool, head: bool) -> float:
+    """Parameters outside the decoder blocks on one device (embedding, final norm, head): the
+    runtime's root FSDP group."""
+    return device_params(shape, lay, 0, embed, head)[0]
+
+
+def gloo_dp_buffers(pb: Problem, lay: Layout, embed: bool, head: bool, pbytes: int) -> float:
+    """Data-parallel communication bytes a CPU rank holds beyond its model states (the constants
+    above say what measured them): none on the DDP reducer or without data parallelism; on
+    FSDP2, the larger of its collectives on the largest group, plus the gathers glibc retains."""
+    if lay.dp * lay.cp <= 1 or lay.on_ddp_reducer(pb.cfg.is_moe, pb.precision):
+        return 0.0
+    sh = pb.shape
+    group = max(root_params(sh, lay, embed, head), sh.dense_params_layer / lay.tp + sh.expert_params_layer / lay.ep)
+    gather = GLOO_GATHER_COPIES * group * pbytes
+    reduce = GLOO_REDUCE_COPIES * group * pb.stack.grad_reduce_bytes
+    return max(gather, reduce) + GLOO_ARENA_GATHERS * group * pbytes
+
+
 def memory_breakdown(pb: Problem, lay: Layout, split: Split) -> dict:
     """Peak bytes on the fullest device, broken down. `split`: the layers per pipeline rank
     (problem.stage_split, the runtime's partition)."""
@@ -154,15 +189,18 @@ def memory_breakdown(pb: Problem, lay: Layout, split: Split) -> dict:
             logits = logit_elems * elt * (held + 1) if head else 0.0
         else:  # bf16 logits and the fp32 softmax kept, an fp32 gradient transient
             logits = logit_elems * ((elt + 4) * held + 4) if head else 0.0
+        buckets = DDP_BUCKETS if pb.gpu else gloo_dp_buffers(pb, lay, embed, head, pbytes)
         if zero == 3 and lay.reshards_after_forward:
             layer_psi = (sh.dense_params_layer / t + sh.expert_params_layer / lay.ep)
             buffers = layer_psi * (2 * pbytes + st.grad_reduce_bytes)  # two gathered layers + one layer's grads
+            if not pb.gpu:  # the root group and the last block stay gathered from forward to backward
+                buffers += (root_params(sh, lay, embed, head) + layer_psi) * pbytes * (1 - 1 / shard) + buckets
         elif zero == 3:
             # kept gathered from forward to backward (reshard_after_forward off, or a schedule
             # with a separate weight pass): the device's whole share, unsharded
-            buffers = (dense + expert) * pbytes * (1 - 1 / shard) + DDP_BUCKETS
+            buffers = (dense + expert) * pbytes * (1 - 1 / shard) + buckets
         else:
-            buffers = DDP_BUCKETS
+            buffers = buckets
         frag = pb.k.get("fragmentation", FRAGMENTATION) * (acts + logits + buffers)
         parts = {"params": dp_ + ep_, "grads": dg + eg, "optimizer": do + eo, "activations": acts,
                  "logits": logits, "buffers": buffers, "overhead": pb.overhead_bytes, "fragmentation": frag}
