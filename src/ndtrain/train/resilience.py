@@ -130,13 +130,12 @@ class Exclusion:
     def start(cls, cfg, persist: int) -> Exclusion | None:
         """None where the policy is `log` or the run is one process. A collective otherwise: every
         rank calls it at the same point (Recovery's construction)."""
-        import torch.distributed as dist
+        from ndtrain.train.distributed import gather_objects, group_active
 
         res = cfg.resilience
-        if "exclude" not in (res.on_straggler, res.on_failure) or not (dist.is_initialized() and dist.get_world_size() > 1):
+        if "exclude" not in (res.on_straggler, res.on_failure) or not group_active():
             return None
-        table: list = [None] * dist.get_world_size()
-        dist.all_gather_object(table, (group_rank(), host_id(), restarts_left()))
+        table = gather_objects((group_rank(), host_id(), restarts_left()))
         return cls(cfg, persist, [g for g, _, _ in table], [h for _, h, _ in table], min(r for _, _, r in table))
 
     def decide(self, step: int, named: list[tuple[int, float]], rank: int, world: int, layout: str,

@@ -53,14 +53,9 @@ class Preemption:
 
     def agreed(self, device) -> bool:
         """Whether any rank was asked to stop (one small all-reduce when there is a group)."""
-        import torch
-        import torch.distributed as dist
+        from ndtrain.train.distributed import any_rank
 
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return self.requested
-        t = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item() > 0)
+        return any_rank(self.requested, device)
 
     def close(self) -> None:
         # A stopped worker exits next, with 143: a late signal must not turn that into -15. A
