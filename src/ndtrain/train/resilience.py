@@ -243,17 +243,25 @@ def mark_ended(run_dir: Path) -> None:
         pass
 
 
-def failure_counts(run_dir: Path, since: float) -> dict[str, int]:
-    counts: dict[str, int] = {}
+def _rows(path: Path) -> list[dict]:
+    """The JSON rows of a .jsonl file; none if it is unreadable, a torn or bad line skipped (a
+    killed writer can leave one)."""
     try:
-        lines = (_ledger(run_dir) / "failures.jsonl").read_text().splitlines()
+        lines = path.read_text().splitlines()
     except OSError:
-        return counts
+        return []
+    rows = []
     for line in lines:
         try:
-            row = json.loads(line)
+            rows.append(json.loads(line))
         except json.JSONDecodeError:
             continue
+    return [r for r in rows if isinstance(r, dict)]
+
+
+def failure_counts(run_dir: Path, since: float) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for row in _rows(_ledger(run_dir) / "failures.jsonl"):
         if row.get("time", 0) >= since:
             counts[row.get("host")] = counts.get(row.get("host"), 0) + 1
     return counts
@@ -262,15 +270,7 @@ def failure_counts(run_dir: Path, since: float) -> dict[str, int]:
 def excluded_hosts(run_dir: Path) -> set[str]:
     """Every host an `exclude` event of this run's metrics.jsonl names."""
     out = set()
-    try:
-        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return out
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for row in _rows(Path(run_dir) / "metrics.jsonl"):
         if row.get("event") == "exclude" and row.get("host"):
             out.add(row["host"])
     return out
