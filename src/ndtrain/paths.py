@@ -1,6 +1,7 @@
 """Checks on paths the user gives, before any work: a directory that can be written (or
 created), a file that can be written. Probed for real (as root, access() says yes to almost
-everything) and without leaving anything behind. Torch-free: the planner uses them too."""
+everything) and without leaving anything behind. Torch-free: the planner uses them too. Also
+the one directory fsync that prepare's and the checkpoints' renames both need to be durable."""
 
 from __future__ import annotations
 
@@ -9,6 +10,15 @@ import tempfile
 from pathlib import Path
 
 from ndtrain.errors import ConfigError, NdtrainError
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (a rename into it survives a power cut only after this)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _error(key: str):

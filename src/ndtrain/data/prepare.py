@@ -33,6 +33,7 @@ from ndtrain.data.sources import (Skipped, SourceFile, check_readable, collect, 
                                   plan_units, sample_texts)
 from ndtrain.data.tokenizer import BPETokenizer, check_bpe_vocab_size, load_tokenizer, make_tokenizer
 from ndtrain.errors import NdtrainError
+from ndtrain.paths import fsync_dir
 
 __all__ = ["prepare", "ensure_prepared", "main", "default_corpus_root"]
 
@@ -92,14 +93,6 @@ def _locked(directory: Path):
         except BlockingIOError:
             raise NdtrainError(f"{directory}: another `ndtrain prepare` is writing this corpus") from None
         yield
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -218,11 +211,11 @@ def _create(out: Path, tok, files, roots, settings, args, max_bytes, workers, sh
         writer.commit()
         manifest = _manifest(None, tok, tmp, writer, part, records, roots, settings, args)
         write_json_atomic(tmp / MANIFEST_NAME, manifest)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if out.exists():
             out.rmdir()  # only an empty directory gets here (_existing refuses anything else)
         os.rename(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
         return manifest
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -264,7 +257,7 @@ def _append(out: Path, old: dict, files, roots, settings, max_bytes, workers, sh
             writer.commit()  # new names only: no listed shard is touched
             manifest = _manifest(old, tok, out, writer, part, records, roots, settings, None)
             write_json_atomic(out / MANIFEST_NAME, manifest)  # the single switch to the grown corpus
-            _fsync_dir(out)
+            fsync_dir(out)
         except BaseException:
             writer.abort()
             raise

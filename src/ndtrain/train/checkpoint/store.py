@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ndtrain.data.manifest import TOKENIZER_NAME as TOKENIZER
 from ndtrain.errors import NdtrainError
+from ndtrain.paths import fsync_dir
 from ndtrain.model.config import ARCHITECTURE_KEYS, FUNCTION_KEYS
 
 MARKER = "COMPLETE"
@@ -40,14 +41,6 @@ def sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_manifest(ckpt: Path) -> None:
