@@ -4,7 +4,9 @@ global: the returned `Runtime` is passed to whatever needs it."""
 from __future__ import annotations
 
 import ctypes
+import glob
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -15,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ndtrain.errors import NdtrainError, UsageError
+from ndtrain.errors import ConfigError, NdtrainError, UsageError
 
 
 @dataclass
@@ -34,11 +36,59 @@ class Runtime:
 def choose_device(device: str, backend: str) -> tuple[str, str]:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        seen = visible_gpu() if device == "cpu" else None
+        if seen:  # a GPU job that would otherwise train on the CPU, hours slower, without a word
+            raise ConfigError("train.device", f"'auto' sees a GPU ({seen}) but torch {torch.__version__} cannot use "
+                                              f"it ({cuda_unusable_reason()}); install a torch build that matches the "
+                                              f"driver, or set train.device='cpu' to train on the CPU")
     if device == "cuda" and not torch.cuda.is_available():
         raise NdtrainError("train.device='cuda' but no CUDA device is available")
     if backend == "auto":
         backend = "nccl" if device == "cuda" else "gloo"
     return device, backend
+
+
+def visible_gpu(environ=None) -> str:
+    """What says this host has an NVIDIA GPU meant for this process ('' when nothing does): a
+    device node, the driver's tool, or a scheduler's CUDA_VISIBLE_DEVICES (one that hides every
+    GPU, '' or '-1', says the opposite)."""
+    env = os.environ if environ is None else environ
+    nodes = sorted(glob.glob("/dev/nvidia[0-9]*"))
+    if nodes:
+        return nodes[0]
+    if shutil.which("nvidia-smi"):
+        return "nvidia-smi on PATH"
+    visible = env.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if visible and not visible.startswith("-"):
+        return f"CUDA_VISIBLE_DEVICES={visible}"
+    return ""
+
+
+def cuda_unusable_reason() -> str:
+    """Why torch cannot use CUDA here, in the words of whatever refused."""
+    if torch.version.cuda is None:
+        return "this torch is built without CUDA"
+    try:
+        torch.cuda.init()
+    except Exception as exc:  # the driver's or the runtime's own text: too old, not loaded, no device
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        return f"CUDA {torch.version.cuda} runtime: {first[:200]}"
+    return f"CUDA {torch.version.cuda} runtime reports no usable device"
+
+
+ALLOC_CONF_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the old name and torch >= 2.9's
+
+
+def default_allocator(environ=None) -> bool:
+    """On CUDA, expandable segments unless the user configured the allocator: a step's tensors of
+    changing sizes (packed documents, MoE's per-expert groups) then grow one mapping instead of
+    leaving cached blocks that fit nothing, the fragmentation behind out-of-memory errors with
+    memory free. Read by the allocator when CUDA initializes, so this runs before. True when set."""
+    env = os.environ if environ is None else environ
+    if any(env.get(name) for name in ALLOC_CONF_ENV):
+        return False
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    return True
 
 
 def under_launcher() -> bool:
@@ -103,6 +153,8 @@ def setup(train_cfg) -> Runtime:
     env = launch_env()
     world = env_world_size()
     local_rank = env["LOCAL_RANK"]
+    if device_type == "cuda" and not torch.cuda.is_initialized():
+        default_allocator()
     device = bind_device(device_type, local_rank)
     if world > 1 and not dist.is_initialized():
         try:

@@ -4,9 +4,7 @@
   metrics is refused; `train.overwrite = true` moves the old run aside (nothing is deleted).
 - `checkpoint.resume = auto` needs a run directory that exists: otherwise it could only ever
   start from scratch, which is what a mistyped directory looks like.
-- A lock file (`.ndtrain.lock`, holding the owner's pid and host) keeps two live runs out of one
-  directory. It is an flock: the kernel releases it when its owner dies, however it dies, so a
-  lock left by a dead process is taken over (with a message) and a live one never is.
+- A lock keeps two live runs out of one directory (run_lock.py).
 
 One process per run holds the lock: the `--nproc` launcher (its workers, and their restarts, are
 its own) or, under a plain torchrun, rank 0 (a restart attempt or a re-formed elastic group of
@@ -19,22 +17,15 @@ directory as a run's once it holds the lock. A run directory ndtrain derives
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import json
 import os
-import socket
-import stat
 import time
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 from ndtrain.errors import ConfigError, NdtrainError
 from ndtrain.paths import check_creatable, component_problem
-from ndtrain.train.run_files import LOCK_NAME, RUN_ENTRIES, RUN_MARKER, check_entries, mark
-
-LAUNCHER_ENV = "NDTRAIN_RUN_LOCK_PID"  # set by `ndtrain train --nproc` for its workers: the lock's holder
+from ndtrain.train.run_files import LOCK_NAME, RUN_ENTRIES, RUN_MARKER, check_entries, mark  # noqa: F401 (LOCK_NAME: read here by tests)
+from ndtrain.train.run_lock import LAUNCHER_ENV, RunLock, describe_owner, held_by_launcher  # noqa: F401 (LAUNCHER_ENV: the launcher reads it here)
 
 
 # Lives here, not in run_files: it reads the trackers' and the job hooks' names, and those
@@ -139,99 +130,6 @@ def check_derived(cfg, run_dir: Path) -> None:
                        f"runs/: give the launcher a plain run id (no '/'), or set --train.output_dir")
 
 
-# ---- the lock ---------------------------------------------------------------------------------
-def _describe(owner: dict) -> str:
-    started = owner.get("started")
-    when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else ""
-    return f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')}{when}"
-
-
-def _read(fd: int) -> dict:
-    os.lseek(fd, 0, os.SEEK_SET)
-    data = b""
-    while chunk := os.read(fd, 65536):
-        data += chunk
-    try:
-        owner = json.loads(data.decode() or "{}")
-    except (UnicodeDecodeError, ValueError):
-        return {}
-    return owner if isinstance(owner, dict) else {}
-
-
-@dataclass
-class RunLock:
-    path: Path
-    fd: int
-    previous: dict  # what the lock file held before: a dead owner's record, or {}
-    also: list = field(default_factory=list)  # the locks of the other directories the run writes, held with it
-
-    @classmethod
-    def acquire(cls, run_dir: Path, run_id: str = "", key: str = "train.output_dir") -> RunLock:
-        run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / LOCK_NAME
-        while True:
-            # O_NOFOLLOW and one link only: the lock is truncated and rewritten below, which a
-            # symlink or a hard link would do to a file outside the run directory.
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-            except OSError as exc:
-                if exc.errno not in (errno.ELOOP, errno.ENXIO):
-                    raise
-                raise NdtrainError(f"{path} is a symbolic link or not a regular file: the run lock is a file "
-                                   f"of the run directory's own; remove it") from None
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-                os.close(fd)
-                raise NdtrainError(f"{path} is not a regular file of its own (it is "
-                                   f"{'linked under another name' if stat.S_ISREG(st.st_mode) else 'not a file'}): "
-                                   f"the run lock is rewritten, so it must be the run directory's alone; remove it")
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                owner = _read(fd)
-                os.close(fd)
-                raise NdtrainError(f"{run_dir} is in use by a live run ({_describe(owner)}; lock {path}): wait for "
-                                   f"it to finish or stop it, or choose another {key}") from None
-            try:  # the holder we waited for may have removed the file: then lock the new one
-                same = os.fstat(fd).st_ino == os.lstat(path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)
-        previous = _read(fd)
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "run_id": run_id}
-        os.ftruncate(fd, 0)
-        os.lseek(fd, 0, os.SEEK_SET)
-        os.write(fd, json.dumps(record).encode())
-        return cls(path, fd, previous)
-
-    def release(self) -> None:
-        for other in self.also:
-            other.release()
-        if self.fd < 0:
-            return
-        try:
-            os.unlink(self.path)  # before unlocking: a waiter then sees a new inode and retries
-        except OSError:
-            pass
-        os.close(self.fd)
-        self.fd = -1
-
-
-def held_by_launcher(run_dir: Path) -> bool:
-    """A worker of `ndtrain train --nproc`: its launcher holds the lock of this directory."""
-    pid = os.environ.get(LAUNCHER_ENV, "")
-    if not pid:
-        return False
-    try:
-        with os.fdopen(os.open(Path(run_dir) / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)) as f:
-            return str(json.load(f).get("pid")) == pid
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def claim(cfg, run_dir: Path, restart: bool = False, run_id: str = "", log=print) -> RunLock:
     """Checks that this run may use `run_dir` and locks it. Raises NdtrainError (one line) and
     leaves the directory as it was when it may not."""
@@ -262,10 +160,13 @@ def claim(cfg, run_dir: Path, restart: bool = False, run_id: str = "", log=print
         inside = run_dir.resolve() in ckpt_root.resolve().parents
         if not inside and ckpt_root.resolve() != run_dir.resolve():
             lock.also.append(RunLock.acquire(ckpt_root, run_id, ckpt_key))
+        for held in (lock, *lock.also):
+            if held.note:
+                log(held.note)
         previous = lock.previous
         same_run = bool(run_id) and previous.get("run_id") == run_id
         if previous.get("pid") and not same_run:
-            log(f"took over the lock of a run that is gone ({_describe(previous)}): {lock.path}")
+            log(f"took over the lock of a run that is gone ({describe_owner(previous)}): {lock.path}")
         traces = run_traces(run_dir, ckpt_root) if fresh and not same_run else []
         if traces:  # a run may have finished between the first look and the lock
             if not cfg.train.overwrite:
