@@ -52,9 +52,49 @@ def fused_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
     return device_type == "cpu" or dtype == torch.bfloat16
 
 
+def cuda_group_rule(a: torch.Tensor, b: torch.Tensor) -> tuple[int, bool]:
+    """What torch's CUDA grouped GEMM (2.11 to 2.13, GroupMMCommon.cuh) asks of the group sizes
+    for operands a, b with offsets: (the multiple every size must be, whether a group may be
+    empty). Each group's operand starts at an address offset along the grouped dimension, which
+    TMA needs 16-byte aligned. Where that step is a row stride (itself checked to be 16 bytes) any
+    size works; where it is one element it must be a multiple of 16 bytes' worth. The experts'
+    forward (row-major tokens x [E, a, b]) and the two grouped GEMMs autograd runs for it need no
+    multiple, and may meet an expert that got no token (tests/model/test_moe_grouped_alignment.py
+    records all three)."""
+    def row_major(t):
+        return t.stride(-1) == 1
+
+    def elements(t):
+        return 16 // t.element_size()
+
+    if a.dim() == 2 and b.dim() == 3:  # groups of rows (M)
+        return (1 if row_major(a) else elements(a)), True
+    if a.dim() == 3 and b.dim() == 2:  # groups of output columns (N); the output, a's dtype, is row-major
+        return max(elements(a), elements(b) if row_major(b) else 1), True
+    # 2D x 2D: groups along the contraction (K), a weight gradient; CUTLASS takes no empty group
+    # there unless a is column-major and b row-major
+    need = max(elements(a) if row_major(a) else 1, 1 if row_major(b) else elements(b))
+    return need, (not row_major(a)) and row_major(b)
+
+
+def fused_operands(device_type: str, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the fused kernel takes these operands at any group sizes: on CUDA every row stride
+    and base address 16-byte aligned (a model width that is not a multiple of 8 bf16 elements
+    fails torch's check inside the first step) and no multiple on the group sizes; otherwise
+    the per-expert matmuls run it (correct, one host read per call)."""
+    if device_type != "cuda":
+        return True
+
+    def leading(t):  # the stride between rows (row-major) or columns (column-major)
+        return t.stride(-2) if t.stride(-1) == 1 else t.stride(-1)
+
+    aligned = all(leading(t) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0 for t in (x, w))
+    return aligned and cuda_group_rule(x, w)[0] == 1
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x [N, a] split into len(w) row groups ending at `offs`, each times its w[g] [a, b]."""
-    if fused_grouped_mm(x.device.type, x.dtype):
+    if fused_grouped_mm(x.device.type, x.dtype) and fused_operands(x.device.type, x, w):
         return F.grouped_mm(x, w, offs=offs)
     # Other dtypes (fp32 training on CUDA) fall back to one matmul per group, which reads the
     # group sizes to the host: a sync per call. bf16 (autocast, FSDP's bf16 policy) avoids it.
