@@ -68,6 +68,7 @@ class Evaluator:
         self.peak_total = peak16 * pb.world
         self.evaluated = 0
         self.sized = 0
+        self.bounded = 0  # lower bounds computed: the search's work counts (tests and benchmarks read them)
 
     def layer(self, lay: Layout) -> dict:
         key = (lay.tp, lay.cp, lay.mb, lay.ac, lay.sp, lay.ep, lay.pairs_forward_backward, lay.compile,
@@ -87,6 +88,7 @@ class Evaluator:
 
     def lower_bound(self, lay: Layout) -> float:
         """Busy time plus bubble: what the step costs before memory traffic and DP/PP comm."""
+        self.bounded += 1
         lc = self.layer(lay)
         split = self.split(lay, lc)
         if split is None:
@@ -136,6 +138,7 @@ class SearchResult:
     fitting: int  # layouts found to fit in memory
     seconds: float
     sized: int = 0  # layouts whose memory was computed
+    bounded: int = 0  # lower bounds (busy time + bubble) computed, to order meshes and prune layouts
     fastest_over_cap: Prediction | None = None
     best_by_mesh: dict = field(default_factory=dict)  # (tp, cp, pp, ep) -> fastest fitting Prediction
     # Why layouts were dropped, for an empty search to name its cause (planner/refusal.py):
@@ -287,7 +290,7 @@ def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: l
     over = ev(stats["over"], check=False) if stats["over"] is not None else None
     over = over if over and (not top or over.step_time < top[0].step_time) else None
     return SearchResult(top=top, considered=stats["considered"], evaluated=ev.evaluated, fitting=stats["fitting"],
-                        sized=ev.sized, seconds=time.perf_counter() - start, fastest_over_cap=over,
+                        sized=ev.sized, bounded=ev.bounded, seconds=time.perf_counter() - start, fastest_over_cap=over,
                         best_by_mesh=by_mesh, refusals=refusals)
 
 
