@@ -1,6 +1,7 @@
 """`ndtrain report RUN_DIR [RUN_DIR ...] --out report.html`: a run, or several overlaid, at a
 glance. One self-contained HTML file (every image embedded as a data URI, nothing fetched from
-the network, no script) plus the same PNGs beside it (`<out stem>-<figure>.png`).
+the network, no script) plus the same PNGs beside it (`<out stem>-<figure>.png`). A file of those
+names that the report at --out did not write is never replaced: the report refuses instead.
 
 It reads what the run directory holds (config.toml, metrics.jsonl, pipeline_trace.json), so
 it works on a run that is still going and on one that crashed and restarted; torch is not
@@ -44,6 +45,27 @@ def check_out(out: Path) -> None:
             raise NdtrainError(f"--out {out}: exists and is not an ndtrain report; refusing to overwrite it")
         if not os.access(out, os.W_OK):
             raise NdtrainError(f"--out {out}: is not writable")
+
+
+def figure_path(out: Path, suffix: str) -> Path:
+    return out.with_name(f"{out.stem}-{suffix}.png")
+
+
+def check_figures(out: Path, suffixes: list[str]) -> None:
+    """A figure file beside --out may be replaced only when the report at --out embeds exactly
+    its bytes: that report wrote it and nobody changed it since. Anything else of those names is
+    the user's, and the report is refused before it draws anything."""
+    report = None
+    for suffix in suffixes:
+        target = figure_path(out, suffix)
+        if not os.path.lexists(target):
+            continue
+        if report is None:  # check_out let through only a report of ours at --out
+            report = out.read_bytes() if out.is_file() else b""
+        ours = target.is_file() and not target.is_symlink() and target.stat().st_size < len(report)
+        if not ours or b'src="data:image/png;base64,' + base64.b64encode(target.read_bytes()) + b'"' not in report:
+            raise NdtrainError(f"--out {out}: {target} exists and is not a figure of the report at {out}; refusing "
+                               f"to replace it (move it aside, or choose another --out)")
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -126,6 +148,30 @@ def membership_changes(run: Run) -> str:
     return " | ".join(out) or "none"
 
 
+AFTER = {"finished": "finished", "stopped": "was stopped (a signal)", "interrupted": "was interrupted (Ctrl-C)",
+         "left": "left the group", None: "ended without a record (a crash, or an older ndtrain)"}
+
+
+def resumes(run: Run) -> str:
+    """Each attempt a new launch began (a user's `ndtrain train` again): the step, the world
+    before and after, how the attempt before it ended, and the time between them, which was the
+    user's and is not counted as lost."""
+    out, world = [], None
+    for e in run.starts:
+        if e.get("kind") == "resume":
+            ranks = f"{world} -> {e.get('world')} ranks" if world != e.get("world") else f"{e.get('world')} ranks"
+            pause = f", {_duration(e['since_previous_s'])} after it" if e.get("since_previous_s") is not None else ""
+            out.append(f"step {e['step']} on {ranks}: the attempt before {AFTER.get(e.get('after'), e.get('after'))}"
+                       f"{pause} (the user's time, not lost)")
+        world = e.get("world")
+    return " | ".join(out) or "none"
+
+
+def self_healing(run: Run) -> bool:
+    """Whether a change of world in this run was torch elastic's (a resume's is the user's)."""
+    return any(e.get("event") == "membership" and not e.get("resume") for e in run.events)
+
+
 def world_timeline(run: Run) -> str:
     """The world size over time: each stretch's ranks, from when (since the run's first row) and
     from which step."""
@@ -174,8 +220,11 @@ def header_rows(runs: list[Run], now: float, profile: str | None = None) -> list
     add("MFU (median, last attempt)", lambda r: _num(_median(r.train, "mfu", warm(r)), ".1%"))
     add("restarts / rollbacks / skipped steps", lambda r: f"{len(r.restarts)} / {r.count('rollback')} / "
         f"{sum(1 for x in r.train if x.get('skipped'))}")
-    if any(e.get("event") == "membership" for r in runs for e in r.events):
+    if any(r.resumes for r in runs):
+        add("resumed by a new launch (ndtrain train again)", resumes)
+    if any(self_healing(r) for r in runs):
         add("membership changes (self-healing)", membership_changes)
+    if any(len(world_over_time(r)) > 1 for r in runs):
         add("world size over time", world_timeline)
     add("checkpoints saved", lambda r: str(len(r.checkpoints)))
     add("planner (auto): predicted vs measured", auto)
@@ -239,6 +288,7 @@ def build_report(run_dirs: list[str], out: str | Path, profile: str | None = Non
 
     out = Path(out)
     check_out(out)
+    check_figures(out, [suffix for suffix, _, _ in FIGURES])
     if profile:  # a missing or unreadable profile is refused before any work, not printed in a cell
         from ndtrain.planner.profile import load
 
@@ -251,7 +301,7 @@ def build_report(run_dirs: list[str], out: str | Path, profile: str | None = Non
     now = time.time()
     pngs: list[tuple[str, Path]] = []
     for suffix, section, draw in FIGURES:
-        target = out.with_name(f"{out.stem}-{suffix}.png")
+        target = figure_path(out, suffix)
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}.png")
         try:
             if draw(runs, tmp) is not None:
@@ -273,7 +323,7 @@ def main(argv: list[str]) -> int:
     out, pngs = build_report(args.run_dirs, args.out, args.profile)
     print(f"wrote {out} ({len(pngs)} figures; PNGs beside it: {', '.join(p.name for p in pngs)})")
     for run in [read_run(d) for d in args.run_dirs]:  # self-healing: what each change cost, on the terminal too
-        if any(e.get("event") == "membership" for e in run.events):
+        if self_healing(run):
             print(f"{run.path}: world size over time: {world_timeline(run)}")
             for change in membership_changes(run).split(" | "):
                 print(f"  {change}")

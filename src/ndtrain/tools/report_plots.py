@@ -16,6 +16,7 @@ COLORS = plt.get_cmap("tab10").colors
 MARKS = {  # event -> (colour, label) on the timeline
     "checkpoint": ("#2ca02c", "checkpoint saved"),
     "restart": ("#d62728", "restart"),
+    "resume": ("#1f77b4", "resumed (a new ndtrain train)"),
     "rollback": ("#ff7f0e", "rolled back"),
     "skipped": ("#9467bd", "skipped step (non-finite)"),
     "skip_window": ("#8c564b", "data window skipped"),
@@ -196,9 +197,11 @@ def timeline(runs: list[Run], path: Path) -> Path | None:
     def _at(t: float, t0: float) -> float:
         return (t - t0) / unit
 
-    def mark(kind: str, x: float, y: float, marker: str, size: float = 40) -> None:
-        color, label = MARKS[kind]
-        ax.scatter([x], [y], marker=marker, s=size, color=color, zorder=5, label=None if kind in seen else label)
+    def mark(kind: str, x: float, y: float, marker: str, size: float = 40, color=None) -> None:
+        label = MARKS[kind][1]
+        ax.scatter([x], [y], marker=marker, s=size, color=color or MARKS[kind][0], zorder=5,
+                   edgecolors="black" if color else "face", linewidths=0.6,
+                   label=None if kind in seen else label + (" (in its run's colour)" if color else ""))
         seen.add(kind)
 
     for i, (run, span) in enumerate(zip(runs, spans)):
@@ -212,7 +215,7 @@ def timeline(runs: list[Run], path: Path) -> Path | None:
             seen.add("redo")
         xs, ys = _series(run.train, "time", "step")
         # No line across a restart: the stretch between attempts trained nothing.
-        cuts = sorted(e["time"] for e in run.restarts if e.get("time") is not None)
+        cuts = sorted(e["time"] for e in run.restarts + run.resumes if e.get("time") is not None)
         px, py = [], []
         for k, (x, y) in enumerate(zip(xs, ys)):
             if k and any(xs[k - 1] < c <= x for c in cuts):
@@ -221,9 +224,9 @@ def timeline(runs: list[Run], path: Path) -> Path | None:
             px.append(_at(x, t0))
             py.append(y)
         ax.plot(px, py, color=_color(i), lw=1.5, label=run.label)
-        for c in run.checkpoints:
+        for c in run.checkpoints:  # overlaid runs: each run's saves in its line's colour
             if "time" in c:
-                mark("checkpoint", _at(c["time"], t0), c["step"], "^")
+                mark("checkpoint", _at(c["time"], t0), c["step"], "^", color=_color(i) if len(runs) > 1 else None)
         for r in run.train:
             if r.get("skipped") and "time" in r:
                 mark("skipped", _at(r["time"], t0), r["step"], "x", 50)
@@ -237,6 +240,16 @@ def timeline(runs: list[Run], path: Path) -> Path | None:
             world = f", world {e['world']}" if e.get("world") else ""
             ax.annotate(f"restart {k + 1} at step {e['step']}{world}", (x, e["step"]), fontsize=7, color=color,
                         xytext=(4, 6), textcoords="offset points")
+        for e in run.resumes:  # the user's own stop and start again: no failure, nothing lost
+            if e.get("time") is None:
+                continue
+            x = _at(e["time"], t0)
+            color, label = MARKS["resume"]
+            ax.axvline(x, color=color, lw=1, ls=":", label=None if "resume" in seen else label)
+            seen.add("resume")
+            world = f", world {e['world']}" if e.get("world") else ""
+            ax.annotate(f"resumed at step {e['step']}{world}", (x, e["step"]), fontsize=7, color=color,
+                        xytext=(4, -10), textcoords="offset points")
         for e in run.events:
             if e.get("event") in ("rollback", "skip_window", "straggler") and e.get("time") is not None:
                 mark(e["event"], _at(e["time"], t0), e["step"], {"rollback": "v", "skip_window": "s"}

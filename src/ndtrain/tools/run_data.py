@@ -20,6 +20,11 @@ from ndtrain.errors import NdtrainError
 from ndtrain.layout.flops import shown_fraction
 
 EVENTS_THAT_REWIND = ("start", "restart", "rollback")
+# Keys the report computes with: a row that gives one of them as anything but a number (or null)
+# was not written by ndtrain, and is refused by file and line rather than drawn wrong.
+NUMERIC_KEYS = ("loss", "val_loss", "time", "lr", "grad_norm", "tokens_per_s", "mfu", "mfu_fp8", "step_time_s",
+                "tokens_seen", "peak_memory_mb", "checkpoint_stall_s", "checkpoint_total_s", "world", "old_world",
+                "attempt", "ratio", "worker_started", "imported", "predicted_step_time")
 
 
 @dataclass
@@ -47,9 +52,16 @@ class Run:
 
     @property
     def restarts(self) -> list[dict]:
-        """Attempts after the first (a first attempt that resumed from a given checkpoint is a
-        start), or step regressions in runs from before attempts were logged."""
-        return self.starts[1:] + [e for e in self.events if e.get("event") == "restart (inferred)"]
+        """Attempts after the first that torchrun began (after a failure, or re-forming the group),
+        or step regressions in runs from before attempts were logged; not a user's resume."""
+        return [e for e in self.starts[1:] if e.get("kind") != "resume"] + \
+            [e for e in self.events if e.get("event") == "restart (inferred)"]
+
+    @property
+    def resumes(self) -> list[dict]:
+        """Attempts a new launch began (a user's `ndtrain train` again, --checkpoint.resume=auto):
+        the time before them was the user's, not lost to a failure."""
+        return [e for e in self.starts[1:] if e.get("kind") == "resume"]
 
     def count(self, event: str) -> int:
         return sum(1 for e in self.events if e.get("event") == event)
@@ -117,7 +129,7 @@ def read_rows(path: Path) -> tuple[list[dict], int]:
         return [], 0
     rows, bad = [], 0
     with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
@@ -126,6 +138,11 @@ def read_rows(path: Path) -> tuple[list[dict], int]:
                 bad += 1
                 continue
             if isinstance(row, dict) and isinstance(row.get("step"), int):
+                for key in NUMERIC_KEYS:
+                    value = row.get(key)
+                    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                        raise NdtrainError(f"{path}, line {number}: {key!r} is {str(value)[:40]!r}, not a number; "
+                                           f"this row was not written by ndtrain (fix or remove the line)")
                 for key in ("mfu", "mfu_fp8"):  # an older ndtrain logged MFU above 100% (a wrong peak)
                     if row.get(key) is not None:
                         row[key] = shown_fraction(row[key])
@@ -191,6 +208,7 @@ def read_run(path: str | Path, label: str | None = None) -> Run:
             run.events.append(row)
         elif "rank_busy_s" in row or "rank_peak_memory_mb" in row:
             run.ranks.append(row)
+    _classify_attempts(rows)
     run.train = [train[s] for s in sorted(train)]
     run.val = [val[s] for s in sorted(val)]
     trace = path / "pipeline_trace.json"
@@ -200,6 +218,38 @@ def read_run(path: str | Path, label: str | None = None) -> Run:
         except ValueError:
             run.pipeline = None  # written by rank 0 in one go; a torn file is simply not drawn
     return run
+
+
+def _classify_attempts(rows: list[dict]) -> None:
+    """Marks each start row after the first with `kind`: "resume" (a new launch: the user ran
+    `ndtrain train` again) or "restart" (torchrun began it: after a failure, or re-forming the
+    group), and `after`: how the attempt before it ended ("finished", "stopped" by a signal,
+    "interrupted", "left" the group; None: no end recorded, a crash or an older ndtrain). A
+    `membership` row before a resume is marked too: the user changed the world, no self-healing did.
+    Runs whose start rows do not record their launch count a start after a finished attempt
+    as a resume (nothing restarts a finished run) and any other as a restart."""
+    from ndtrain.train.resilience import new_launch
+
+    previous, ended, membership, last_time = None, None, None, None
+    for row in rows:
+        event = row.get("event")
+        if event not in ("start", "restart", "membership") and isinstance(row.get("time"), (int, float)):
+            last_time = row["time"]
+        if "loss" in row and row.get("last"):
+            ended = ended or "finished"
+        elif event == "end":
+            ended = str(row.get("how") or "stopped")
+        elif event == "membership":
+            membership = row
+        elif event in ("start", "restart"):
+            if previous is not None:
+                resume = bool(new_launch(previous, row)) or ended == "finished"
+                row["kind"], row["after"] = ("resume" if resume else "restart"), ended
+                if isinstance(row.get("time"), (int, float)) and last_time is not None:
+                    row["since_previous_s"] = row["time"] - last_time
+                if membership is not None and resume:
+                    membership["resume"] = True
+            previous, ended, membership = row, None, None
 
 
 def tokens_at(run: Run, step: int) -> float | None:
@@ -298,7 +348,7 @@ def membership_phases(run: Run) -> list[dict]:
     steps = sorted((r for r in run.train + run.superseded if isinstance(r.get("time"), (int, float))),
                    key=lambda r: r["time"])
     timed = [e for e in run.events if isinstance(e.get("time"), (int, float))]
-    changes = [e for e in timed if e.get("event") == "membership"]
+    changes = [e for e in timed if e.get("event") == "membership" and not e.get("resume")]
     out = []
     for i, m in enumerate(changes):
         at, step = m["time"], m["step"]

@@ -171,6 +171,10 @@ def _loop(plan, run_dir: Path, reached: dict) -> dict:
         note = plan.prediction.uncalibrated  # said in the same line: how far an uncalibrated plan may be off
         log.info(f"planned layout: measured {measured:.3f} s/step vs predicted "
                  f"{plan.prediction.step_s:.3f} s/step" + (f" ({note})" if note else ""))
+    # How this attempt ended (a crash writes nothing): the report tells a user's resume after it
+    # from a failure's restart.
+    log.log({"step": progress.step, "event": "end", "how": "interrupted" if interrupted else "stopped" if preempted
+             else "left" if guard.leave else "finished"})
     summary = {"run_dir": str(run_dir), "steps": progress.step, "val_loss": last_val, "checkpoint": str(path),
                "preempted": preempted, "interrupted": interrupted,
                "stop_signal": guard.preemption.signal_name if preempted else "", "leave": guard.leave}
@@ -201,14 +205,16 @@ def _start(plan, run_dir: Path, progress, rt, ckpt, log, peaks) -> None:
         if ckpt.resume(spec) is not None:
             break
     log.start(progress.step)
-    if rt.is_main and (change := resilience.membership_change(run_dir, rt.world_size, layout.describe())):
+    # Each attempt's first row: the report marks restarts, resumes (a new launch) and changes of
+    # world or layout by it.
+    start = {"step": progress.step, "event": "restart" if ckpt.loaded_from or recovery.restart_count() else "start",
+             "attempt": recovery.restart_count(), "launch": resilience.launch_id(), "world": rt.world_size,
+             "layout": layout.describe(), "tokens_seen": progress.tokens_seen,
+             "resumed_from": str(ckpt.loaded_from or "") or None, "plan": plan.as_dict()}
+    if rt.is_main and (change := resilience.membership_change(run_dir, rt.world_size, layout.describe(), start)):
         log.log({"step": progress.step, **change[0]})  # the previous attempt excluded a host: old and new layout
         log.info(change[1])
-    # Each attempt's first row: the report marks restarts and changes of world or layout by it.
-    log.log({"step": progress.step, "event": "restart" if ckpt.loaded_from or recovery.restart_count() else "start",
-             "attempt": recovery.restart_count(), "world": rt.world_size, "layout": layout.describe(),
-             "tokens_seen": progress.tokens_seen, "resumed_from": str(ckpt.loaded_from or "") or None,
-             "plan": plan.as_dict()})
+    log.log(start)
     log.info(f"ndtrain: {cfg.model.preset} model, {num_params(cfg.model) / 1e6:.2f}M parameters, "
              f"layout {layout.describe()} on {rt.world_size} x {rt.device.type}, "
              f"peak {peaks.total / 1e9:.1f} GFLOP/s ({peaks.source}"

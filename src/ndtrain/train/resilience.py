@@ -27,6 +27,7 @@ import signal
 import socket
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -300,10 +301,34 @@ def leave(decision: Leave, rank: int) -> None:
     os._exit(decision.code)
 
 
-def membership_change(run_dir: Path, world: int, layout: str) -> tuple[dict, str] | None:
+def launch_id() -> str:
+    """Who launched this attempt: torchrun's run id (the same for its restarts and re-rendezvous;
+    `--standalone` draws a new one per launch), else a fresh id (a process with no agent is
+    never restarted in place: each is a launch of its own). Each start row records it."""
+    from ndtrain.train.recovery import run_id
+
+    return run_id() or f"process-{uuid.uuid4().hex[:12]}"
+
+
+def new_launch(previous: dict, start: dict) -> bool | None:
+    """Whether the start row `start` began a new launch (a user's new `ndtrain train`, not torchrun
+    restarting or re-forming the group) after the attempt whose start row is `previous`: True,
+    False, or None when the rows cannot tell (written before starts recorded their launch).
+    Within one launch torchrun's restart count never falls, and a new launch counts from 0."""
+    before, now = previous.get("attempt"), start.get("attempt")
+    if isinstance(before, int) and isinstance(now, int) and now != before:
+        return now < before
+    if "launch" in previous and "launch" in start:
+        return previous["launch"] != start["launch"]
+    return None
+
+
+def membership_change(run_dir: Path, world: int, layout: str, start: dict | None = None) -> tuple[dict, str] | None:
     """At an attempt's start: the metrics row and log line of a change of world since the
     previous attempt (its start row), with the reason: the host it excluded, else that an agent
-    joined (torch elastic stops the workers with SIGTERM, they finish the step and save) or left."""
+    joined (torch elastic stops the workers with SIGTERM, they finish the step and save) or left.
+    None when there was none, or when `start` (this attempt's start row) is a new launch: a
+    user who resumes on another number of ranks changed the world on purpose."""
     path = Path(run_dir) / "metrics.jsonl"
     try:
         lines = path.read_text().splitlines()
@@ -320,6 +345,8 @@ def membership_change(run_dir: Path, world: int, layout: str) -> tuple[dict, str
         elif row.get("event") == "exclude":
             last_exclude = row
     if last_start is None or (last_exclude is None and last_start.get("world") == world):
+        return None
+    if start is not None and new_launch(last_start, start):
         return None
     old = last_start.get("world")
     if last_exclude is not None:
