@@ -213,6 +213,8 @@ class Recovery:
                                    result.step, restart_count())
         if self.stragglers.add(busy):
             self._report_stragglers(result.step)
+        elif result.step == self.cfg.train.steps:  # a run shorter than its straggler window still
+            self._report_memory(result.step)  # shows every rank's peak memory
         if self.leave is not None:
             return "leave"
         return "stop" if self.preemption.agreed(self.rt.device) else "ok"
@@ -252,6 +254,16 @@ class Recovery:
                         f"{self.stragglers.strikes[r]} windows of {self.stragglers.window} steps")
         if named and self.exclusion is not None and self.leave is None:
             self.leave = self.exclusion.decide(step, named, rank, world, self.layout, self._event)
+
+    def _report_memory(self, step: int) -> None:
+        """Every rank's peak memory, as the straggler windows' rows carry it (every rank reaches the
+        run's last step, so every rank joins this all-reduce)."""
+        if self.rt.world_size == 1:
+            return
+        vec = torch.zeros(self.rt.world_size, dtype=torch.float64, device=self.rt.device)
+        vec[self.rt.rank] = peak_memory_mb(self.rt.device)
+        dist.all_reduce(vec)
+        self.logger.log({"step": step, "rank_peak_memory_mb": vec.cpu().tolist()})
 
     def _hung(self) -> None:
         if self.run_dir is not None and self.cfg.resilience.on_failure == "exclude":
