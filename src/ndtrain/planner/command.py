@@ -21,6 +21,7 @@ from ndtrain.planner.search import Evaluator, SearchResult, search
 from ndtrain.planner.shapes import parse_count, parse_duration, resolve_model
 from ndtrain.planner.uncertainty import assess
 
+DEFAULT_TOKENS = "1T"  # the budget that days and energy are priced for when --tokens is not given
 # `--network` keys -> (Hardware field, scale)
 NETWORK_KEYS = {"nvlink": ("gpus_per_node", 1), "pod": ("pod_gpus", 1), "oversub": ("oversubscription", 1.0),
                 "nic": ("nic_bw", 1e9)}
@@ -44,14 +45,17 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="preset name (e.g. llama3-8b, deepseek-v3)")
     p.add_argument("--model-shape", help="layers=,hidden=,heads=,kv_heads=,ffn=,vocab=,mlp=swiglu|gelu "
                    "[,experts=,active_experts=,shared_experts=,expert_ffn=,dense_layers=]")
-    p.add_argument("--gpus", required=True, type=int)
+    p.add_argument("--gpus", required=True, help="GPU count (with --gpu), or a mixed pool of COUNTxKIND items: "
+                   "64xh100,64xa100 (planned by batch and stage shares against the uniform split and the best "
+                   "one-kind subset)")
     p.add_argument("--gpu", default="h100", help="a100-40, a100-80, h100, h200, b200, h800, this-machine")
     p.add_argument("--profile", help="calibration profile from `ndtrain calibrate`: this-machine's (default "
                    "~/.cache/ndtrain/hardware.json), or a GPU's, whose measured constants replace the catalog's")
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--global-batch-tokens", help="tokens per step; k/M suffixes are binary (16M = 2048 x 8192)")
     p.add_argument("--global-batch", type=int, help="sequences per step")
-    p.add_argument("--tokens", default="1T", help="token budget for days and energy (decimal: 15T = 15e12)")
+    p.add_argument("--tokens", help=f"token budget for days and energy (decimal: 15T = 15e12; default {DEFAULT_TOKENS}, "
+                   "said in the output)")
     p.add_argument("--top", type=int, default=3)
     p.add_argument("--layout", help="evaluate one layout: tp=8,pp=16,dp_shard=64,mb=1,ac=full,schedule=... "
                    "(the layout syntax of verify and config check)")
@@ -126,12 +130,20 @@ def _check_plan_args(args) -> None:
         if not Path(args.profile).expanduser().is_file():
             raise NdtrainError(f"--profile {args.profile}: no such file (`ndtrain calibrate --out {args.profile}` "
                                f"writes one)")
-    if _count(args.tokens) <= 0:
+    if args.tokens is not None and _count(args.tokens) <= 0:
         raise NdtrainError(f"--tokens must be a positive token count, got {args.tokens!r}")
 
 
 def plan_main(argv: list[str]) -> int:
     args = plan_parser().parse_args(argv)
+    pool = None
+    if str(args.gpus).strip().isdigit():
+        args.gpus = int(args.gpus)
+    else:
+        from ndtrain.planner.hetero import parse_pool
+
+        pool = parse_pool(args.gpus)
+        args.gpus = sum(n for _, n in pool)
     _check_plan_args(args)
     cfg = resolve_model(args.model, args.model_shape)
     if args.strict and args.relaxed:
@@ -148,9 +160,11 @@ def plan_main(argv: list[str]) -> int:
                                f"{args.seq}-token sequences")
     else:
         raise NdtrainError("give --global-batch SEQUENCES or --global-batch-tokens TOKENS")
-    budget = _count(args.tokens)
+    budget = _count(args.tokens or DEFAULT_TOKENS)
     if args.samples < 0:
         raise NdtrainError("--samples must be 0 (off) or a positive number of sampled worlds")
+    if pool is not None:
+        return _plan_pool(args, cfg, batch, pool)
     pb = make_problem(cfg, args.seq, batch, args.gpus, args.gpu, stack=args.stack, precision=args.precision,
                       strict=not args.relaxed, profile=args.profile, network=_network(args.network),
                       power_w=args.power_limit or 0.0)
@@ -183,6 +197,7 @@ def plan_main(argv: list[str]) -> int:
         out = {
             "model": cfg.preset, "gpus": args.gpus, "hardware": pb.hw.name, "seq": args.seq, "global_batch": batch,
             "precision": args.precision, "stack": args.stack, "token_budget": budget,
+            "token_budget_from": "--tokens" if args.tokens else "default",
             "search": {"considered": res.considered, "sized": res.sized, "evaluated": res.evaluated, "fitting": res.fitting,
                        "seconds": res.seconds},
             "layouts": [{**p.to_json(budget, args.gpus, pb.hw.board_w), "layout_text": p.layout.text(),
@@ -199,7 +214,38 @@ def plan_main(argv: list[str]) -> int:
     else:
         print(plan_text(pb, res, budget, args.explain, rob=rob, shown=shown)
               + (diloco.across_text(across) if across else ""))
+        if args.tokens is None:
+            print(f"days and energy are for a budget of {DEFAULT_TOKENS} tokens (the default): give yours with --tokens")
     return 0 if res.top else 1
+
+
+def _plan_pool(args, cfg, batch: int, pool: list) -> int:
+    """`--gpus 64xh100,64xa100`: the mixed pool's best layouts, the uniform split, the best subset."""
+    from ndtrain.planner.hetero import plan_pool, pool_text
+
+    for flag in ("layout", "profile", "replicas_across"):
+        if getattr(args, flag):
+            raise NdtrainError(f"--{flag.replace('_', '-')} is not planned for a mixed pool yet; give one GPU kind")
+
+    def make(kind, world, global_batch):
+        return make_problem(cfg, args.seq, global_batch or batch, world, kind, stack=args.stack,
+                            precision=args.precision, strict=not args.relaxed, network=_network(args.network),
+                            power_w=args.power_limit or 0.0)
+
+    result = plan_pool(pool, make, top=args.top)
+    if args.json:
+        def js(p):
+            return p.to_json() if p else None
+
+        json.dump({"model": cfg.preset, "gpus": args.gpus, "pool": [{"kind": k, "count": n} for k, n in pool],
+                   "seq": args.seq, "global_batch": batch, "precision": args.precision,
+                   "layouts": [p.to_json() for p in result["layouts"]],
+                   "baselines": {"uniform": js(result["uniform"]), "best_subset": js(result["best_subset"])},
+                   "candidates": result["candidates"]}, sys.stdout, indent=1)
+        print()
+    else:
+        print(pool_text(result, pool))
+    return 0 if result["layouts"] else 1
 
 
 # The phases of an exclusion (tools/run_data.membership_phases, docs/self-healing.md): detection
