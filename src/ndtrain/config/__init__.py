@@ -117,6 +117,9 @@ class TrainConfig:
     log_interval: int = 1
     timeout_s: float = 300.0  # collective timeout
     step_deadline_s: float = 0.0  # watchdog: abort a rank whose step exceeds this (0 = off)
+    # Every rank runs Python's garbage collector after each gc_every-th step, none in between
+    # (train/gc_schedule.py); 0 leaves the automatic collector on.
+    gc_every: int = 50
     nonfinite_skip: int = 3  # consecutive non-finite steps tolerated before rolling back
     straggler_threshold: float = 0.25  # name a rank this much slower than the median (0 = off)
     straggler_window: int = 20  # steps per straggler comparison (resilience.straggler_windows in a row name a rank)

@@ -20,6 +20,7 @@ from ndtrain.model.config import num_params
 from ndtrain.train import distributed, hooks, recovery, resilience, signals, step as steps
 from ndtrain.train.build import build
 from ndtrain.train.checkpoint import list_checkpoints
+from ndtrain.train.gc_schedule import GcSchedule
 from ndtrain.train.distributed import group_active
 from ndtrain.train.metrics import compute_modules
 from ndtrain.train.state import checkpointer
@@ -125,6 +126,7 @@ def _loop(plan, run_dir: Path, reached: dict) -> dict:
     ckpt.set_fault_hook(lambda point, step: job_hooks.at_checkpoint(step, point))
     guard = recovery.Recovery(cfg, run_dir, rt=rt, progress=progress, loader=state.loader, ckpt=ckpt,
                               logger=log, compute=compute_modules(state.model_parts), layout=layout.describe())
+    gc_schedule = GcSchedule(cfg.train.gc_every).start()  # every rank collects on the same steps
     try:
         while progress.step < cfg.train.steps and guard.leave is None:  # leave: a host refused at start
             guard.before_step()
@@ -132,6 +134,7 @@ def _loop(plan, run_dir: Path, reached: dict) -> dict:
             trace = steps.trace_next_step(state, cfg.logging.pipeline_trace_step)
             batch, wait = steps.next_batch(state)
             result = steps.train_step(state, batch, wait)
+            gc_schedule.after_step(result.step)
             for row in result.rows:  # DiLoCo's outer steps
                 log.log(row)
             reached["step"] = progress.step
@@ -164,6 +167,7 @@ def _loop(plan, run_dir: Path, reached: dict) -> dict:
         published = list_checkpoints(ckpt.root)
         path = published[-1] if published else None
     finally:
+        gc_schedule.stop()
         job_hooks.close()
         guard.close()
     if plan.prediction is not None and len(step_times) > 3:
