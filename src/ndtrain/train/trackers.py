@@ -44,6 +44,30 @@ def scalars(row: dict) -> dict[str, float]:
     return {k: float(v) for k, v in row.items() if k not in ("step", "time") and isinstance(v, (int, float))}
 
 
+# Row entries that are wall-clock times (Unix seconds; `time` itself is each record's own time).
+# A tracker gets them as seconds since the run's start, under a name that says so: TensorBoard
+# keeps a scalar as float32, which holds a Unix time of today only to the nearest 128 s.
+WALL_CLOCK_KEYS = ("worker_started", "imported")
+
+
+def since_start(values: dict[str, float], start: float | None) -> dict[str, float]:
+    if start is None:
+        return values
+    return {(f"{k}_since_start_s" if k in WALL_CLOCK_KEYS else k): (v - start if k in WALL_CLOCK_KEYS else v)
+            for k, v in values.items()}
+
+
+def run_start(run_dir: Path) -> float:
+    """When the run began: its first metrics row's time (the first attempt's; later attempts
+    read the same), or now for a run that has logged nothing yet."""
+    try:
+        with open(Path(run_dir) / "metrics.jsonl", encoding="utf-8") as f:
+            first = json.loads(f.readline()).get("time")
+    except (OSError, ValueError, AttributeError):
+        first = None
+    return float(first) if isinstance(first, (int, float)) and not isinstance(first, bool) else time.time()
+
+
 def _flat(d: dict, prefix: str = "") -> dict[str, str]:
     out = {}
     for k, v in d.items():
@@ -75,10 +99,13 @@ class RunState:
 
 
 class TensorBoardTracker:
+
     """TensorBoard's event file, written on the training thread, each call's records in one
     unbuffered write. torch's SummaryWriter writes from a thread of its own: a full disk there was
     that thread's traceback, then a line without the path. Here it is an OSError in `log`, which
     the MetricsLogger reports with `path` and `pending` (the bytes it was writing)."""
+
+    start: float | None = None  # the run's start (run_start): wall-clock entries are logged since it
 
     def __init__(self, run_dir: Path, start_step: int):
         import socket
@@ -107,7 +134,7 @@ class TensorBoardTracker:
     def log(self, step: int, values: dict[str, float]) -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        now = time.time()
+        values, now = since_start(values, self.start), time.time()
         self._write([self._event(wall_time=now, step=step, summary=Summary(value=[Summary.Value(tag=k, simple_value=v)]))
                      for k, v in values.items()])
 
@@ -133,6 +160,8 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
+    start: float | None = None
+
     def __init__(self, run_dir: Path, cfg, config: dict, state: RunState):
         import wandb
 
@@ -149,13 +178,15 @@ class WandbTracker:
             state.put("wandb", {"id": run_id, "project": cfg.project, "mode": cfg.wandb_mode})
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        self.run.log({"step": step, **values})
+        self.run.log({"step": step, **since_start(values, self.start)})
 
     def close(self) -> None:
         self.run.finish()
 
 
 class MlflowTracker:
+    start: float | None = None
+
     def __init__(self, run_dir: Path, cfg, config: dict, state: RunState):
         uri = cfg.mlflow_uri or (run_dir / "mlruns").resolve().as_uri()
         if uri.startswith("file:"):
@@ -181,7 +212,8 @@ class MlflowTracker:
 
     def log(self, step: int, values: dict[str, float]) -> None:
         ms = int(time.time() * 1000)
-        metrics = [self.metric_cls(k, v if math.isfinite(v) else float("nan"), ms, step) for k, v in values.items()]
+        metrics = [self.metric_cls(k, v if math.isfinite(v) else float("nan"), ms, step)
+                   for k, v in since_start(values, self.start).items()]
         for i in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
@@ -200,4 +232,7 @@ def open_trackers(run_dir: Path, logging_cfg, config: dict, start_step: int) -> 
             out.append(WandbTracker(run_dir, logging_cfg, config, state))
         elif name == "mlflow":
             out.append(MlflowTracker(run_dir, logging_cfg, config, state))
+    start = run_start(run_dir)
+    for tracker in out:
+        tracker.start = start
     return out
