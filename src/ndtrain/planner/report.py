@@ -36,7 +36,7 @@ def check_command(pb: Problem, lay) -> str:
         model = [f"--model.{k}={getattr(cfg, k)}" for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
                                                                "vocab_size", "n_experts", "n_active_experts",
                                                                "n_shared_experts", "expert_ffn_dim", "moe_dense_layers")
-                 if getattr(cfg, k)] + ["--model.max_seq_len=1048576"]
+                 if getattr(cfg, k)] + [f"--model.max_seq_len={pb.seq}"]  # the planned length, not the planner's RoPE range
         model += ["--model.tie_embeddings=true"] if cfg.tie_embeddings else []
         model += [f"--model.mlp={cfg.mlp}"] if cfg.mlp != "swiglu" else []
     # the planned precision is the runtime's [parallel] mixed_precision (fp8: float8 matmuls, layout/fp8.py)
