@@ -123,6 +123,18 @@ def _export_tokenizer(ckpt: Path, cfg, state: dict):
     return checkpoint_tokenizer(cfg, state, ckpt) if recorded_tokenizer(state) == "bpe" else None
 
 
+def _eos_id(tok, state: dict) -> int | None:
+    """The id `ndtrain generate` stops at: its tokenizer's end of document (byte: 255, no file
+    describes that tokenizer, its name does). None only for imported weights, which record no
+    data: config.json then says null, not a default of Hugging Face's that is some other token."""
+    from ndtrain.data.tokenizer import ByteTokenizer
+    from ndtrain.train.generate import recorded_tokenizer
+
+    if tok is not None:
+        return tok.eos_id
+    return ByteTokenizer.eos_id if recorded_tokenizer(state) == "byte" else None
+
+
 def check_new_output(out: Path, what: str) -> None:
     """`out` must not exist yet (or be an empty directory, for --to hf) and must be creatable:
     an export never overwrites a file the user already has."""
@@ -198,8 +210,7 @@ def export(checkpoint: str | Path, to: str, out: str | Path, dtype: str = "float
         hf_cfg = hf_config(cfg.model, dtype)
         tok = _export_tokenizer(ckpt, cfg, state)
         tok_files = hf_tokenizer_files(tok, cfg.model.max_seq_len) if tok is not None else {}
-        if tok is not None:
-            hf_cfg["eos_token_id"] = tok.eos_id
+        hf_cfg["eos_token_id"] = _eos_id(tok, state)
         tensors = {to_hf_name(name): value.to(torch_dtype).contiguous().clone() for name, value in weights.items()
                    if not (cfg.model.tie_embeddings and name == "output.weight")}
     needed = sum(t.numel() * t.element_size() for t in tensors.values())
