@@ -283,4 +283,8 @@ def pool_text(result: dict, pool_spec: list[tuple[str, int]]) -> str:
     for name, key in (("uniform split", "uniform"), ("best subset", "best_subset")):
         if best and result[key]:
             lines.append(f"best mixed vs {name}: {best.tokens_per_s / result[key].tokens_per_s:.2f}x")
+    sub = result["best_subset"]
+    if sub and (not best or sub.tokens_per_s > best.tokens_per_s):
+        lines.append(f"the {next(iter(sub.shares))} GPUs alone are faster than any mixed layout found: "
+                     "run on them and give the others another job")
     return "\n".join(lines)
