@@ -484,6 +484,12 @@ CASES = [
          r"--out.*is a file", prep=write("f", "x")),
     Case("report-out-is-users-file", lambda w, d: ["report", str(w["run"]), "--out", str(d / "notes.html")],
          r"--out.*notes\.html", prep=write("notes.html", "<p>mine</p>")),
+    Case("report-loss-is-a-string", lambda w, d: ["report", str(d / "bad"), "--out", str(d / "r.html")],
+         r"bad/metrics\.jsonl, line 2: 'loss' is 'abc', not a number", absent=("r.html", "r-*.png"),
+         prep=write("bad/metrics.jsonl", '{"step": 1, "loss": 5.0, "time": 1.0}\n{"step": 2, "loss": "abc", "time": 2.0}\n')),
+    Case("report-keeps-users-figure", lambda w, d: ["report", str(w["run"]), "--out", str(d / "myrep.html")],
+         r"myrep-loss\.png exists and is not a figure of the report", prep=write("myrep-loss.png", "my own picture"),
+         absent=("myrep.html", "myrep-[!l]*.png", ".myrep*")),
     # prepare (sharded corpora: built in a hidden sibling and renamed; a failure leaves nothing)
     Case("prepare-no-out", lambda w, d: ["prepare"], r"--out"),
     Case("prepare-val-fraction", lambda w, d: ["prepare", "--out", str(d / "p"), "--val-fraction", "2"],
