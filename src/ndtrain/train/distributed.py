@@ -157,16 +157,22 @@ def setup(train_cfg) -> Runtime:
         default_allocator()
     device = bind_device(device_type, local_rank)
     if world > 1 and not dist.is_initialized():
+        import time
+
+        from ndtrain.train.host_address import choose_interface, group_failure_line
+
+        # Before the group forms: a host whose name resolves to loopback would advertise it to peers.
+        said = choose_interface(world, env.get("LOCAL_WORLD_SIZE", world), backend)
+        if said and local_rank == 0:
+            print(said, file=sys.stderr, flush=True)
+        started = time.monotonic()
         try:
             dist.init_process_group(backend, timeout=timedelta(seconds=train_cfg.timeout_s), **group_device(device))
         except (RuntimeError, ValueError) as exc:  # DistNetworkError / DistStoreError are RuntimeErrors
             from ndtrain.errors import RunError
 
-            first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-            raise RunError(f"rank {env['RANK']} of WORLD_SIZE={world} could not form the process group at "
-                           f"MASTER_ADDR={os.environ.get('MASTER_ADDR')} MASTER_PORT={os.environ.get('MASTER_PORT')} "
-                           f"within train.timeout_s={train_cfg.timeout_s:g} ({first[:200]}); were all {world} "
-                           f"ranks started (torchrun, or `ndtrain train --nproc N`)?") from None
+            raise RunError(group_failure_line(exc, env["RANK"], world, train_cfg.timeout_s,
+                                              time.monotonic() - started)) from None
     rank = dist.get_rank() if dist.is_initialized() else 0
     if device.type == "cpu":
         if "OMP_NUM_THREADS" not in os.environ:
