@@ -1,9 +1,11 @@
 """Deterministic, layout-independent initialisation.
 
 Every parameter value is a pure function of (seed, parameter name, global index). Values are
-drawn in fixed blocks of rows, each block from a generator seeded by hash(seed, name, block), so
-a rank that owns rows [a, b) of a parameter - an FSDP shard, a TP shard, a pipeline stage -
-draws exactly the values a single process would hold there, without materialising the rest.
+drawn in fixed tiles, each from a generator seeded by hash(seed, name, tile): blocks of rows
+(FSDP and column-parallel TP shard rows), each cut into chunks of columns (row-parallel TP
+shards columns). A rank that owns a window of a parameter - an FSDP shard, a TP shard of either
+dimension, a pipeline stage - draws only the tiles that overlap it and keeps exactly the values a
+single process would hold there: its random-number work follows its shard, not the whole tensor.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from torch import nn
 
 # Wrappers that prefix parameter names; the canonical name drops them.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-_BLOCK_ELEMENTS = 1 << 16
+_BLOCK_ELEMENTS = 1 << 16  # a block of rows holds about this many values (at least one row)
+# A tile (a block's rows x a chunk of columns) holds at least this many values, so that seeding a
+# generator stays a small part of drawing its values; a chunk is at least _MIN_CHUNK columns wide.
+_MIN_TILE, _MIN_CHUNK = 1 << 12, 64
 
 
 def canonical_name(name: str) -> str:
@@ -39,9 +44,18 @@ def init_std(name: str, n_layers: int, base_std: float) -> float | None:
     return base_std
 
 
-def _block_seed(seed: int, name: str, block: int) -> int:
-    digest = hashlib.sha256(f"{seed}|{name}|{block}".encode()).digest()
+def _tile_seed(seed: int, name: str, block: int, chunk: int) -> int:
+    digest = hashlib.sha256(f"{seed}|{name}|{block}|{chunk}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def tiling(global_shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows per block, columns per chunk) of a tensor's tiles: a function of its shape alone."""
+    cols = global_shape[1] if len(global_shape) > 1 else 1
+    trailing = math.prod(global_shape[2:])
+    block_rows = max(1, _BLOCK_ELEMENTS // max(cols * trailing, 1))
+    chunk_cols = min(cols, max(_MIN_CHUNK, -(-_MIN_TILE // (block_rows * max(trailing, 1)))))
+    return block_rows, max(chunk_cols, 1)
 
 
 def init_values(name: str, global_shape: tuple[int, ...], std: float | None, seed: int,
@@ -55,21 +69,29 @@ def init_values(name: str, global_shape: tuple[int, ...], std: float | None, see
         return torch.ones(local_shape, dtype=dtype)
     if std == 0.0 or 0 in local_shape:
         return torch.zeros(local_shape, dtype=dtype)
-    rows_total = global_shape[0]
-    row_numel = math.prod(global_shape[1:])
-    block_rows = max(1, _BLOCK_ELEMENTS // max(row_numel, 1))
-    r0, r1 = offset[0], offset[0] + local_shape[0]
-    parts = []
+    shape = global_shape if len(global_shape) > 1 else (*global_shape, 1)  # a vector: one column
+    local = local_shape if len(global_shape) > 1 else (*local_shape, 1)
+    start = offset if len(global_shape) > 1 else (*offset, 0)
+    rows_total, cols_total, trailing = shape[0], shape[1], shape[2:]
+    block_rows, chunk_cols = tiling(global_shape)
+    r0, r1 = start[0], start[0] + local[0]
+    c0, c1 = start[1], start[1] + local[1]
+    gen = torch.Generator()
+    out = torch.empty((r1 - r0, c1 - c0, *trailing), dtype=torch.float32)
+    scratch = torch.empty(block_rows * chunk_cols * math.prod(trailing), dtype=torch.float32)
     for block in range(r0 // block_rows, (r1 - 1) // block_rows + 1):
-        b0 = block * block_rows
-        b1 = min(b0 + block_rows, rows_total)
-        gen = torch.Generator().manual_seed(_block_seed(seed, name, block))
-        vals = torch.empty((b1 - b0, *global_shape[1:]), dtype=torch.float32).normal_(0.0, std, generator=gen)
-        parts.append(vals[max(r0, b0) - b0: min(r1, b1) - b0])
-    out = torch.cat(parts, dim=0)
-    for dim in range(1, len(global_shape)):
-        out = out.narrow(dim, offset[dim], local_shape[dim])
-    return out.to(dtype).contiguous()
+        b0, b1 = block * block_rows, min((block + 1) * block_rows, rows_total)
+        for chunk in range(c0 // chunk_cols, (c1 - 1) // chunk_cols + 1):
+            k0, k1 = chunk * chunk_cols, min((chunk + 1) * chunk_cols, cols_total)
+            gen.manual_seed(_tile_seed(seed, name, block, chunk))
+            # A contiguous tile: normal_ fills it in order, the same values as a tensor of its own.
+            tile = scratch[: (b1 - b0) * (k1 - k0) * math.prod(trailing)].view(b1 - b0, k1 - k0, *trailing)
+            tile.normal_(0.0, std, generator=gen)
+            lo, hi, left, right = max(r0, b0), min(r1, b1), max(c0, k0), min(c1, k1)
+            out[lo - r0: hi - r0, left - c0: right - c0].copy_(tile[lo - b0: hi - b0, left - k0: right - k0])
+    for dim in range(2, len(shape)):
+        out = out.narrow(dim, start[dim], local[dim])
+    return out.reshape(local_shape).to(dtype).contiguous()
 
 
 def _local_window(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
