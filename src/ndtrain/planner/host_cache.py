@@ -19,7 +19,7 @@ import os
 import re
 from pathlib import Path
 
-PROBE_VERSION = 1  # bump when what the probe measures changes: older files are then re-probed
+PROBE_VERSION = 2  # bump when what the probe measures changes: older files are then re-probed
 PROBE_THREADS = 1  # the probe runs single-threaded, as each CPU rank does (OMP_NUM_THREADS=1)
 # The flags that change which matmul kernel oneDNN and MKL dispatch to (AMX-BF16: ~10x fp32).
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8",

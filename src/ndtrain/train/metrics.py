@@ -99,6 +99,26 @@ def run_peaks(device: torch.device, dtype: torch.dtype, fp8: bool) -> tuple[floa
     return peak, source, fp8_peak, fp8_source
 
 
+def raise_peak(peaks, flops_per_s: float) -> str | None:
+    """Where a step's model FLOP/s ran above a measured peak (`peaks`: train/step.py's Peaks, summed
+    over ranks), raise the peak to it: a measured peak is a floor of what the device does (a probe
+    on a host busy with other work measures low), so MFU then divides by the fastest step seen
+    instead of showing none. The line that says so the first time; None otherwise (later raises
+    are quiet). A datasheet peak (catalog) is never raised: a step above it means a misidentified
+    device or a wrong FLOP count, which MFU n/a keeps in view."""
+    if flops_per_s <= peaks.total or peaks.source.startswith("catalog"):
+        return None
+    was, peaks.total = peaks.total, flops_per_s
+    if peaks.fp8:  # the fp8 peak is never below the bf16 one (run_peaks)
+        peaks.fp8_total = max(peaks.fp8_total, flops_per_s)
+    if peaks.raised:
+        return None
+    peaks.raised = True
+    return (f"MFU peak raised to {flops_per_s / 1e9:.1f} GFLOP/s, what a step ran at: above the {was / 1e9:.1f} "
+            f"measured ({peaks.source}), which a busy host lowers; MFU now divides by the fastest step "
+            f"(`ndtrain calibrate` probes the host again)")
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak on CUDA, so each step reports its own. On CPU nothing is reset: the only
     peak is the kernel's high-water mark of the process's resident memory (ru_maxrss). Linux can
@@ -250,6 +270,8 @@ class MetricsLogger:
             except OSError as exc:
                 raise self._failed(exc, getattr(tracker, "path", self.run_dir), getattr(tracker, "pending", 0),
                                    row["step"]) from None
+        if "peak_raised" in row:
+            self.info(row["peak_raised"])
         if "loss" in row:
             self._show(row)
         elif "val_loss" in row:

@@ -24,7 +24,7 @@ from ndtrain.layout.flops import flops_per_token
 from ndtrain.model.moe import end_step as moe_end_step, set_aux_scale
 from ndtrain.parallel.data_parallel import accumulation, reshard
 from ndtrain.parallel.grad_norm import all_reduce_sum, clip_coefficient, local_grad_sq, reduce_partial_grads, scale_grads
-from ndtrain.train.metrics import mfu, peak_memory_mb, reset_peak_memory, run_peaks
+from ndtrain.train.metrics import mfu, peak_memory_mb, raise_peak, reset_peak_memory, run_peaks
 from ndtrain.train.optim import lr_at, set_lr
 from ndtrain.train.state import TrainState
 
@@ -250,6 +250,7 @@ class Peaks:
     fp8_source: str
     flops_per_token: float
     fp8: bool
+    raised: bool = False  # a step ran above the measured peak, which was raised to it (metrics.raise_peak)
 
 
 def measure_peaks(state: TrainState) -> Peaks:
@@ -262,11 +263,15 @@ def measure_peaks(state: TrainState) -> Peaks:
 
 
 def metrics_row(r: StepResult, peaks: Peaks, tokens_seen: int, device) -> dict:
+    """The step's row; a step above a measured peak raises it first (metrics.raise_peak), and the
+    row that did so first carries the line saying so ("peak_raised")."""
     tps = r.tokens / r.seconds
+    raised = raise_peak(peaks, peaks.flops_per_token * tps)
     return {"step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens_per_s": tps,
             "mfu": mfu(peaks.flops_per_token * tps, peaks.total), "step_time_s": r.seconds,
             "tokens_seen": tokens_seen, "peak_memory_mb": peak_memory_mb(device), "skipped": r.skipped, **r.extra,
-            **({"mfu_fp8": mfu(peaks.flops_per_token * tps, peaks.fp8_total)} if peaks.fp8 else {})}
+            **({"mfu_fp8": mfu(peaks.flops_per_token * tps, peaks.fp8_total)} if peaks.fp8 else {}),
+            **({"peak_raised": raised} if raised else {})}
 
 
 def close(state: TrainState) -> None:
