@@ -98,6 +98,9 @@ class ParallelConfig(_LayoutKeys):
 @dataclass
 class TrainConfig:
     steps: int = 200
+    # > 0: train the steps the planner predicts fit in this many seconds on this machine, at most
+    # `steps` (train/run_length.py; docs/launch.md); 0: exactly `steps`.
+    time_budget_s: float = 0.0
     global_batch: int = 32  # sequences per optimizer step, across all data-parallel ranks
     micro_batch: int = 8  # sequences per rank per forward/backward
     batch_ramp: list[list[int]] = field(default_factory=list)  # [[tokens_seen, global_batch], ...]

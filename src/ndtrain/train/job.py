@@ -239,3 +239,7 @@ def _start(plan, run_dir: Path, progress, rt, ckpt, log, peaks) -> None:
         log.info(f"layout chosen by the planner: {plan.explanation}")
         log.log({"step": progress.step, "event": "auto", "layout": plan.explanation,
                  "predicted_step_time": plan.prediction.step_s, "predicted_tokens_per_s": plan.prediction.tokens_per_s})
+    from ndtrain.train.run_length import start_line
+
+    if line := start_line(plan, progress.step):  # how long this attempt takes, said before its first step
+        log.info(line)

@@ -13,6 +13,7 @@ import torch
 from ndtrain.compat.torch import require
 from ndtrain.layout.flops import mfu  # noqa: F401  (the trainer's MFU; the rule lives with the FLOP count)
 from ndtrain.planner.hardware import CATALOG, catalog_name
+from ndtrain.train.run_length import TimeLeft, duration
 from ndtrain.train.trackers import open_trackers, scalars
 
 FP8 = torch.float8_e4m3fn  # the dtype that asks peak_flops for the fp8 peak
@@ -229,6 +230,7 @@ class MetricsLogger:
         self.trackers: list | None = None  # opened by start(), or by the first row
         self.file = None
         self.last_print = 0.0
+        self.time_left = TimeLeft(total_steps)
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -327,12 +329,14 @@ class MetricsLogger:
         if "mfu_fp8" in row:  # fp8 runs: against both peaks, named
             mfu_text = f"MFU {pct(row['mfu'], 'bf16')}, {pct(row['mfu_fp8'], 'fp8')}"
         text = f"loss {row['loss']:.3f} | {row['tokens_per_s']:,.0f} tok/s | {mfu_text}"
-        if self.bar is not None:
+        left = self.time_left.after(row["step"], row.get("step_time_s", 0.0))  # every row: the pace needs each
+        if self.bar is not None:  # tqdm shows the count and the time left itself
             self.bar.set_postfix_str(text, refresh=False)
             self.bar.update(row["step"] - self.bar.n)
         elif time.monotonic() - self.last_print > 10 or row.get("last"):
             self.last_print = time.monotonic()
-            print(f"step {row['step']} | {text} | lr {row['lr']:.2e} | grad-norm {row['grad_norm']:.3f}", flush=True)
+            print(f"step {row['step']}/{self.total_steps} | {text} | lr {row['lr']:.2e} | grad-norm "
+                  f"{row['grad_norm']:.3f} | {duration(left)} left", flush=True)
 
     def info(self, text: str) -> None:
         if not self.enabled:

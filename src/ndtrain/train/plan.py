@@ -10,7 +10,9 @@ What it decides, each only where the config leaves it open (the `*_auto` keys, o
 - `auto`: the planner's whole layout (degrees, ZeRO stage, schedule, v, pipeline micro-batches,
   stage split, recompute, micro-batch), for this world and machine;
 - `dp_auto` (no data-parallel key given): the data-parallel flavour alone;
-- `compile_auto`: whether compiling the blocks repays its cold compile within train.steps.
+- `compile_auto`: whether compiling the blocks repays its cold compile within train.steps;
+- `train.time_budget_s` (> 0): the steps the predicted step time fits in it, at most train.steps
+  (run_length.py), before compile_auto weighs its cold compile against them.
 It runs at every (re)start, so an elastic restart on fewer ranks gets a plan for the new world;
 resume-anywhere checkpoints make the change of layout safe. The planner is pure and the hardware
 profile a file, so every rank resolves the same plan.
@@ -85,12 +87,13 @@ class Plan:
     prediction: Prediction | None = None  # set where the planner chose the layout
     compile: CompileChoice | None = None
     host: HostChoice | None = None
+    budget: str = ""  # what train.time_budget_s made of train.steps ('' without a budget)
 
     def as_dict(self) -> dict:
         """For plan.json and the metrics' start row (the config itself is config.toml)."""
         out = {"world": self.world, "layout": self.layout.as_dict(), "layout_text": self.layout.text(),
                "mesh": self.layout.describe(), "chosen": {f"{s}.{k}": v for s, k, v in self.chosen},
-               "explanation": self.explanation}
+               "explanation": self.explanation, "budget": self.budget}
         for name in ("prediction", "compile", "host"):
             value = getattr(self, name)
             out[name] = dataclasses.asdict(value) if value is not None else None
@@ -154,6 +157,14 @@ def _choose(cfg: JobConfig, world: int, hardware, measure_host: bool) -> tuple[J
         prediction = Prediction(layout["predicted_step_time"], layout["predicted_tokens_per_s"], layout["hardware"],
                                 choices.uncalibrated(work, hardware))
         explanation = layout["description"] + choices.host_text(host)
+    budget = ""
+    if work.train.time_budget_s > 0:
+        from ndtrain.train import run_length
+
+        step_s = prediction.step_s if prediction is not None else run_length.priced_step(work, world, hardware)
+        fitted = run_length.budget_choice(work, step_s)
+        apply(fitted["overrides"])
+        budget = fitted["description"]
     compiled = choices.compile_choice(work, world, hardware) if work.parallel.compile_auto else None
     if compiled is not None:
         apply({"parallel": {"compile": compiled["compile"]}})
@@ -169,7 +180,7 @@ def _choose(cfg: JobConfig, world: int, hardware, measure_host: bool) -> tuple[J
                                  precision.get("precision", ""), precision.get("speedup"),
                                  precision.get("description", ""))
     parts = {"chosen": tuple((s, k, v) for (s, k), v in chosen.items()), "explanation": explanation,
-             "prediction": prediction, "compile": compiled, "host": host_choice}
+             "prediction": prediction, "compile": compiled, "host": host_choice, "budget": budget}
     return work, parts
 
 
