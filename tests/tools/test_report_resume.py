@@ -51,8 +51,8 @@ def test_a_users_resume_on_more_ranks_is_neither_a_restart_nor_self_healing(tmp_
     assert membership_phases(run) == []  # nothing lost to a change the user made
     table = dict(header_rows([run], now=40.0))
     assert table[RESTARTS] == ["0 / 0 / 0"] and HEALING not in table
-    assert table[RESUMED] == ["step 4 on 1 -> 2 ranks: the attempt before was stopped (a signal), 27 s after it "
-                              "(the user's time, not lost)"], table[RESUMED]
+    assert table[RESUMED] == ["step 4 on 1 -> 2 ranks: the attempt before was stopped (a signal); 27 s from its end "
+                              "to this start (the user's pause and the new start-up, not lost to a failure)"], table[RESUMED]
     assert table["world size over time"] == ["1 ranks from 0 s (step 0), 2 ranks from 30 s (step 4)"]
 
 

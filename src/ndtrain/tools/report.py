@@ -160,9 +160,10 @@ def resumes(run: Run) -> str:
     for e in run.starts:
         if e.get("kind") == "resume":
             ranks = f"{world} -> {e.get('world')} ranks" if world != e.get("world") else f"{e.get('world')} ranks"
-            pause = f", {_duration(e['since_previous_s'])} after it" if e.get("since_previous_s") is not None else ""
+            pause = f"; {_duration(e['since_previous_s'])} from its end to this start" \
+                if e.get("since_previous_s") is not None else ""
             out.append(f"step {e['step']} on {ranks}: the attempt before {AFTER.get(e.get('after'), e.get('after'))}"
-                       f"{pause} (the user's time, not lost)")
+                       f"{pause} (the user's pause and the new start-up, not lost to a failure)")
         world = e.get("world")
     return " | ".join(out) or "none"
 

@@ -145,8 +145,8 @@ def memory(runs: list[Run], path: Path) -> Path | None:
 def stragglers(runs: list[Run], path: Path) -> Path | None:
     """Busy time per step of every rank, per straggler window: a slow rank stands out above the
     others (time waiting in collectives is not busy time on CPU)."""
-    if not any(r.ranks for r in runs):
-        return None
+    if not any(isinstance(r.get("rank_busy_s"), list) for run in runs for r in run.ranks):
+        return None  # the last step's memory-only row carries no busy times
     fig, ax = plt.subplots(figsize=(10, 3.8))
     one = len(runs) == 1
     for i, run in enumerate(runs):
