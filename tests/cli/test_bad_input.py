@@ -234,6 +234,11 @@ CASES = [
          prep=write("bad.toml", "[train\nsteps = ")),
     Case("train-config-section-not-table", lambda w, d: T(w, d, "--config", str(d / "flat.toml")), r"train",
          prep=write("flat.toml", "train = 3\n")),
+    # a config saved by PowerShell's `>` (UTF-16 with a byte-order mark) is read: its bad key is named
+    Case("train-config-utf16-unknown-key", lambda w, d: T(w, d, "--config", str(d / "u16.toml")), r"train\.stepz",
+         prep=write("u16.toml", binary="[train]\nstepz = 3\n".encode("utf-16"))),
+    Case("train-config-not-utf8", lambda w, d: T(w, d, "--config", str(d / "latin.toml")), r"latin\.toml.*UTF-8",
+         prep=write("latin.toml", binary="[train]\nsteps = 3  # caf\u00e9\n".encode("latin-1"))),
     # train: paths, validated before any work
     Case("train-output-dir-under-file", lambda w, d: T(w, d, f"--train.output_dir={d / 'file' / 'x'}"),
          r"train\.output_dir", prep=write("file", "x")),

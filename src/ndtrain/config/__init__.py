@@ -7,6 +7,7 @@ tools/config_check.py."""
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import functools
 import tomllib
@@ -308,6 +309,19 @@ def _zero_meaning(raw: dict, translate: bool) -> None:
     par.update(zero=3, reshard_after_forward=False)
 
 
+def read_config_text(path: Path) -> str:
+    """A config file's text: UTF-8, or what a byte-order mark says (PowerShell's `>` writes UTF-16
+    with one, Notepad wrote UTF-8 with one); anything else is one line naming the file."""
+    data = path.read_bytes()
+    boms = ((codecs.BOM_UTF8, "utf-8-sig"), (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+    encoding = next((enc for bom, enc in boms if data.startswith(bom)), "utf-8")
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as exc:
+        raise NdtrainError(f"{path}: not {encoding.upper().replace('-SIG', '')} text (byte {exc.start}); save the "
+                           f"config as UTF-8") from None
+
+
 # Keys that choose the data-parallel flavour: any one given turns [parallel] dp_auto off.
 DP_CHOICE_KEYS = ("dp_replicate", "dp_shard", "zero", "reshard_after_forward", "replicate_sync", "auto")
 # Each planner choice ("<x>_auto") and the keys whose explicit value makes it: the user (or a
@@ -327,7 +341,7 @@ def load_config(path: str | None = None, overrides: list[str] | dict | None = No
         if not p.is_file():
             raise NdtrainError(f"config file not found: {path}")
         try:
-            raw = tomllib.loads(p.read_text())
+            raw = tomllib.loads(read_config_text(p))
         except tomllib.TOMLDecodeError as exc:
             raise NdtrainError(f"{path}: not valid TOML: {exc}") from None
         name = p.stem

@@ -384,6 +384,11 @@ def main(argv: list[str]) -> int:
           f"in {len(manifest['shards'])} shard(s) -> {a.out} ({len(manifest['parts'])} part(s), "
           f"val {sum(p['val'][1] - p['val'][0] for p in manifest['parts']):,} tokens{_val_summary(manifest)})"
           + (f"; {skipped.read:,} file(s) read, {skipped.describe()}" if action != "kept" else ""))
+    from ndtrain.train.preflight import small_split_note
+
+    note = small_split_note(manifest, Path(__file__).resolve().parents[3] / "configs")
+    if note:  # a warning, beside the summary line on stdout
+        print(note, file=sys.stderr)
     return 0
 
 

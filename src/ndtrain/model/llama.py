@@ -180,7 +180,7 @@ class Transformer(nn.Module):
         if cfg.mlp != "swiglu":
             raise ValueError("the runtime model implements mlp='swiglu' only ('gelu' is a planner shape)")
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim) if first else None
+        self.tok_embeddings = _embedding(cfg.vocab_size, cfg.dim) if first else None
         ids = range(cfg.n_layers) if layers is None else layers
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in ids})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps) if last else None
@@ -209,6 +209,16 @@ class Transformer(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
+
+
+def _embedding(rows: int, dim: int) -> nn.Embedding:
+    """nn.Embedding, but on the meta device without its N(0, 1) init: torch runs a meta tensor's
+    normal_ through a decomposition that imports torch._dynamo (seconds on a slow CPU), which
+    `generate` and `export` of a dense model otherwise never import. A meta weight holds no values
+    to initialise; init.materialize() initialises every weight once it has memory."""
+    if torch.empty(0).device.type == "meta":  # the device build_model constructs on
+        return nn.Embedding.from_pretrained(torch.empty(rows, dim), freeze=False)
+    return nn.Embedding(rows, dim)
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "meta", layers: list[int] | None = None,

@@ -18,6 +18,7 @@ parallel wrapper may turn them into DTensors (replicated over tp, sharded over e
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -158,6 +159,7 @@ def _recomputing() -> bool:
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        _eager_methods()
         self.n_experts = cfg.n_experts
         self.top_k = cfg.n_active_experts
         self.router_kind = cfg.router
@@ -217,9 +219,8 @@ class MoE(nn.Module):
         return keep.view(batch, k, seq_len).transpose(1, 2).reshape(batch * seq_len, k)
 
     # ---- experts --------------------------------------------------------------------------
-    # Eager: token counts are data-dependent, and grouped_mm's compile-time (meta) rule accepts
-    # bf16 only.
-    @torch.compiler.disable
+    # Eager (_EAGER_METHODS): token counts are data-dependent, and grouped_mm's compile-time (meta)
+    # rule accepts bf16 only.
     def routed(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
                keep: torch.Tensor | None) -> torch.Tensor:
         """Weighted sum of each token's kept experts' outputs, [T, dim]."""
@@ -276,8 +277,7 @@ class MoE(nn.Module):
         sel, prob_sum, tokens = parts.split([n_exp, n_exp, 1], dim=1)
         return ((sel * n_exp / (k * tokens)) * (prob_sum / tokens)).sum()
 
-    @torch.compiler.disable
-    @torch.no_grad()
+    @torch.no_grad()  # and eager (_EAGER_METHODS)
     def _record(self, probs, top_idx, keep, aux, batch: int) -> None:
         row = torch.zeros(self.n_experts + 5, dtype=torch.float64, device=probs.device)
         row[: self.n_experts] = occurrences(top_idx.flatten(), self.n_experts).double()
@@ -289,6 +289,18 @@ class MoE(nn.Module):
         extra[_AUX] = aux.detach().double()
         extra[_SEQS] = float(batch)
         self.stats = row if self.stats is None else self.stats + row
+
+
+# Methods Dynamo must not trace: torch.compiler.disable is applied to them as the first MoE is
+# built, not as this module is imported, since it imports torch._dynamo (about 3 s on a slow
+# CPU) that a dense model, and so `generate` or `export` of one, never needs.
+_EAGER_METHODS = ("routed", "_record")
+
+
+@functools.cache
+def _eager_methods() -> None:
+    for name in _EAGER_METHODS:
+        setattr(MoE, name, torch.compiler.disable(getattr(MoE, name)))
 
 
 # ---- what the trainer calls ---------------------------------------------------------------

@@ -164,7 +164,7 @@ def config_main(argv: list[str]) -> int:
 def show_main(argv: list[str]) -> int:
     """`ndtrain config show [--config F] [overrides]`: the resolved config (checked for what any
     world would have wrong); `ndtrain config check --world N ...`: everything for N ranks."""
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv or argv[0] in ("-h", "--help") or (argv[0] == "show" and {"-h", "--help"} & set(argv[1:])):
         print("usage: ndtrain config show [--config F] [--section.key=value ...]\n"
               "       ndtrain config check --world N [--config F] [--section.key=value ...]")
         return 0

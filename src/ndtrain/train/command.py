@@ -80,11 +80,6 @@ def _child_failure(exc) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if _under_launcher():  # first: the sooner a worker ties its life to its launcher, the fewer orphans
-        from ndtrain.train.distributed import die_with_parent
-        from ndtrain.train.rundir import LAUNCHER_ENV
-
-        die_with_parent(int(os.environ.get(LAUNCHER_ENV, "0") or 0) or None)
     p = argparse.ArgumentParser(prog="ndtrain train", description="Train a model.",
                                 epilog="Any --section.key=value overrides the config file.")
     p.add_argument("--config", help="TOML config (default: built-in debug defaults)")
@@ -96,14 +91,36 @@ def main(argv: list[str]) -> int:
         raise UsageError(f"--nproc must be between 1 and 4096, got {args.nproc}")
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    cfg = load_config(args.config, overrides)  # fails here, before any process starts
+    # Fails here, before any process starts and before torch is imported: a typo is answered at once.
+    cfg = load_config(args.config, overrides)
+    if _under_launcher():  # the sooner a worker ties its life to its launcher, the fewer orphans
+        from ndtrain.train.distributed import die_with_parent  # (it also notices a launcher already gone)
+        from ndtrain.train.rundir import LAUNCHER_ENV
+
+        die_with_parent(int(os.environ.get(LAUNCHER_ENV, "0") or 0) or None)
     from ndtrain.train.trackers import check_installed
 
     check_installed(cfg.logging)
+    cfg = _fit_to_data(cfg, overrides)
 
     if args.nproc and not _under_launcher():
         return _launch(cfg, args, argv)
     return _run(cfg)
+
+
+def _fit_to_data(cfg, overrides: list[str]):
+    """The config fitted to its data (train/preflight.py: fit_to_data), each change said in one
+    line by the process that speaks for the run: the `--nproc` launcher, or rank 0 where no
+    ndtrain launcher started the ranks. Workers fit the same config to the same data alike."""
+    from ndtrain.config import parse_overrides
+    from ndtrain.train.preflight import fit_to_data
+    from ndtrain.train.rundir import LAUNCHER_ENV
+
+    fitted, notes = fit_to_data(cfg, parse_overrides(overrides))
+    if os.environ.get("RANK", "0") == "0" and not os.environ.get(LAUNCHER_ENV):
+        for note in notes:
+            print(f"ndtrain train: {note}", flush=True)
+    return fitted
 
 
 def _run(cfg) -> int:

@@ -14,6 +14,86 @@ from pathlib import Path
 from ndtrain.errors import ConfigError, NdtrainError
 
 
+# The fewest validation windows a fitted run evaluates (or the config's own number, if smaller):
+# below it, a validation loss says too little to be worth a line in the metrics.
+VAL_FLOOR = 8
+
+
+def fit_to_data(cfg, pinned: dict | None = None) -> tuple:
+    """`cfg` fitted to the data it names: (a fitted copy, one line per change). The rule:
+    - model.vocab_size rises to the data's tokenizer size where the config's is smaller (a config
+      file's, or its preset's); it never shrinks, so a run that trained before trains alike;
+    - validation takes what the split holds where it holds fewer windows than val_batches x
+      val_batch_size: val_batch_size down to the windows held, then val_batches = held //
+      val_batch_size; below min(VAL_FLOOR, the config's number) nothing fits and check_data
+      refuses it.
+    A key given on the command line (`pinned`, parse_overrides' form) is what the user asked for
+    and is never fitted: check_data refuses it where the data cannot hold it. Data that cannot be
+    read is left to check_data to name."""
+    import copy
+
+    from ndtrain.data.mixture import open_dataset
+
+    pinned = pinned or {}
+    try:
+        train = open_dataset(cfg.data.path, cfg.data.mix, "train")
+    except NdtrainError:
+        return cfg, []
+    fitted, notes = copy.deepcopy(cfg), []
+    if train.vocab_size > cfg.model.vocab_size and "vocab_size" not in pinned.get("model", {}):
+        fitted.model.vocab_size = train.vocab_size
+        notes.append(f"model.vocab_size {cfg.model.vocab_size} -> {train.vocab_size}, the size of the tokenizer of "
+                     f"{train.describe()} (a --model.vocab_size given on the command line is kept)")
+    t, seq = fitted.train, cfg.data.seq_len
+    if t.val_interval > 0 and t.val_batches > 0 and not {"val_batches", "val_batch_size"} & set(pinned.get("train", {})):
+        have, need = open_dataset(cfg.data.path, cfg.data.mix, "val").num_samples(seq), t.val_batches * t.val_batch_size
+        if min(VAL_FLOOR, need) <= have < need:
+            size = min(t.val_batch_size, have)
+            notes.append(f"validation {t.val_batches} x {t.val_batch_size} -> {have // size} x {size} windows of {seq} "
+                         f"tokens (train.val_batches x train.val_batch_size): the validation split of "
+                         f"{train.describe()} holds {have}; prepare with a larger --val-fraction for more")
+            t.val_batches, t.val_batch_size = have // size, size
+    return fitted, notes
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def small_split_note(manifest: dict, configs: Path) -> str | None:
+    """One line where the validation split holds fewer windows than a shipped config (configs/*.toml,
+    in a clone) evaluates: `ndtrain train` then fits validation down to what the split holds, or
+    refuses below VAL_FLOOR. None where every config fits, or none is found."""
+    import tomllib
+
+    from ndtrain.config import DataConfig, TrainConfig
+
+    val_tokens = sum(p["val"][1] - p["val"][0] for p in manifest["parts"])
+    short = []  # (tokens needed, name, windows needed, seq_len, windows held)
+    for path in sorted(configs.glob("*.toml")) if configs.is_dir() else ():
+        try:
+            raw = tomllib.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+            continue
+        t, d = {**vars(TrainConfig()), **raw.get("train", {})}, {**vars(DataConfig()), **raw.get("data", {})}
+        seq, need = d["seq_len"], t["val_batches"] * t["val_batch_size"]
+        have = max(0, (val_tokens - 1) // seq)
+        if t["val_interval"] > 0 and need > have:
+            short.append((need * seq + 1, path.name, need, seq, have))
+    if not short:
+        return None
+    tokens, name, need, seq, have = min(short)
+    refused = [n for _, n, nd, _, h in short if h < min(VAL_FLOOR, nd)]
+    fitted = [n for _, n, _, _, _ in short if n not in refused]
+    fraction = 1.5 * tokens / max(1, manifest["num_tokens"])  # documents are drawn: a margin over the exact share
+    said = ([f"`ndtrain train` evaluates the windows it holds for {_names(fitted)}, and says so"] if fitted else []) + (
+        [f"refuses {_names(refused)} (fewer than {VAL_FLOOR} windows; --train.val_interval=0 trains without "
+         f"validation)"] if refused else [])
+    return (f"note: the validation split ({val_tokens:,} tokens) is smaller than {len(short)} of the shipped configs "
+            f"evaluate (configs/{name}: {need} windows of {seq} tokens, {have} held): {'; it '.join(said)}"
+            + (f"; --val-fraction {fraction:.2g} would hold {name}'s" if fraction < 0.5 else ""))
+
+
 def check_data(cfg) -> None:
     from ndtrain.data.mixture import open_dataset  # the dataset the loader will read: one corpus or a mixture
 
