@@ -85,3 +85,10 @@ def test_overlaid_runs_checkpoint_markers_take_their_runs_colour(tmp_path, monke
     report_plots.timeline(runs[:1], tmp_path / "t.png")  # one run: saves in the legend's green
     colours = {tuple(c.get_facecolors()[0][:3]) for c in figures[0].axes[0].collections}
     assert report_plots.matplotlib.colors.to_rgb(report_plots.MARKS["checkpoint"][0]) in colours
+
+
+def test_a_memory_only_rank_row_draws_memory_and_no_empty_spread(tmp_path):
+    rows = [_train(s, s) for s in (1, 2, 3)] + [{"step": 3, "rank_peak_memory_mb": [410.0, 395.0], "time": 3.1}]
+    run = read_run(_run(tmp_path / "run", rows))
+    assert report_plots.per_rank_memory(run) == [410.0, 395.0]
+    assert report_plots.stragglers([run], tmp_path / "s.png") is None and not (tmp_path / "s.png").exists()
