@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ndtrain.errors import NdtrainError
 from ndtrain.layout.flops import shown_fraction
+from ndtrain.tools.attempts import classify_attempts
 
 EVENTS_THAT_REWIND = ("start", "restart", "rollback")
 # Keys the report computes with: a row that gives one of them as anything but a number (or null)
@@ -208,7 +209,7 @@ def read_run(path: str | Path, label: str | None = None) -> Run:
             run.events.append(row)
         elif "rank_busy_s" in row or "rank_peak_memory_mb" in row:
             run.ranks.append(row)
-    _classify_attempts(rows)
+    classify_attempts(rows)
     run.train = [train[s] for s in sorted(train)]
     run.val = [val[s] for s in sorted(val)]
     trace = path / "pipeline_trace.json"
@@ -218,38 +219,6 @@ def read_run(path: str | Path, label: str | None = None) -> Run:
         except ValueError:
             run.pipeline = None  # written by rank 0 in one go; a torn file is simply not drawn
     return run
-
-
-def _classify_attempts(rows: list[dict]) -> None:
-    """Marks each start row after the first with `kind`: "resume" (a new launch: the user ran
-    `ndtrain train` again) or "restart" (torchrun began it: after a failure, or re-forming the
-    group), and `after`: how the attempt before it ended ("finished", "stopped" by a signal,
-    "interrupted", "left" the group; None: no end recorded, a crash or an older ndtrain). A
-    `membership` row before a resume is marked too: the user changed the world, no self-healing did.
-    Runs whose start rows do not record their launch count a start after a finished attempt
-    as a resume (nothing restarts a finished run) and any other as a restart."""
-    from ndtrain.train.resilience import new_launch
-
-    previous, ended, membership, last_time = None, None, None, None
-    for row in rows:
-        event = row.get("event")
-        if event not in ("start", "restart", "membership") and isinstance(row.get("time"), (int, float)):
-            last_time = row["time"]
-        if "loss" in row and row.get("last"):
-            ended = ended or "finished"
-        elif event == "end":
-            ended = str(row.get("how") or "stopped")
-        elif event == "membership":
-            membership = row
-        elif event in ("start", "restart"):
-            if previous is not None:
-                resume = bool(new_launch(previous, row)) or ended == "finished"
-                row["kind"], row["after"] = ("resume" if resume else "restart"), ended
-                if isinstance(row.get("time"), (int, float)) and last_time is not None:
-                    row["since_previous_s"] = row["time"] - last_time
-                if membership is not None and resume:
-                    membership["resume"] = True
-            previous, ended, membership = row, None, None
 
 
 def tokens_at(run: Run, step: int) -> float | None:
