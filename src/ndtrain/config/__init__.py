@@ -47,6 +47,9 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 20
     schedule: Literal["cosine", "constant"] = "cosine"
+    # The schedule of a resume that finds train.steps changed, said in one line there: stretch,
+    # keep, decay or restart (train/optim.py EXTEND says what each does; docs/checkpoints.md).
+    extend: Literal["stretch", "keep", "decay", "restart"] = "stretch"
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1

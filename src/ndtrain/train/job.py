@@ -23,6 +23,7 @@ from ndtrain.train.checkpoint import list_checkpoints
 from ndtrain.train.gc_schedule import GcSchedule
 from ndtrain.train.distributed import group_active
 from ndtrain.train.metrics import compute_modules
+from ndtrain.train.optim import extend_schedule
 from ndtrain.train.state import checkpointer
 
 SAMPLE_DELAY_ENV = "NDTRAIN_TEST_SAMPLE_DELAY_S"  # tests only: seconds rank 0 sleeps before its sample
@@ -208,6 +209,8 @@ def _start(plan, run_dir: Path, progress, rt, ckpt, log, peaks) -> None:
     for spec in recovery.resume_specs(cfg):  # a torchrun restart tries "auto" first
         if ckpt.resume(spec) is not None:
             break
+    if (extended := extend_schedule(cfg, progress)) and rt.is_main:  # train.steps changed on a resume
+        log.info(extended)
     log.start(progress.step)
     # Each attempt's first row: the report marks restarts, resumes (a new launch) and changes of
     # world or layout by it.

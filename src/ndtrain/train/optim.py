@@ -1,4 +1,5 @@
-"""AdamW with decoupled weight decay on matrices only, and warmup + cosine learning rate."""
+"""AdamW with decoupled weight decay on matrices only, and warmup + cosine learning rate (and what
+becomes of it when a resumed run is given another length: extend_schedule)."""
 
 from __future__ import annotations
 
@@ -19,16 +20,60 @@ def build_optimizer(model_parts: list[nn.Module], cfg) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **impl)
 
 
-def lr_at(step: int, cfg, total_steps: int) -> float:
-    """Learning rate for optimizer step `step` (0-based)."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+def lr_at(step: int, cfg, total_steps: int, segment: list | None = None) -> float:
+    """Learning rate for optimizer step `step` (0-based): warmup, then cosine (or constant) down
+    to lr * min_lr_ratio at `total_steps`. `segment` [start, end, peak, warmup]: the curve a run
+    extended on resume follows instead (extend_schedule), from step `start`."""
+    start, end, peak, warmup = segment if segment is not None else (0, total_steps, cfg.lr, cfg.warmup_steps)
+    k = step - start
+    if warmup and k < warmup:
+        return peak * (k + 1) / warmup
     if cfg.schedule == "constant":
-        return cfg.lr
-    decay_steps = max(1, total_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+        return peak
+    progress = min(1.0, (k - warmup) / max(1, end - start - warmup))
     floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# What optimizer.extend does to the schedule where a resume finds train.steps changed.
+EXTEND = {
+    "stretch": "recomputes the schedule over the new length, as a fresh run of {now} steps would have it",
+    "keep": "keeps the checkpoint's schedule: the steps past {before} run at its final rate",
+    "decay": "decays from the checkpoint's rate at step {step} to the floor at step {now}",
+    "restart": "warms up again from step {step} and decays to the floor at step {now}",
+}
+
+
+def extend_schedule(cfg, progress) -> str | None:
+    """The schedule this run's steps follow, in `progress.lr_schedule` ({"steps": the train.steps
+    it was made for, "segment": lr_at's segment or None for the config's own}); where a resume
+    finds train.steps changed, optimizer.extend decides the new one, and the line saying so is
+    returned (else None). Idempotent: a run resumed again (or rolled back) with the same
+    train.steps keeps the schedule its checkpoint recorded."""
+    opt, now, step = cfg.optimizer, cfg.train.steps, progress.step
+    saved = progress.lr_schedule
+    if saved is None or saved["steps"] == now:
+        progress.lr_schedule = saved or {"steps": now, "segment": None}
+        return None
+    before, segment = saved["steps"], saved["segment"]
+    old = segment if segment is not None else [0, before, opt.lr, opt.warmup_steps]
+    mode = opt.extend
+    if mode == "stretch":  # the config's own schedule (None), or an earlier segment's end moved
+        new = None if segment is None else [old[0], now, old[2], old[3]]
+    elif mode == "keep":
+        new = old
+    elif mode == "decay" and step >= old[0] + old[3]:
+        new = [step, now, lr_at(step, opt, before, old), 0]
+    elif mode == "decay":  # still warming up: finish the warmup, then decay to the new end
+        new = [old[0], now, old[2], old[3]]
+    else:  # restart
+        new = [step, now, opt.lr, opt.warmup_steps]
+    progress.lr_schedule = {"steps": now, "segment": new}
+    what = EXTEND[mode].format(before=before, now=now, step=step)
+    return (f"train.steps {before} -> {now} on resume at step {step}: optimizer.extend = \"{mode}\" {what}; "
+            f"step {step + 1} learns at {lr_at(step, opt, now, new):.3g}, where the checkpoint's schedule gave "
+            f"{lr_at(step, opt, before, old):.3g} (other choices: {', '.join(m for m in EXTEND if m != mode)}; "
+            f"docs/checkpoints.md)")
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -25,7 +25,7 @@ from ndtrain.model.moe import end_step as moe_end_step, set_aux_scale
 from ndtrain.parallel.data_parallel import accumulation, reshard
 from ndtrain.parallel.grad_norm import all_reduce_sum, clip_coefficient, local_grad_sq, reduce_partial_grads, scale_grads
 from ndtrain.train.metrics import mfu, peak_memory_mb, raise_peak, reset_peak_memory, run_peaks
-from ndtrain.train.optim import lr_at, set_lr
+from ndtrain.train.optim import extend_schedule, lr_at, set_lr
 from ndtrain.train.state import TrainState
 
 
@@ -150,7 +150,8 @@ def train_step(state: TrainState, batch, data_wait_s: float = 0.0) -> StepResult
     t0, cpu0 = time.perf_counter(), time.process_time()
     reset_peak_memory(rt.device)  # each step's row reports that step's peak
     gb = global_batch_at(cfg, progress.tokens_seen)  # the batch `batch` is this rank's share of
-    lr = lr_at(progress.step, cfg.optimizer, cfg.train.steps)
+    extend_schedule(cfg, progress)  # a no-op but after a resume (or rollback) onto another train.steps
+    lr = lr_at(progress.step, cfg.optimizer, cfg.train.steps, progress.lr_schedule["segment"])
     set_lr(state.optimizer, lr)
     # The MoE aux loss is a mean over sequences: each of this rank's sequences weighs 1/n here,
     # and FSDP's average over ranks completes the global mean (as for the token loss).

@@ -36,6 +36,9 @@ class TrainProgress:
     step: int = 0
     tokens_seen: int = 0
     skip_windows: list[list[int]] = field(default_factory=list)  # [start, end) samples dropped after rollbacks
+    # The learning-rate schedule the steps follow: {"steps": the train.steps it was made for,
+    # "segment": None (the config's) or where an extended run's differs} (optim.extend_schedule).
+    lr_schedule: dict | None = None
 
     def add_skip_window(self, window: list[int]) -> None:
         self.skip_windows.append(list(window))
@@ -46,12 +49,15 @@ class TrainProgress:
 
     def state_dict(self) -> dict:
         return {"step": self.step, "tokens_seen": self.tokens_seen,
-                "skip_windows": [list(w) for w in self.skip_windows]}
+                "skip_windows": [list(w) for w in self.skip_windows], "lr_schedule": self.lr_schedule}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.skip_windows = [list(w) for w in state.get("skip_windows", [])]
+        # A checkpoint from before the record followed its config's schedule over its train.steps.
+        steps = state.get("config", {}).get("train", {}).get("steps")
+        self.lr_schedule = state.get("lr_schedule") or ({"steps": int(steps), "segment": None} if steps else None)
 
 
 class RNGState:
