@@ -34,6 +34,7 @@ from ndtrain.errors import NdtrainError
 from ndtrain.model.init import canonical_name
 from ndtrain.layout.diloco import fragment_of, last_send, sends_at
 from ndtrain.parallel.grad_norm import shard_count
+from ndtrain.parallel.groups import own_group
 
 MERGE_ALPHA = 0.5  # Streaming DiLoCo's mixing of the local and the (late) global fragment
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -58,10 +59,6 @@ def _groups(rank_grid: torch.Tensor, dim: int) -> list[list[int]]:
     return rank_grid.movedim(dim, -1).reshape(-1, rank_grid.shape[dim]).tolist()
 
 
-def _subgroup(rank_lists: list[list[int]]):
-    """The group among `rank_lists` that holds this rank (every rank creates all of them)."""
-    group, _ = dist.new_subgroups_by_enumeration(rank_lists)
-    return group
 
 
 @dataclass
@@ -94,8 +91,8 @@ class DiLoCo:
         # Scalars that must agree across replicas (skip/rollback) use the mesh's replicate group;
         # the outer all-reduce gets a group of its own, so it can run in the background.
         self.flag_group = mesh["dp_replicate"].get_group()
-        self.outer_group = _subgroup(_groups(grid, rep))
-        self.replica_group = _subgroup(grid.movedim(rep, 0).reshape(self.R, -1).tolist())
+        self.outer_group = own_group(_groups(grid, rep), "diloco_outer")
+        self.replica_group = own_group(grid.movedim(rep, 0).reshape(self.R, -1).tolist(), "diloco_replica")
         self.ranks_per_stage = dims.world_size // self.R // dims.pp
         self.tracked: list[_Tracked] = []
         self.alias: dict[str, int] = {}  # canonical name (tied weights: every name) -> index

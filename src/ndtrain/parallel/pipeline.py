@@ -24,6 +24,7 @@ from ndtrain.layout.rules import microbatch_split_problem
 from ndtrain.layout.partition import part_costs, pipeline_split, stage_layer_counts, stage_layers  # noqa: F401
 from ndtrain.model.config import ModelConfig
 from ndtrain.parallel import pipeline_schedule as ps
+from ndtrain.parallel.groups import own_group
 
 
 # ---- stages --------------------------------------------------------------------------------
@@ -273,13 +274,12 @@ class TiedEmbedding:
         local = registry.get(dims.schedule).stage_ranks(dims.pp, dims.v)[-1] == 0  # V: last stage on rank 0
         if not local:
             ranks = mesh.ranks  # [pp, dp_replicate, dp_shard, cp, tp] -> global rank
-            me = dist.get_rank()
             flat = ranks.reshape(ranks.shape[0], -1)
-            for c in range(flat.shape[1]):  # every rank creates every group, in the same order
-                pair = [int(flat[0, c]), int(flat[-1, c])]
-                group = dist.new_group(pair)
-                if me in pair:
-                    self.group = group
+            pairs = [[int(flat[0, c]), int(flat[-1, c])] for c in range(flat.shape[1])]
+            middle = [[int(r)] for r in flat[1:-1].flatten()]  # stages between: a group of one each
+            group = own_group(pairs + middle, "tied_embedding")
+            if any(dist.get_rank() in pair for pair in pairs):
+                self.group = group
 
     @staticmethod
     def _grad(param) -> torch.Tensor:
