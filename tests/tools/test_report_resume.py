@@ -112,3 +112,15 @@ def test_a_run_continued_by_a_second_train_command_reports_a_resume(parity_base,
     run = read_run(tmp_path / "run")
     assert run.restarts == [] and [(e["step"], e["after"]) for e in run.resumes] == [(2, "finished")]
     assert [r["step"] for r in run.train] == [1, 2, 3, 4] and run.finished
+
+
+def test_the_planner_row_is_the_last_attempts(tmp_path):
+    """A run planned on 2 ranks and resumed on 1 without the planner: no prediction of the first
+    world is set against the second world's steps."""
+    rows = _rows({"attempt": 0, "launch": "B"}, {"how": "stopped"}, membership=False)
+    rows.insert(1, {"step": 0, "event": "auto", "layout": "dp_replicate=2", "predicted_step_time": 0.1, "time": 0.1})
+    run = _read(tmp_path, rows)
+    assert run.auto is None and dict(header_rows([run], now=40.0))["planner (auto): predicted vs measured"] == ["not used"]
+    second = next(i for i, r in enumerate(rows) if r.get("event") == "restart")
+    rows.insert(second + 1, {"step": 4, "event": "auto", "layout": "single", "predicted_step_time": 0.4, "time": 30.1})
+    assert _read(tmp_path, rows).auto["layout"] == "single"

@@ -69,7 +69,10 @@ class Run:
 
     @property
     def auto(self) -> dict | None:
-        autos = [e for e in self.events if e.get("event") == "auto"]
+        """The planner's choice for the last attempt (an earlier attempt's, on another world, is
+        not what the last attempt's measured steps ran)."""
+        last = max((i for i, e in enumerate(self.events) if e.get("event") in ("start", "restart")), default=-1)
+        autos = [e for e in self.events[last + 1:] if e.get("event") == "auto"]
         return autos[-1] if autos else None
 
     def timed_rows(self) -> list[dict]:
