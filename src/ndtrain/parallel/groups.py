@@ -8,6 +8,11 @@ creation per purpose, whatever the world. The hazard torch names, two ranks nami
 differently, cannot arise: the name comes from the members and the count of groups each has
 made, and every rank makes exactly one group per call, from a partition that covers the world,
 so the counts stay equal everywhere.
+
+On NCCL bound to a device (distributed.setup), torch makes each new group by splitting the world
+communicator (ncclCommSplit), a step all of its ranks must take. Here they all do, at once, each
+with its own group's colour: one split makes every group of the partition, the way DeviceMesh's
+`split_group` makes a dimension's groups.
 """
 
 from __future__ import annotations
