@@ -71,8 +71,8 @@ def extend_schedule(cfg, progress) -> str | None:
     progress.lr_schedule = {"steps": now, "segment": new}
     what = EXTEND[mode].format(before=before, now=now, step=step)
     return (f"train.steps {before} -> {now} on resume at step {step}: optimizer.extend = \"{mode}\" {what}; "
-            f"step {step + 1} learns at {lr_at(step, opt, now, new):.3g}, where the checkpoint's schedule gave "
-            f"{lr_at(step, opt, before, old):.3g} (other choices: {', '.join(m for m in EXTEND if m != mode)}; "
+            f"step {step + 1} learns at {lr_at(step, opt, now, new):.2e}, where the checkpoint's schedule gave "
+            f"{lr_at(step, opt, before, old):.2e} (other choices: {', '.join(m for m in EXTEND if m != mode)}; "
             f"docs/checkpoints.md)")
 
 
