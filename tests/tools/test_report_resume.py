@@ -89,7 +89,8 @@ def test_no_membership_row_for_a_new_launch(tmp_path):
     assert resilience.membership_change(tmp_path, 2, "dp_shard=2", {"attempt": 0, "launch": "B"}) is None
     row, text = resilience.membership_change(tmp_path, 2, "dp_shard=2", {"attempt": 0, "launch": "A"})
     assert (row["old_world"], row["world"]) == (1, 2) and "membership change: world 1 -> 2" in text
-    assert resilience.new_launch({"attempt": 2, "launch": "A"}, {"attempt": 0, "launch": "A"})  # counts from 0 again
+    # rank 0 on an agent that joined late counts its restarts from 0: still the same launch
+    assert resilience.new_launch({"attempt": 2, "launch": "A"}, {"attempt": 0, "launch": "A"}) is False
     assert resilience.new_launch({"launch": "A"}, {}) is None
 
 

@@ -314,10 +314,8 @@ def new_launch(previous: dict, start: dict) -> bool | None:
     """Whether the start row `start` began a new launch (a user's new `ndtrain train`, not torchrun
     restarting or re-forming the group) after the attempt whose start row is `previous`: True,
     False, or None when the rows cannot tell (written before starts recorded their launch).
-    Within one launch torchrun's restart count never falls, and a new launch counts from 0."""
-    before, now = previous.get("attempt"), start.get("attempt")
-    if isinstance(before, int) and isinstance(now, int) and now != before:
-        return now < before
+    The restart count cannot tell: each agent keeps its own, and after a re-formation rank 0 may
+    be on an agent that joined late and counts from 0."""
     if "launch" in previous and "launch" in start:
         return previous["launch"] != start["launch"]
     return None
