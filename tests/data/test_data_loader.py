@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from ndtrain.data.loader import IGNORE, StatefulLoader, TokenDataset, validation_batches, validation_windows
+from ndtrain.data.loader import (IGNORE, ORDER_KEYED, KeyedPermutation, StatefulLoader, TokenDataset,
+                                 validation_batches, validation_windows)
 from ndtrain.errors import NdtrainError
 
 SEQ = 8
@@ -54,7 +55,7 @@ def test_same_global_stream_for_any_dp_size(data):
     for e in range(3):
         assert sorted(idx[e * n : (e + 1) * n]) == list(range(n))
     assert not np.array_equal(idx[:n], idx[n : 2 * n])
-    perm = np.random.default_rng([SEED, 1]).permutation(n)
+    perm = KeyedPermutation(n, [SEED, 1])(np.arange(n))  # the epoch's order: keyed by (seed, epoch)
     assert np.array_equal(idx[n : 2 * n], perm)
 
 
@@ -63,7 +64,7 @@ def test_resume_continues_stream_at_any_dp_size(data):
     ref, ref_state = run(data, 1, batches)
     for dp_before, dp_after in ((2, 2), (2, 4), (4, 1), (1, 2)):
         first, state = run(data, dp_before, batches[:13])
-        assert state == {"consumed_samples": 13 * 8, "seed": SEED, "seq_len": SEQ}
+        assert state == {"consumed_samples": 13 * 8, "seed": SEED, "seq_len": SEQ, "order": ORDER_KEYED}
         rest, end_state = run(data, dp_after, batches[13:], state=state)
         assert end_state == ref_state
         for field in ("global_ids", "inputs", "targets"):

@@ -3,7 +3,13 @@
 The design rests on one global stream of samples, independent of data parallelism and of how
 the corpus is cut into shards:
 
-    global sample k  ->  epoch e = k // n,  window = permutation(seed, e)[k % n]
+    global sample k  ->  epoch e = k // n,  window = order(seed, e)(k % n)
+
+order(seed, e) is a keyed bijection of [0, n) (KeyedPermutation: a Feistel network, cycle-walked
+into [0, n)), computed for each position on its own: no rank ever holds an epoch's order, so the
+loader's memory is the same for a thousand samples or 10^10. Checkpoints written before it
+(their loader state has no "order") continue the order they started with, a whole-epoch
+numpy permutation (ORDER_PERMUTATION), so a resumed run never changes its stream mid-way.
 
 A split is the concatenation of its parts' token ranges (manifest.py), read across shard
 boundaries as one stream, so window j names the same tokens whatever the shard count. Each step
@@ -32,6 +38,73 @@ from ndtrain.data.manifest import read_manifest, split_ranges
 from ndtrain.errors import NdtrainError
 
 _LOAD_CHECK_TOKENS = 4096  # ids checked at each end of every shard when a dataset opens
+
+# How an epoch's order is made, recorded in the loader state ("order"): 1, one
+# numpy.random.default_rng([seed, epoch]).permutation(n) per epoch (8 bytes per sample, on every
+# rank: what checkpoints without the key used); 2, KeyedPermutation (O(1) memory).
+ORDER_PERMUTATION, ORDER_KEYED = 1, 2
+
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)  # splitmix64's finalizer
+
+
+class KeyedPermutation:
+    """A bijection of [0, n) chosen by an integer key, evaluated element by element in O(1) memory:
+    a balanced Feistel network of ROUNDS rounds on the 2h-bit words (the smallest even width
+    holding n - 1), whose round function is splitmix64's finalizer of the half-word plus a round
+    key drawn from the key. A Feistel network is a bijection of its words whatever the round
+    function; cycle-walking (encrypt again while the result is >= n) restricts it to [0, n)
+    and stays a bijection there. The words hold fewer than 4n values, so a position takes under
+    4 encryptions on average."""
+
+    ROUNDS = 6
+
+    def __init__(self, n: int, key):
+        self.n = _check_int("permutation size", n, 1)
+        bits = max(2, (self.n - 1).bit_length())
+        self.half = np.uint64((bits + 1) // 2)
+        self.mask = np.uint64((1 << int(self.half)) - 1)
+        self.keys = [np.uint64(k) for k in np.random.SeedSequence(list(key)).generate_state(self.ROUNDS, np.uint64)]
+
+    def _encrypt(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> self.half, x & self.mask
+        for k in self.keys:
+            z = right + k  # uint64 arithmetic wraps, as the mixing wants
+            z = (z ^ (z >> np.uint64(30))) * _M1
+            z = (z ^ (z >> np.uint64(27))) * _M2
+            z ^= z >> np.uint64(31)
+            left, right = right, left ^ (z & self.mask)
+        return (left << self.half) | right
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        """The window at each position (int64 array in [0, n)), same shape."""
+        x = np.asarray(positions, dtype=np.int64)
+        if x.size and (x.min() < 0 or x.max() >= self.n):
+            raise IndexError(f"position out of range [0, {self.n})")
+        y = self._encrypt(x.astype(np.uint64))
+        n = np.uint64(self.n)
+        walk = np.flatnonzero(y >= n)
+        while walk.size:
+            y[walk] = self._encrypt(y[walk])
+            walk = walk[y[walk] >= n]
+        return y.astype(np.int64)
+
+
+class EpochOrders:
+    """The order of an epoch of `n` samples, per (order, key): a function of arrays of positions.
+    The current key's is kept (ORDER_PERMUTATION's is the whole epoch, 8 bytes a sample; the
+    keyed one is a few integers)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self._cache: tuple[tuple, object] = ((), None)  # one tuple: swapped atomically (prefetch thread)
+
+    def get(self, order: int, key: list[int]):
+        cached, fn = self._cache
+        if cached != (order, *key):
+            fn = np.random.default_rng(key).permutation(self.n).__getitem__ if order == ORDER_PERMUTATION \
+                else KeyedPermutation(self.n, key)
+            self._cache = ((order, *key), fn)
+        return fn
 
 
 class TokenDataset:
@@ -166,7 +239,8 @@ class StatefulLoader:
                 f"fewer than one sample of seq_len + 1 = {self.seq_len + 1}"
             )
         self.consumed_samples = 0
-        self._perm_cache: tuple[int, np.ndarray | None] = (-1, None)  # one tuple: swapped atomically
+        self.order = ORDER_KEYED  # a loaded state may say otherwise (load_state_dict)
+        self._orders = EpochOrders(self.num_samples)
         self._prefetch: ThreadPoolExecutor | None = None
         self._ahead: dict[tuple[int, int], object] = {}
         self._depth, self._pin = 0, False
@@ -175,14 +249,11 @@ class StatefulLoader:
     def epoch(self) -> int:
         return self.consumed_samples // self.num_samples
 
-    def permutation(self, epoch: int) -> np.ndarray:
-        # Seeding with [seed, epoch] makes each epoch's order a pure function of both, so no RNG
-        # state needs saving; only the current epoch's permutation is cached.
-        cached_epoch, perm = self._perm_cache
-        if cached_epoch != epoch:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-            self._perm_cache = (epoch, perm)
-        return perm
+    def epoch_order(self, epoch: int):
+        """Position -> window of `epoch`, for arrays of positions. Keyed by [seed, epoch], so each
+        epoch's order is a pure function of both and no RNG state needs saving; only the current
+        epoch's is cached."""
+        return self._orders.get(self.order, [self.seed, epoch])
 
     def indices_for(self, global_ids: np.ndarray) -> np.ndarray:
         """Window index for each global sample number (may span epoch boundaries)."""
@@ -191,7 +262,7 @@ class StatefulLoader:
         out = np.empty_like(global_ids)
         for e in np.unique(epochs):  # ascending, so the cache moves forward epoch by epoch
             mask = epochs == e
-            out[mask] = self.permutation(int(e))[pos[mask]]
+            out[mask] = self.epoch_order(int(e))(pos[mask])
         return out
 
     def _samples(self, global_ids: np.ndarray) -> Batch:
@@ -243,7 +314,8 @@ class StatefulLoader:
         self.consumed_samples = _check_int("consumed_samples", consumed, self.consumed_samples)
 
     def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples, "seed": self.seed, "seq_len": self.seq_len}
+        return {"consumed_samples": self.consumed_samples, "seed": self.seed, "seq_len": self.seq_len,
+                "order": self.order}
 
     def load_state_dict(self, state: dict) -> None:
         try:
@@ -256,6 +328,15 @@ class StatefulLoader:
             raise NdtrainError(f"checkpoint data loader used seed {seed}, but this run uses seed {self.seed}")
         if seq_len != self.seq_len:
             raise NdtrainError(f"checkpoint data loader used seq_len {seq_len}, but this run uses seq_len {self.seq_len}")
+        order = state.get("order", ORDER_PERMUTATION)  # a state without it predates the keyed order
+        if order not in (ORDER_PERMUTATION, ORDER_KEYED):
+            raise NdtrainError(f"checkpoint data loader has order {order!r}; this ndtrain knows orders "
+                               f"{ORDER_PERMUTATION} and {ORDER_KEYED} (a newer ndtrain wrote it)")
+        if order != self.order:
+            for f in self._ahead.values():  # prefetched in the other order
+                f.cancel()
+            self._ahead.clear()
+        self.order = order
         self.consumed_samples = _check_int("consumed_samples", consumed, 0)
 
 

@@ -6,10 +6,10 @@ absolute path). All components must share one tokenizer.
 The mixed stream is cut into blocks of MIX_BLOCK samples. Every block holds each component's
 fixed share (its weight rounded by largest remainder, so a block's proportions are exact to
 1/MIX_BLOCK) in an order shuffled by (seed, block). Global sample k therefore maps, in closed form,
-to (component c, c's own sample number m); m then goes through c's own epoch permutation like a
-single corpus. The state stays `consumed_samples`, any dp size sees the same stream, and resuming
-is exact. Each component cycles through its epochs at its own pace (a small, heavily weighted
-corpus repeats more often).
+to (component c, c's own sample number m); m then goes through c's own epoch order like a
+single corpus (loader.py's, keyed by (seed, epoch, c + 1): O(1) memory). The state stays
+`consumed_samples`, any dp size sees the same stream, and resuming is exact. Each component
+cycles through its epochs at its own pace (a small, heavily weighted corpus repeats more often).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ndtrain.data.loader import Batch, StatefulLoader, TokenDataset, _check_int, _check_rank
+from ndtrain.data.loader import ORDER_KEYED, Batch, EpochOrders, StatefulLoader, TokenDataset, _check_int, _check_rank
 from ndtrain.data.manifest import fingerprint
 from ndtrain.errors import NdtrainError
 
@@ -139,16 +139,13 @@ class MixtureLoader(StatefulLoader):
                                    f"fewer than one sample of seq_len + 1 = {self.seq_len + 1}")
         self.num_samples = sum(self.sizes)
         self.schedule = MixSchedule(dataset.counts, self.seed)
-        self._perms = [(-1, None)] * len(self.sizes)
+        self._orders = [EpochOrders(n) for n in self.sizes]
+        self.order = ORDER_KEYED  # a loaded state may say otherwise (StatefulLoader.load_state_dict)
         self.consumed_samples = 0
         self._prefetch, self._ahead, self._depth, self._pin = None, {}, 0, False
 
-    def _perm(self, c: int, epoch: int) -> np.ndarray:
-        cached, perm = self._perms[c]
-        if cached != epoch:
-            perm = np.random.default_rng([self.seed, epoch, c + 1]).permutation(self.sizes[c])
-            self._perms[c] = (epoch, perm)
-        return perm
+    def _component_order(self, c: int, epoch: int):
+        return self._orders[c].get(self.order, [self.seed, epoch, c + 1])
 
     def _samples(self, global_ids: np.ndarray) -> Batch:
         comp, local = self.schedule.locate(global_ids)
@@ -159,7 +156,7 @@ class MixtureLoader(StatefulLoader):
             epochs, pos = local[sel] // n, local[sel] % n
             idx = np.empty_like(pos)
             for e in np.unique(epochs):
-                idx[epochs == e] = self._perm(int(c), int(e))[pos[epochs == e]]
+                idx[epochs == e] = self._component_order(int(c), int(e))(pos[epochs == e])
             indices[sel] = idx
         inputs, targets = _gather(self.dataset.parts, comp, indices, self.seq_len)
         return Batch(inputs, targets, torch.from_numpy(global_ids), torch.from_numpy(indices), torch.from_numpy(comp))
