@@ -95,8 +95,9 @@ def test_nonfinite_steps_roll_back_and_skip_the_window(parity_base, tmp_path, mo
                                checkpoint={"interval_steps": 2})))
     assert summary["steps"] == 8
     events = [r for r in metrics(run) if "event" in r]
-    assert events[0]["event"] == "start"  # each attempt's first row (for `ndtrain report`)
-    events = events[1:]
+    # each attempt's first and last rows (for `ndtrain report`)
+    assert events[0]["event"] == "start" and (events[-1]["event"], events[-1]["how"]) == ("end", "finished")
+    events = events[1:-1]
     assert [e["event"] for e in events] == ["nonfinite", "nonfinite", "rollback", "skip_window"]
     assert events[2]["skip_window"] == [16, 24]
     trained = [ids for ids in seen if not ids & {17, 22}]
