@@ -165,7 +165,11 @@ def fp8_cheap_peak(fp8_speed, monkeypatch) -> Fp8Speed:
     return fp8_speed
 
 
-# ---- per-file time against its budget (tests/budgets.toml), printed at the end of a run ----------
+# ---- this host's speed: the per-file budgets and every hang guard scale with it ----------------
+
+BUDGETS = Path(__file__).with_name("budgets.toml")
+_HOST_SPEED = pytest.StashKey[tuple[float, str]]()
+
 
 def _host_slowdown(ref: dict) -> tuple[float, str]:
     """How much slower this host is, now, than the host the budgets were set on (never below 1,
@@ -204,6 +208,41 @@ def _host_slowdown(ref: dict) -> tuple[float, str]:
                    f"fp32 matmul {gflops:.0f} GFLOP/s (ref {ref['matmul_gflops']})")
 
 
+def host_slowdown(config) -> tuple[float, str]:
+    """(`_host_slowdown` against budgets.toml's reference host, what it measured): probed once per
+    session (per xdist worker, and once in the controller for the report), when first asked."""
+    if _HOST_SPEED not in config.stash:
+        config.stash[_HOST_SPEED] = _host_slowdown(tomllib.loads(BUDGETS.read_text())["reference"])
+    return config.stash[_HOST_SPEED]
+
+
+@pytest.fixture(scope="session")
+def hang_deadline(pytestconfig):
+    """hang_deadline(base_s): the seconds a wait may take before the test calls it hung. `base_s`
+    is generous on the reference host (many times what the wait takes there); it is multiplied by
+    this host's measured slowdown (host_slowdown, never below 1, so never below base_s): the same
+    wait on a host several times slower, or loaded, is not a hang. Only for waits that stop a hung
+    test; what a test asserts is counted work or a comparison, never a time."""
+    scale = host_slowdown(pytestconfig)[0]
+
+    def seconds(base_s: float) -> float:
+        return base_s * scale
+
+    return seconds
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item, settings):
+    """Every pytest-timeout limit (a test's marker, pyproject's default) is a hang guard set for the
+    reference host: it is multiplied by this host's slowdown, as hang_deadline's waits are, so that
+    a test's own limit and the waits inside it keep their order on any host."""
+    plugin = item.config.pluginmanager.get_plugin("timeout")
+    scaled = settings._replace(timeout=settings.timeout * host_slowdown(item.config)[0])
+    return plugin.pytest_timeout_set_timer(item=item, settings=scaled)
+
+
+# ---- per-file time against its budget (tests/budgets.toml), printed at the end of a run ----------
+
 _SESSION_START = time.monotonic()  # conftest import: the start of collection
 
 
@@ -214,7 +253,7 @@ def pytest_collection_modifyitems(session, config, items):
     best possible). Within a file the order is unchanged; without xdist nothing moves."""
     if not getattr(config.option, "numprocesses", None):
         return
-    files = tomllib.loads(Path(__file__).with_name("budgets.toml").read_text())["files"]
+    files = tomllib.loads(BUDGETS.read_text())["files"]
     per_test = {}
     for item in items:
         key = item.nodeid.split("::")[0].removeprefix("tests/")
@@ -237,9 +276,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                 per_file[path] = per_file.get(path, 0.0) + r.duration
     if not per_file:
         return
-    budgets_path = Path(__file__).with_name("budgets.toml")
-    table = tomllib.loads(budgets_path.read_text())
-    scale, probe = _host_slowdown(table["reference"])
+    table = tomllib.loads(BUDGETS.read_text())
+    scale, probe = host_slowdown(config)
     files, default = table["files"], table["default"]
     tw = terminalreporter
     # Budgets are the default suite's (`-m 'not slow'`, pyproject's addopts); other selections get the table only.

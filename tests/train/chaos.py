@@ -23,9 +23,12 @@ STEPS, INTERVAL = 12, 2
 
 
 def train_args(data: Path, out: Path, deadline_s: float) -> list[str]:
+    # A hung rank is the step watchdog's to find: the collective timeout stays well above its
+    # deadline (which tests scale with the host's speed), or the peer's collective would fail first.
+    collective_s = max(60.0, 10 * deadline_s)
     return ["--model.preset=debug", f"--data.path={data}", "--data.seq_len=64", f"--train.steps={STEPS}",
             "--train.global_batch=8", "--train.micro_batch=4", "--train.val_interval=0", "--train.sample_tokens=0",
-            "--train.log_interval=1", f"--train.step_deadline_s={deadline_s}", "--train.timeout_s=60",
+            "--train.log_interval=1", f"--train.step_deadline_s={deadline_s}", f"--train.timeout_s={collective_s:.0f}",
             f"--checkpoint.interval_steps={INTERVAL}", "--checkpoint.async=true", "--checkpoint.keep_last=2",
             "--logging.tensorboard=false", "--logging.progress=off", f"--train.output_dir={out}"]
 
@@ -74,7 +77,7 @@ class Trial:
     seconds: float = 0.0
 
 
-def run_trial(data: Path, out: Path, reference: dict, faults: list, deadline_s: float) -> Trial:
+def run_trial(data: Path, out: Path, reference: dict, faults: list, deadline_s: float, timeout: float = 600) -> Trial:
     import torch
 
     from ndtrain.train.checkpoint import list_checkpoints, verify
@@ -82,7 +85,7 @@ def run_trial(data: Path, out: Path, reference: dict, faults: list, deadline_s: 
     trial = Trial(faults)
     text = ",".join(f"{a}:{r}:{s}:{p}:{d}" for a, r, s, p, d in faults)
     t0 = time.perf_counter()
-    proc = launch(data, out, text, restarts=len(faults) + 1, deadline_s=deadline_s)
+    proc = launch(data, out, text, restarts=len(faults) + 1, deadline_s=deadline_s, timeout=timeout)
     trial.seconds = time.perf_counter() - t0
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:
@@ -116,8 +119,8 @@ def run_trial(data: Path, out: Path, reference: dict, faults: list, deadline_s: 
     return trial
 
 
-def reference_weights(data: Path, out: Path) -> dict:
-    proc = launch(data, out)
+def reference_weights(data: Path, out: Path, timeout: float = 600) -> dict:
+    proc = launch(data, out, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-3000:])
     return final_weights(out)

@@ -34,9 +34,9 @@ def _start(args: list[str], nproc: int = 2, env: dict | None = None) -> subproce
                             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
-def _wait_for(out: Path, checkpoints: int, proc: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+def _wait_for(out: Path, checkpoints: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         if len(list_checkpoints(out / "checkpoints")) >= checkpoints:
             return
         if proc.poll() is not None:
@@ -58,20 +58,22 @@ def _error_lines(stderr: str) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-def test_sigkill_of_the_launcher_leaves_no_worker(corpus_dir, tmp_path):
+def test_sigkill_of_the_launcher_leaves_no_worker(corpus_dir, tmp_path, hang_deadline):
     out = tmp_path / "run"
     proc = _start(_args(corpus_dir, out))
     try:
-        _wait_for(out, 1, proc)
+        _wait_for(out, 1, proc, hang_deadline(240))
         workers = descendants(proc.pid)
         assert len(workers) >= 2, workers
         os.kill(proc.pid, signal.SIGKILL)
-        killed = time.time()
-        proc.wait(timeout=30)
-        while time.time() - killed < 10 and any(_running(p) for p in workers):
+        # The kernel kills them at once (PR_SET_PDEATHSIG); the wait only stops a test they outlive.
+        patience = hang_deadline(10)
+        killed = time.monotonic()
+        proc.wait(timeout=hang_deadline(30))
+        while time.monotonic() - killed < patience and any(_running(p) for p in workers):
             time.sleep(0.05)
         alive = [p for p in workers if _running(p)]
-        assert not alive, f"workers still running 10 s after the launcher was killed: {alive}"
+        assert not alive, f"workers still running {patience:.0f} s after the launcher was killed: {alive}"
         # ... and nothing more is written into the run directory.
         metrics = (out / "metrics.jsonl").read_bytes()
         time.sleep(1.0)
@@ -82,20 +84,20 @@ def test_sigkill_of_the_launcher_leaves_no_worker(corpus_dir, tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_ctrl_c_one_line_130_and_a_second_run_is_refused(corpus_dir, tmp_path):
+def test_ctrl_c_one_line_130_and_a_second_run_is_refused(corpus_dir, tmp_path, hang_deadline):
     out = tmp_path / "run"
     proc = _start(_args(corpus_dir, out))
     try:
-        _wait_for(out, 1, proc)
+        _wait_for(out, 1, proc, hang_deadline(240))
         # A second run in the directory of a live one: refused, whether fresh or resuming.
         for extra in ([], ["--checkpoint.resume=auto"]):
             second = subprocess.run([sys.executable, "-m", "ndtrain", "train", *_args(corpus_dir, out, 4, *extra)],
-                                    capture_output=True, text=True, timeout=120)
+                                    capture_output=True, text=True, timeout=hang_deadline(120))
             lines = _error_lines(second.stderr)
             assert second.returncode == 2 and len(lines) == 1, second.stderr
             assert ("in use by a live run" in lines[0] or "holds an earlier run" in lines[0]) and str(out) in lines[0]
         os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=hang_deadline(120))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -108,13 +110,13 @@ def test_ctrl_c_one_line_130_and_a_second_run_is_refused(corpus_dir, tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_sigterm_saves_one_line_143_and_resume_continues(corpus_dir, tmp_path):
+def test_sigterm_saves_one_line_143_and_resume_continues(corpus_dir, tmp_path, hang_deadline):
     out = tmp_path / "run"
     proc = _start(_args(corpus_dir, out))
     try:
-        _wait_for(out, 1, proc)
+        _wait_for(out, 1, proc, hang_deadline(240))
         os.killpg(proc.pid, signal.SIGTERM)
-        _, err = proc.communicate(timeout=150)
+        _, err = proc.communicate(timeout=hang_deadline(150))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -127,16 +129,17 @@ def test_sigterm_saves_one_line_143_and_resume_continues(corpus_dir, tmp_path):
     # Continue it, one process: the lock was released and the run picks up at that step.
     again = subprocess.run([sys.executable, "-m", "ndtrain", "train",
                             *_args(corpus_dir, out, step + 1, "--checkpoint.resume=auto")],
-                           capture_output=True, text=True, timeout=200, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                           capture_output=True, text=True, timeout=hang_deadline(200),
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"resumed from {saved} at step {step}" in again.stdout
 
 
 @pytest.mark.timeout(300)
-def test_a_killed_rank_is_named_in_one_line(corpus_dir, tmp_path):
+def test_a_killed_rank_is_named_in_one_line(corpus_dir, tmp_path, hang_deadline):
     out = tmp_path / "run"
     proc = _start(_args(corpus_dir, out, 8), env={"NDTRAIN_FAULTS": "0:1:3:step:0.0"})
-    _, err = proc.communicate(timeout=240)
+    _, err = proc.communicate(timeout=hang_deadline(240))
     lines = _error_lines(err)
     assert proc.returncode == 1 and "Traceback" not in err, err
     # The surviving rank names its dead peer; the launcher names the rank it lost. One line each.
@@ -147,7 +150,7 @@ def test_a_killed_rank_is_named_in_one_line(corpus_dir, tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_plain_torchrun_restart_continues_in_its_own_run_directory(corpus_dir, tmp_path):
+def test_plain_torchrun_restart_continues_in_its_own_run_directory(corpus_dir, tmp_path, hang_deadline):
     """No ndtrain launcher: rank 0 locks the run; the restarted rank 0 (same run id) takes the
     lock over silently and resumes; rank 1 never locks."""
     out = tmp_path / "run"
@@ -155,7 +158,7 @@ def test_plain_torchrun_restart_continues_in_its_own_run_directory(corpus_dir, t
            "-m", "ndtrain", "train", *_args(corpus_dir, out, 5)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
            "NDTRAIN_FAULTS": "0:1:3:step:0.0"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=360, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=hang_deadline(360), env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints' / step_name(2)} at step 2" in proc.stdout
     assert "took over the lock" not in proc.stdout + proc.stderr

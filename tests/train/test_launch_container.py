@@ -81,14 +81,15 @@ def _running(pid: int) -> bool:
 @needs_unshare
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("launcher", ["torchrun", "ndtrain --nproc"])
-def test_workers_of_a_pid_1_launcher_train(launcher, corpus_dir, tmp_path):
+def test_workers_of_a_pid_1_launcher_train(launcher, corpus_dir, tmp_path, hang_deadline):
     out = tmp_path / "run"
     if launcher == "torchrun":
         cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "-m", "ndtrain", "train"]
     else:  # its workers are told the launcher's pid (rundir.LAUNCHER_ENV): 1 here
         cmd = [sys.executable, "-m", "ndtrain", "train", "--nproc", "2"]
     done = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *cmd,
-                           *_args(corpus_dir, out, 3)], capture_output=True, text=True, timeout=200, env=_env())
+                           *_args(corpus_dir, out, 3)], capture_output=True, text=True, timeout=hang_deadline(200),
+                          env=_env())
     assert done.returncode == 0, done.stderr[-3000:]
     assert _steps_logged(out)[-1] == 3
 
@@ -96,7 +97,7 @@ def test_workers_of_a_pid_1_launcher_train(launcher, corpus_dir, tmp_path):
 # ---- the launcher dies -------------------------------------------------------------------------
 @needs_unshare
 @pytest.mark.timeout(240)
-def test_sigkill_of_the_launcher_under_an_init_leaves_no_worker(corpus_dir, tmp_path):
+def test_sigkill_of_the_launcher_under_an_init_leaves_no_worker(corpus_dir, tmp_path, hang_deadline):
     """PID 1 is an init that outlives the launcher (tini, a shell): the workers, reparented to it,
     would train on as orphans if only the namespace's end could stop them."""
     out = tmp_path / "run"
@@ -107,9 +108,9 @@ def test_sigkill_of_the_launcher_under_an_init_leaves_no_worker(corpus_dir, tmp_
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env=_env())
     try:
-        deadline = time.time() + 180
+        deadline = time.monotonic() + hang_deadline(180)
         while not _steps_logged(out):
-            assert proc.poll() is None and time.time() < deadline, f"no step in time ({proc.poll()})"
+            assert proc.poll() is None and time.monotonic() < deadline, f"no step in time ({proc.poll()})"
             time.sleep(0.1)
         below = descendants(proc.pid)
         agents = [p for p in below if b"torchrun" in Path(f"/proc/{p}/cmdline").read_bytes()]
@@ -117,31 +118,35 @@ def test_sigkill_of_the_launcher_under_an_init_leaves_no_worker(corpus_dir, tmp_
         workers = descendants(agents[0])
         assert len(workers) >= 2, workers
         os.kill(agents[0], signal.SIGKILL)
-        killed = time.time()
-        while time.time() - killed < 10 and any(_running(p) for p in workers):
+        # The kernel kills them at once (PR_SET_PDEATHSIG); the wait only stops a test they outlive.
+        patience = hang_deadline(10)
+        killed = time.monotonic()
+        while time.monotonic() - killed < patience and any(_running(p) for p in workers):
             time.sleep(0.05)
         alive = [p for p in workers if _running(p)]
-        assert not alive, f"workers still running 10 s after their launcher was killed: {alive}"
+        assert not alive, f"workers still running {patience:.0f} s after their launcher was killed: {alive}"
         assert proc.poll() is None, "PID 1 ended, and with it the namespace: the test proves nothing"
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        proc.wait(timeout=hang_deadline(30))
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_whose_launcher_is_gone_says_so_in_one_line():
+def test_a_worker_whose_launcher_is_gone_says_so_in_one_line(hang_deadline):
     gone = 4_194_305  # above the kernel's largest pid: never this process's parent
     code = f"from ndtrain.train.distributed import die_with_parent; die_with_parent({gone}); print('survived')"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, env=_env())
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=hang_deadline(50),
+                          env=_env())
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 1 and "survived" not in done.stdout, (done.returncode, done.stdout, done.stderr)
     assert len(lines) == 1 and "launcher" in lines[0] and str(gone) in lines[0], done.stderr
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_whose_launcher_is_alive_goes_on():
+def test_a_worker_whose_launcher_is_alive_goes_on(hang_deadline):
     code = f"from ndtrain.train.distributed import die_with_parent; die_with_parent({os.getpid()}); print('survived')"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, env=_env())
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=hang_deadline(50),
+                          env=_env())
     assert done.returncode == 0 and done.stdout.strip() == "survived" and not done.stderr.strip(), done.stderr
 
 

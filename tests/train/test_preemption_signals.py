@@ -63,22 +63,22 @@ def _signal_every_process(launcher: int, workers: list[int], sig: int) -> None:
 
 @pytest.mark.slow  # three world-2 launches: ~40-60 s on a 2-core machine
 @pytest.mark.timeout(600)
-def test_two_sigterms_save_once_exit_143_and_resume_exactly(corpus_dir, tmp_path):
+def test_two_sigterms_save_once_exit_143_and_resume_exactly(corpus_dir, tmp_path, hang_deadline):
     out, ref = tmp_path / "run", tmp_path / "reference"
     proc = subprocess.Popen(_cmd(*_args(corpus_dir, out, 400)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, env=_env())
     try:
-        deadline = time.time() + 300
+        deadline = time.monotonic() + hang_deadline(300)
         while _last_step(out) < STOP_AT:
             assert proc.poll() is None, f"exited early ({proc.returncode}): {proc.stderr.read()[-3000:]}"
-            assert time.time() < deadline, "the run did not reach step 5 in time"
+            assert time.monotonic() < deadline, "the run did not reach step 5 in time"
             time.sleep(0.05)
         workers = descendants(proc.pid)
         assert len(workers) >= 2, workers
         _signal_every_process(proc.pid, workers, signal.SIGTERM)
         time.sleep(0.2)
         _signal_every_process(proc.pid, workers, signal.SIGTERM)
-        _, err = proc.communicate(timeout=200)
+        _, err = proc.communicate(timeout=hang_deadline(200))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -97,26 +97,26 @@ def test_two_sigterms_save_once_exit_143_and_resume_exactly(corpus_dir, tmp_path
     # (weights, optimizer, data position, RNG): equal losses, not close ones.
     more = step + 2
     again = subprocess.run(_cmd(*_args(corpus_dir, out, more, "--checkpoint.resume=auto")),
-                           capture_output=True, text=True, timeout=200, env=_env())
+                           capture_output=True, text=True, timeout=hang_deadline(200), env=_env())
     assert again.returncode == 0, again.stderr[-3000:]
-    whole = subprocess.run(_cmd(*_args(corpus_dir, ref, more)), capture_output=True, text=True, timeout=200,
-                           env=_env())
+    whole = subprocess.run(_cmd(*_args(corpus_dir, ref, more)), capture_output=True, text=True,
+                           timeout=hang_deadline(200), env=_env())
     assert whole.returncode == 0, whole.stderr[-3000:]
     resumed, reference = _losses(out), _losses(ref)
     assert [resumed[s] for s in range(1, more + 1)] == [reference[s] for s in range(1, more + 1)]
 
 
 # ---- the same, one process at a time (the default suite) ---------------------------------------
-def _python(code: str, worker: bool = True) -> subprocess.CompletedProcess:
+def _python(timeout_s: float, code: str, worker: bool = True) -> subprocess.CompletedProcess:
     """In a process of its own (a launcher's worker: LOCAL_RANK set): before the fix a second
     SIGTERM kills the process it lands in."""
     env = {**_env(), "LOCAL_RANK": "0"} if worker else _env()
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, env=env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s, env=env)
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_absorbs_repeated_stop_signals_up_to_its_exit():
-    done = _python("""
+def test_a_worker_absorbs_repeated_stop_signals_up_to_its_exit(hang_deadline):
+    done = _python(hang_deadline(50), """
 import os, signal, time
 from ndtrain.train.signals import Preemption
 
@@ -136,8 +136,8 @@ print(stop.requested, stop.signal_name, stop.received)
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_not_stopped_gets_its_previous_handlers_back():
-    done = _python("""
+def test_a_worker_not_stopped_gets_its_previous_handlers_back(hang_deadline):
+    done = _python(hang_deadline(50), """
 import signal
 from ndtrain.train.signals import Preemption
 
@@ -149,10 +149,10 @@ print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, signal.getsignal(signa
 
 
 @pytest.mark.timeout(60)
-def test_the_launcher_raises_its_first_stop_signal_and_absorbs_the_rest():
+def test_the_launcher_raises_its_first_stop_signal_and_absorbs_the_rest(hang_deadline):
     """The first becomes torchrun's SignalException (it forwards the signal to the workers and
     waits for them); another one raised inside that wait would make torchrun give up on them."""
-    done = _python("""
+    done = _python(hang_deadline(50), """
 import os, signal, time
 from ndtrain.train.signals import LauncherSignals
 
@@ -191,7 +191,7 @@ def _stub(path: Path, body: str) -> None:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="bash and /proc")
 @pytest.mark.timeout(60)
-def test_the_sbatch_trap_signals_the_step_once_and_waits_for_its_save(tmp_path):
+def test_the_sbatch_trap_signals_the_step_once_and_waits_for_its_save(tmp_path, hang_deadline):
     """The time-limit warning (USR1) and then a preemption (TERM) reach the batch script 0.2 s
     apart. It must deliver TERM to the step through `scancel --signal` (a signal, not srun's
     termination, which SIGKILLs after KillWait), once, and requeue only after srun exited."""
@@ -208,14 +208,14 @@ def test_the_sbatch_trap_signals_the_step_once_and_waits_for_its_save(tmp_path):
     proc = subprocess.Popen(["bash", str(SBATCH)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 30
+        deadline = time.monotonic() + hang_deadline(30)
         while not (log.exists() and "started" in log.read_text()):
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
             time.sleep(0.05)
         proc.send_signal(signal.SIGUSR1)
         time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
+        out, _ = proc.communicate(timeout=hang_deadline(30))
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -39,9 +39,10 @@ def test_bad_policy_is_one_error_naming_the_key(override, key):
     assert key in str(info.value) and "\n" not in str(info.value)
 
 
-def test_bad_policy_on_the_command_line_is_exit_2_and_one_line(tmp_path):
+def test_bad_policy_on_the_command_line_is_exit_2_and_one_line(tmp_path, hang_deadline):
     proc = subprocess.run([sys.executable, "-m", "ndtrain", "train", "--resilience.on_straggler=drop",
-                           f"--train.output_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
+                           f"--train.output_dir={tmp_path / 'run'}"], capture_output=True, text=True,
+                          timeout=hang_deadline(120))
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "resilience.on_straggler" in lines[0], proc.stderr
     assert not (tmp_path / "run").exists()
@@ -136,8 +137,13 @@ STEPS = 60
 GLOBAL_BATCH = 12  # divides over 3 and 2 data-parallel ranks: the global batch survives the shrink
 # The two-rank phase must outlast a new agent's start (importing torch, the rendezvous, a worker's
 # start: 10-30 s on a loaded 2-core machine): the survivors' attempt burns this much CPU per step
-# on every rank alike (so nobody straggles), ~20 s over the steps left.
-THROTTLE = "1:*:1:slow:0.35"
+# on every rank alike (so nobody straggles), ~20 s over the steps left. A slower host starts the
+# agent slower too: the burn is scaled as the hang guards are (conftest hang_deadline).
+THROTTLE_S = 0.35
+
+
+def _throttle(hang_deadline) -> str:
+    return f"1:*:1:slow:{hang_deadline(THROTTLE_S):.3f}"
 
 
 def _args(corpus: Path, out: Path, *more: str) -> list[str]:
@@ -173,17 +179,20 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def _reference(corpus_dir: Path, out: Path, env: dict) -> None:
+def _reference(corpus_dir: Path, out: Path, env: dict, timeout_s: float) -> None:
     out.mkdir()  # resume=auto needs the run directory to exist (a first attempt that later ones continue)
     ref = subprocess.run([sys.executable, "-m", "ndtrain", "train", "--nproc", "2", *_args(corpus_dir, out)],
-                         env=env, capture_output=True, text=True, timeout=600)
+                         env=env, capture_output=True, text=True, timeout=timeout_s)
     assert ref.returncode == 0, ref.stderr[-3000:]
 
 
-# Generous for a loaded 2-core machine: three Python processes importing torch may take 10 s or more
-# each to reach the rendezvous; the survivors then wait out last_call before re-forming. A dead
-# agent's heartbeats are missed for 3 s before the rendezvous drops it.
-RDZV_CONF = "last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=300"
+def _rdzv_conf(hang_deadline) -> str:
+    """Generous for a loaded 2-core machine: three Python processes importing torch may take 10 s
+    or more each to reach the rendezvous; the survivors then wait out last_call before re-forming.
+    Those two waits scale with this host's measured slowdown (conftest hang_deadline); the
+    heartbeats do not: a dead agent's are missed for 3 s before the rendezvous drops it."""
+    return (f"last_call_timeout={hang_deadline(10):.0f},keep_alive_interval=1,keep_alive_max_attempt=3,"
+            f"join_timeout={hang_deadline(300):.0f}")
 
 
 def _free_port() -> int:
@@ -192,11 +201,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _agent(tmp_path: Path, port: int, name: str, is_host: bool, args: list[str], env: dict, host: str = ""):
+def _agent(tmp_path: Path, port: int, name: str, is_host: bool, args: list[str], env: dict, host: str = "", *,
+           rdzv: str):
     """One torchrun agent of one rank, as one host of an elastic job (`--nnodes 2:3`)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2:3", "--nproc-per-node=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=self-healing",
-           f"--rdzv-conf={RDZV_CONF},is_host={str(is_host).lower()}", "--max-restarts=3", "--monitor-interval=0.5",
+           f"--rdzv-conf={rdzv},is_host={str(is_host).lower()}", "--max-restarts=3", "--monitor-interval=0.5",
            "-m", "ndtrain", "train", *args]
     log = open(tmp_path / f"{name}.log", "w")
     proc = subprocess.Popen(cmd, env={**env, resilience.HOST_ENV: host or name}, stdout=log,
@@ -226,7 +236,8 @@ def _env() -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("grow_back", [True, False])
-def test_a_straggling_agent_is_excluded_the_rest_go_on_and_it_comes_back(corpus_dir, tmp_path, grow_back):
+def test_a_straggling_agent_is_excluded_the_rest_go_on_and_it_comes_back(corpus_dir, tmp_path, grow_back,
+                                                                         hang_deadline):
     """Three agents x one rank; the third agent's rank burns 0.4 s of CPU per step from step 2.
     With windows of 2 steps and K=2 it is excluded at step 4: the others save, re-form as two
     ranks (dp_shard 3 -> 2, accumulation 2 -> 3) and go on. Then the excluded host's agent is
@@ -235,7 +246,7 @@ def test_a_straggling_agent_is_excluded_the_rest_go_on_and_it_comes_back(corpus_
     uninterrupted order; the final loss close to the uninterrupted run's."""
     env = _env()
     ref_out = tmp_path / "reference"
-    _reference(corpus_dir, ref_out, env)
+    _reference(corpus_dir, ref_out, env, hang_deadline(600))
     port = _free_port()
     out = tmp_path / "run"
     out.mkdir()
@@ -244,20 +255,22 @@ def test_a_straggling_agent_is_excluded_the_rest_go_on_and_it_comes_back(corpus_
     args = _args(corpus_dir, out, *policy)
 
     def agent(name: str, is_host: bool, extra_env: dict, host: str = ""):
-        return _agent(tmp_path, port, name, is_host, args, {**env, **extra_env}, host)
+        return _agent(tmp_path, port, name, is_host, args, {**env, **extra_env}, host, rdzv=_rdzv_conf(hang_deadline))
 
-    agents = {"host": agent("host", True, {"NDTRAIN_FAULTS": THROTTLE}), "a": agent("a", False, {"NDTRAIN_FAULTS": THROTTLE}),
+    throttle = _throttle(hang_deadline)
+    agents = {"host": agent("host", True, {"NDTRAIN_FAULTS": throttle}),
+              "a": agent("a", False, {"NDTRAIN_FAULTS": throttle}),
               "slow": agent("slow", False, {"NDTRAIN_FAULTS": "0:*:2:slow:0.4"})}
     try:
-        deadline = time.time() + 600
-        while time.time() < deadline and not any(r.get("event") == "membership" for r in _rows(out)):
+        deadline = time.monotonic() + hang_deadline(600)
+        while time.monotonic() < deadline and not any(r.get("event") == "membership" for r in _rows(out)):
             assert agents["host"][0].poll() is None, (tmp_path / "host.log").read_text()[-3000:]
             time.sleep(0.2)
         shrunk_at = max(r["step"] for r in _rows(out) if "loss" in r)
         agents["back"] = agent("back", False, {}, host="slow")  # the same host, healthy again
-        agents["host"][0].wait(timeout=600)
+        agents["host"][0].wait(timeout=hang_deadline(600))
         for name in ("a", "slow", "back"):
-            agents[name][0].wait(timeout=60)
+            agents[name][0].wait(timeout=hang_deadline(60))
     finally:
         _stop(agents)
     logs, everything = _logs(tmp_path, agents)
@@ -308,24 +321,27 @@ def test_a_straggling_agent_is_excluded_the_rest_go_on_and_it_comes_back(corpus_
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_an_agent_killed_repeatedly_is_excluded(corpus_dir, tmp_path):
+def test_an_agent_killed_repeatedly_is_excluded(corpus_dir, tmp_path, hang_deadline):
     """Three agents x one rank; the third agent's worker is SIGKILLed in attempts 0 and 1. Each
     restart of its successor finds the dead worker's marker (a strike for its host); with
     failures=2 the host is excluded before attempt 2 trains, and the other two finish. The
     final lineage of samples is the uninterrupted one, the loss close to it."""
     env = _env()
     ref_out = tmp_path / "reference"
-    _reference(corpus_dir, ref_out, env)
+    _reference(corpus_dir, ref_out, env, hang_deadline(600))
     port, out = _free_port(), tmp_path / "run"
     out.mkdir()
     args = _args(corpus_dir, out, "--resilience.on_failure=exclude", "--resilience.failures=2",
                  "--resilience.min_world=2", "--checkpoint.interval_steps=2")
-    agents = {"host": _agent(tmp_path, port, "host", True, args, env), "a": _agent(tmp_path, port, "a", False, args, env),
-              "flaky": _agent(tmp_path, port, "flaky", False, args, {**env, "NDTRAIN_FAULTS": "0:*:3:step:0.0,1:*:6:step:0.0"})}
+    rdzv = _rdzv_conf(hang_deadline)
+    agents = {"host": _agent(tmp_path, port, "host", True, args, env, rdzv=rdzv),
+              "a": _agent(tmp_path, port, "a", False, args, env, rdzv=rdzv),
+              "flaky": _agent(tmp_path, port, "flaky", False, args, {**env, "NDTRAIN_FAULTS": "0:*:3:step:0.0,1:*:6:step:0.0"},
+                              rdzv=rdzv)}
     try:
-        agents["host"][0].wait(timeout=900)
+        agents["host"][0].wait(timeout=hang_deadline(900))
         for name in ("a", "flaky"):
-            agents[name][0].wait(timeout=60)
+            agents[name][0].wait(timeout=hang_deadline(60))
     finally:
         _stop(agents)
     logs, everything = _logs(tmp_path, agents)
@@ -462,7 +478,7 @@ def test_a_change_followed_by_another_before_steady_steps_says_so(tmp_path):
     assert text.split(" | ")[1].startswith("step 5: 2 -> 3 ranks (1 more rank(s) joined the rendezvous; the previous"), text
 
 
-def test_goodput_prices_excluding_a_straggler_against_keeping_it():
+def test_goodput_prices_excluding_a_straggler_against_keeping_it(hang_deadline):
     from ndtrain.planner.goodput import exclusion
 
     x = exclusion(0.3, 8, 36.0)  # kept: 1/1.3 of full speed; excluded: 7/8 after 36 s
@@ -472,21 +488,22 @@ def test_goodput_prices_excluding_a_straggler_against_keeping_it():
     assert exclusion(0.1, 8, 36.0)["breakeven_s"] is None  # 10% slow costs less than one host in eight
     proc = subprocess.run([sys.executable, "-m", "ndtrain", "goodput", "--gpus", "64", "--mtbf-gpu-hours", "50000",
                            "--ckpt-save", "60s", "--restart", "5m", "--trials", "3", "--straggler", "0.3", "--hosts", "8",
-                           "--exclude-cost", "36s"], capture_output=True, text=True, timeout=120)
+                           "--exclude-cost", "36s"], capture_output=True, text=True, timeout=hang_deadline(120))
     assert proc.returncode == 0 and "excluding pays for itself when more than 5.0 min" in proc.stdout, proc.stderr
     bad = subprocess.run([sys.executable, "-m", "ndtrain", "goodput", "--gpus", "64", "--mtbf-gpu-hours", "50000",
                           "--ckpt-save", "60s", "--restart", "5m", "--straggler", "0.3"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=hang_deadline(120))
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--exclude-cost" in bad.stderr
 
 
-def test_goodput_takes_the_measured_costs_of_a_run(tmp_path):
+def test_goodput_takes_the_measured_costs_of_a_run(tmp_path, hang_deadline):
     """--exclusion-costs RUN_DIR: the phases `ndtrain report` measured (the synthetic run above:
     detection 2.05 s, then 0.5 + 22.4 + 5 + 2.2 = 30.1 s stopped), priced over the job."""
     _write_run(tmp_path, _straggler_exclusion_rows())
     base = [sys.executable, "-m", "ndtrain", "goodput", "--gpus", "64", "--mtbf-gpu-hours", "50000", "--ckpt-save", "60s",
             "--restart", "5m", "--trials", "3", "--days", "1", "--straggler", "0.3", "--hosts", "8"]
-    proc = subprocess.run([*base, "--exclusion-costs", str(tmp_path), "--json"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([*base, "--exclusion-costs", str(tmp_path), "--json"], capture_output=True, text=True,
+                          timeout=hang_deadline(120))
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
     assert rep["exclusion"]["exclude_cost_s"] == pytest.approx(30.1, abs=0.01)
@@ -494,9 +511,10 @@ def test_goodput_takes_the_measured_costs_of_a_run(tmp_path):
     assert rep["exclusion_job"]["saved_s"] > 0  # 30% slow of 8 hosts: excluding wins over a day
     # A flag given wins over the measured phase.
     proc = subprocess.run([*base, "--exclusion-costs", str(tmp_path), "--exclude-rendezvous", "2m", "--json"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=hang_deadline(120))
     assert json.loads(proc.stdout)["exclusion"]["exclude_cost_s"] == pytest.approx(30.1 - 22.4 + 120, abs=0.01)
-    text = subprocess.run([*base, "--exclusion-costs", str(tmp_path)], capture_output=True, text=True, timeout=120).stdout
+    text = subprocess.run([*base, "--exclusion-costs", str(tmp_path)], capture_output=True, text=True,
+                          timeout=hang_deadline(120)).stdout
     assert "excluding finishes" in text and "over 1 days of work left" in text, text
     # Bad input: one line each, exit 2.
     empty = tmp_path / "no-exclusion"
@@ -505,6 +523,6 @@ def test_goodput_takes_the_measured_costs_of_a_run(tmp_path):
     for more, says in [(["--exclusion-costs", str(empty)], "no exclusion"),
                        (["--exclude-cost", "30s", "--exclude-save", "1s"], "not both"),
                        (["--exclude-save", "soon"], "not a duration")]:
-        bad = subprocess.run([*base, *more], capture_output=True, text=True, timeout=120)
+        bad = subprocess.run([*base, *more], capture_output=True, text=True, timeout=hang_deadline(120))
         assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and says in bad.stderr, bad.stderr
 
