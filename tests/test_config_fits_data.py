@@ -15,7 +15,7 @@ import pytest
 
 from ndtrain.config import load_config
 from ndtrain.errors import ConfigError, NdtrainError
-from ndtrain.train.preflight import VAL_FLOOR, check_data, fit_to_data
+from ndtrain.train.preflight import VAL_FLOOR_TOKENS, check_data, fit_to_data, val_floor
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an "
@@ -83,12 +83,13 @@ def test_validation_fits_what_the_split_holds(byte_corpus):
     assert (fitted.train.val_batches, fitted.train.val_batch_size) == (1, have) and len(notes) == 1
 
 
-def test_below_the_floor_or_pinned_nothing_is_fitted(byte_corpus):
-    seq = _val_tokens(byte_corpus) // (VAL_FLOOR - 2)  # fewer windows than the floor
-    cfg = _config(byte_corpus, seq)
-    fitted, notes = fit_to_data(cfg)
+def test_below_the_floor_or_pinned_nothing_is_fitted(byte_corpus, sources, tmp_path):
+    small = _prepare(sources, tmp_path / "small-val", val_fraction=0.004)
+    have = (_val_tokens(small) - 1) // 64
+    assert 1 <= have < val_floor(64, 64) == VAL_FLOOR_TOKENS // 64  # some windows, fewer than the floor
+    fitted, notes = fit_to_data(_config(small, 64))
     assert notes == [] and fitted.train.val_batches == 4
-    with pytest.raises(ConfigError, match=r"train\.val_batches.*validation split"):
+    with pytest.raises(ConfigError, match=rf"train\.val_batches.*validation split.*has {have}\b"):
         check_data(fitted)
     # a number given on the command line is what the user asked for: kept, and refused
     cfg = _config(byte_corpus, _val_tokens(byte_corpus) // 30, val_batches=3)

@@ -14,9 +14,14 @@ from pathlib import Path
 from ndtrain.errors import ConfigError, NdtrainError
 
 
-# The fewest validation windows a fitted run evaluates (or the config's own number, if smaller):
-# below it, a validation loss says too little to be worth a line in the metrics.
-VAL_FLOOR = 8
+# The fewest validation tokens a fitted run evaluates (at least one window, at most what the
+# config asked for): below it, a validation loss says too little to be worth a line in the metrics.
+VAL_FLOOR_TOKENS = 1024
+
+
+def val_floor(seq_len: int, need: int) -> int:
+    """The fewest validation windows of `seq_len` tokens a run asking for `need` is fitted to."""
+    return min(need, max(1, -(-VAL_FLOOR_TOKENS // seq_len)))
 
 
 def fit_to_data(cfg, pinned: dict | None = None) -> tuple:
@@ -25,8 +30,8 @@ def fit_to_data(cfg, pinned: dict | None = None) -> tuple:
       file's, or its preset's); it never shrinks, so a run that trained before trains alike;
     - validation takes what the split holds where it holds fewer windows than val_batches x
       val_batch_size: val_batch_size down to the windows held, then val_batches = held //
-      val_batch_size; below min(VAL_FLOOR, the config's number) nothing fits and check_data
-      refuses it.
+      val_batch_size; below val_floor() windows (VAL_FLOOR_TOKENS tokens) nothing fits and
+      check_data refuses it.
     A key given on the command line (`pinned`, parse_overrides' form) is what the user asked for
     and is never fitted: check_data refuses it where the data cannot hold it. Data that cannot be
     read is left to check_data to name."""
@@ -47,7 +52,7 @@ def fit_to_data(cfg, pinned: dict | None = None) -> tuple:
     t, seq = fitted.train, cfg.data.seq_len
     if t.val_interval > 0 and t.val_batches > 0 and not {"val_batches", "val_batch_size"} & set(pinned.get("train", {})):
         have, need = open_dataset(cfg.data.path, cfg.data.mix, "val").num_samples(seq), t.val_batches * t.val_batch_size
-        if min(VAL_FLOOR, need) <= have < need:
+        if val_floor(seq, need) <= have < need:
             size = min(t.val_batch_size, have)
             notes.append(f"validation {t.val_batches} x {t.val_batch_size} -> {have // size} x {size} windows of {seq} "
                          f"tokens (train.val_batches x train.val_batch_size): the validation split of "
@@ -63,7 +68,7 @@ def _names(names: list[str]) -> str:
 def small_split_note(manifest: dict, configs: Path) -> str | None:
     """One line where the validation split holds fewer windows than a shipped config (configs/*.toml,
     in a clone) evaluates: `ndtrain train` then fits validation down to what the split holds, or
-    refuses below VAL_FLOOR. None where every config fits, or none is found."""
+    refuses below val_floor(). None where every config fits, or none is found."""
     import tomllib
 
     from ndtrain.config import DataConfig, TrainConfig
@@ -83,11 +88,11 @@ def small_split_note(manifest: dict, configs: Path) -> str | None:
     if not short:
         return None
     tokens, name, need, seq, have = min(short)
-    refused = [n for _, n, nd, _, h in short if h < min(VAL_FLOOR, nd)]
+    refused = [n for _, n, nd, sq, h in short if h < val_floor(sq, nd)]
     fitted = [n for _, n, _, _, _ in short if n not in refused]
     fraction = 1.5 * tokens / max(1, manifest["num_tokens"])  # documents are drawn: a margin over the exact share
     said = ([f"`ndtrain train` evaluates the windows it holds for {_names(fitted)}, and says so"] if fitted else []) + (
-        [f"refuses {_names(refused)} (fewer than {VAL_FLOOR} windows; --train.val_interval=0 trains without "
+        [f"refuses {_names(refused)} (fewer than {VAL_FLOOR_TOKENS:,} tokens of validation; --train.val_interval=0 trains without "
          f"validation)"] if refused else [])
     return (f"note: the validation split ({val_tokens:,} tokens) is smaller than {len(short)} of the shipped configs "
             f"evaluate (configs/{name}: {need} windows of {seq} tokens, {have} held): {'; it '.join(said)}"
