@@ -51,9 +51,17 @@ def test_intervals_bracket_the_nominal_and_collapse_without_ranges(monkeypatch):
     assert flat.interval(flat.chosen) == pytest.approx((flat.chosen.step_time, flat.chosen.step_time))
 
 
-def test_tie_break_prefers_fewer_moving_parts_among_overlapping():
+@pytest.fixture(scope="module")
+def llama3_405b_on_16384():
+    """The 16,384-GPU Llama 3 405B problem and its top-8 search, shared: the search is the
+    costliest step of these tests (several CPU-seconds on the slowest hosts) and is not mutated."""
     pb = make_problem(preset("llama3-405b"), 8192, 2048, 16384, "h100")
-    rob = assess(pb, search(pb, top_k=8), worlds=32)
+    return pb, search(pb, top_k=8)
+
+
+def test_tie_break_prefers_fewer_moving_parts_among_overlapping(llama3_405b_on_16384):
+    pb, res = llama3_405b_on_16384
+    rob = assess(pb, res, worlds=32)
     chosen, nominal = rob.chosen, rob.nominal
     if chosen.layout != nominal.layout:  # a tie was broken: it must be for a reason
         assert chosen.layout in [c.layout for c, _ in rob.overlapping]
@@ -68,16 +76,15 @@ def test_cpu_ranks_get_no_sampled_worlds():
     assert assess(pb, search(pb, top_k=2), worlds=8) is None
 
 
-def test_sampled_worlds_cost_a_tenth_of_the_search_at_16384_gpus(monkeypatch):
+def test_sampled_worlds_cost_a_tenth_of_the_search_at_16384_gpus(llama3_405b_on_16384, monkeypatch):
     """Uncertainty re-times the candidates in each sampled world instead of searching again: 32
     worlds of at most 16 candidates, each sized and timed once, a tenth of the search's own work
     (counted, not timed: CPU seconds differ several-fold between host kinds; the seconds are
     benchmarks/planner_speed.py's)."""
     import ndtrain.planner.search as search_module
 
-    pb = make_problem(preset("llama3-405b"), 8192, 2048, 16384, "h100")
-    res = search(pb, top_k=8)
-    calls = {"memory_breakdown": 0, "step_breakdown": 0, "search": 0}
+    pb, res = llama3_405b_on_16384
+    calls = {"memory_breakdown": 0, "step_breakdown": 0}
 
     def counted(name, real):
         def call(*args, **kwargs):
@@ -85,11 +92,11 @@ def test_sampled_worlds_cost_a_tenth_of_the_search_at_16384_gpus(monkeypatch):
             return real(*args, **kwargs)
         return call
 
-    for name in ("memory_breakdown", "step_breakdown", "search"):
+    for name in calls:
         monkeypatch.setattr(search_module, name, counted(name, getattr(search_module, name)))
     rob = assess(pb, res, worlds=32)
     assert rob.worlds == 32 and 8 <= len(rob.candidates) <= 16
-    assert calls["search"] == 0
+    # each candidate sized and timed once per world, and nothing else (no search: it sizes thousands)
     assert calls["memory_breakdown"] == calls["step_breakdown"] == 32 * len(rob.candidates)
     assert calls["memory_breakdown"] + calls["step_breakdown"] < (res.sized + res.evaluated) / 10, (calls, res.sized)
 
