@@ -115,9 +115,9 @@ def raise_peak(peaks, flops_per_s: float) -> str | None:
     if peaks.raised:
         return None
     peaks.raised = True
-    return (f"MFU peak raised to {flops_per_s / 1e9:.1f} GFLOP/s, what a step ran at: above the {was / 1e9:.1f} "
-            f"measured ({peaks.source}), which a busy host lowers; MFU now divides by the fastest step "
-            f"(`ndtrain calibrate` probes the host again)")
+    return (f"MFU peak raised to {flops_per_s / 1e9:.1f} GFLOP/s, the rate a step ran at, from the "
+            f"{was / 1e9:.1f} GFLOP/s measured (a busy host measures low); MFU now divides by the fastest step "
+            f"seen (`ndtrain calibrate` probes the host again)")
 
 
 def reset_peak_memory(device: torch.device) -> None:
