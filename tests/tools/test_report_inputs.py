@@ -4,6 +4,7 @@ figure's name survives byte for byte; overlaid runs' checkpoint markers carry th
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
@@ -61,8 +62,16 @@ def test_a_users_file_of_a_figures_name_survives_byte_for_byte(tmp_path):
     with pytest.raises(NdtrainError, match=rf"{pngs[0].name} exists and is not a figure"):
         build_report([str(run)], out)
     assert pngs[0].read_bytes() == edited
-    # Figures beside a report that is gone are no longer known to be the report's.
     pngs[0].write_bytes(edited[:-len(b"edited")])
+    # A figure the earlier report had and this one does not draw goes with the earlier report:
+    # the files beside --out are always the figures the HTML shows.
+    stale = out.with_name("ours-moe.png")
+    stale.write_bytes(b"\x89PNG an earlier report's MoE figure")
+    html = out.read_text()
+    out.write_text(html.replace("</body>", '<img src="data:image/png;base64,'
+                                + base64.b64encode(stale.read_bytes()).decode() + '"></body>'))
+    assert build_report([str(run)], out)[1] == pngs and not stale.exists()
+    # Figures beside a report that is gone are no longer known to be the report's.
     out.unlink()
     with pytest.raises(NdtrainError, match=r"is not a figure of the report"):
         build_report([str(run)], out)

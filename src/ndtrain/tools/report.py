@@ -51,21 +51,25 @@ def figure_path(out: Path, suffix: str) -> Path:
     return out.with_name(f"{out.stem}-{suffix}.png")
 
 
-def check_figures(out: Path, suffixes: list[str]) -> None:
+def check_figures(out: Path, suffixes: list[str]) -> dict[Path, bytes]:
     """A figure file beside --out may be replaced only when the report at --out embeds exactly
     its bytes: that report wrote it and nobody changed it since. Anything else of those names is
-    the user's, and the report is refused before it draws anything."""
-    report = None
+    the user's, and the report is refused before it draws anything. Returns the earlier report's
+    figures (path -> bytes): the ones this report does not draw again are removed with it."""
+    report, ours = None, {}
     for suffix in suffixes:
         target = figure_path(out, suffix)
         if not os.path.lexists(target):
             continue
         if report is None:  # check_out let through only a report of ours at --out
             report = out.read_bytes() if out.is_file() else b""
-        ours = target.is_file() and not target.is_symlink() and target.stat().st_size < len(report)
-        if not ours or b'src="data:image/png;base64,' + base64.b64encode(target.read_bytes()) + b'"' not in report:
+        data = target.read_bytes() if target.is_file() and not target.is_symlink() and \
+            target.stat().st_size < len(report) else None
+        if data is None or b'src="data:image/png;base64,' + base64.b64encode(data) + b'"' not in report:
             raise NdtrainError(f"--out {out}: {target} exists and is not a figure of the report at {out}; refusing "
                                f"to replace it (move it aside, or choose another --out)")
+        ours[target] = data
+    return ours
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -289,7 +293,7 @@ def build_report(run_dirs: list[str], out: str | Path, profile: str | None = Non
 
     out = Path(out)
     check_out(out)
-    check_figures(out, [suffix for suffix, _, _ in FIGURES])
+    earlier = check_figures(out, [suffix for suffix, _, _ in FIGURES])
     if profile:  # a missing or unreadable profile is refused before any work, not printed in a cell
         from ndtrain.planner.profile import load
 
@@ -311,6 +315,10 @@ def build_report(run_dirs: list[str], out: str | Path, profile: str | None = Non
         finally:
             tmp.unlink(missing_ok=True)
     _write_atomic(out, render_html(runs, pngs, now, profile).encode("utf-8"))
+    drawn = {p for _, p in pngs}
+    for path, data in earlier.items():  # the earlier report's figures this one has not: theirs went with it
+        if path not in drawn and path.is_file() and not path.is_symlink() and path.read_bytes() == data:
+            path.unlink()
     return out, [p for _, p in pngs]
 
 
