@@ -267,36 +267,38 @@ def group_active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def barrier() -> None:
+# `group`: a process group of every rank other than the default one (None), e.g. the
+# checkpointer's, whose timeout is sized for file I/O rather than for a step's compute.
+def barrier(group=None) -> None:
     if group_active():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def broadcast_object(obj, src: int = 0):
+def broadcast_object(obj, src: int = 0, group=None):
     """Rank `src`'s `obj` (anything picklable) on every rank; the others pass a placeholder."""
     if not group_active():
         return obj
     holder = [obj]
-    dist.broadcast_object_list(holder, src=src)
+    dist.broadcast_object_list(holder, src=src, group=group)
     return holder[0]
 
 
-def gather_objects(obj) -> list:
+def gather_objects(obj, group=None) -> list:
     """Every rank's `obj`, in rank order, on every rank."""
     if not group_active():
         return [obj]
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
+    dist.all_gather_object(gathered, obj, group=group)
     return gathered
 
 
-def any_rank(flag: bool, device) -> bool:
+def any_rank(flag: bool, device, group=None) -> bool:
     """Whether `flag` holds on any rank (a rank that saw an error would otherwise leave its peers
-    waiting in the next collective)."""
+    waiting in the next collective). `device`: one the group's backend reduces on."""
     if not group_active():
         return flag
     t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item() > 0)
 
 

@@ -3,14 +3,16 @@
 One room per job:
 
 - manager.py    the Checkpointer: saves, publishes, resumes and loads a mapping of state
-                objects, and says in one line why a write failed.
+                objects, its collectives on a process group timed for file I/O.
+- failure.py    what a failed write says, in one line.
 - resume.py     which checkpoint a resume loads, whether it fits this run, which timeline follows.
 - retention.py  what stays in a checkpoints directory: retention, clean-up, moving aside.
 - state.py      the state objects a checkpoint is made of, and how they map onto its files.
 - store.py      the on-disk format (names, marker, manifest, train_state.json, the tokenizer file
                 it carries) and its checks.
 - reader.py     reading a checkpoint's tensors without running code from its files.
-- digest.py     who hashes what, so publishing and verifying scale with the number of ranks.
+- digest.py     who hashes what (shards as they are written), so publishing and verifying scale
+                with the number of ranks and no save reads back a checkpoint.
 - staging.py    how an async save copies the state into host memory, per device.
 
 The collectives they use (barrier, broadcast_object, gather_objects, any_rank) are

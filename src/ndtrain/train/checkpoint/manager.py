@@ -1,19 +1,24 @@
 """Checkpoints on torch.distributed.checkpoint (DCP): sharded, layout-independent, atomic, async.
 
 Saving writes DCP shards of model and optimizer state into `.step_XXXXXXXX.partial/`; each rank
-hashes the shards it wrote (digest.py); rank 0 then adds `train_state.json` (step, tokens
-seen, loader position, RNG, data fingerprint, resolved config, timeline), the run's
+hashes the shards as it writes them (digest.py: nothing is read back); rank 0 then adds
+`train_state.json` (step, tokens seen, loader position, RNG, data fingerprint, resolved config,
+timeline), the run's
 `tokenizer.json` (BPE), `manifest.json` (sizes + SHA-256, combined from the ranks' digests) and
 the COMPLETE marker, and renames the directory
 to `step_XXXXXXXX/`. Nothing older is touched until that rename has happened; a save that fails
 (a full disk) removes its partial directory, leaves the previous checkpoint published, and
-says so in one line (write_failure). Retention: retention.py; which checkpoint a resume loads,
+says so in one line (failure.py). Retention: retention.py; which checkpoint a resume loads,
 and timelines: resume.py.
 
+Every collective around checkpoint files (a save's, sync or async, the checks before it, a
+resume's verification and load) runs on the checkpointer's own Gloo group, created once, whose
+timeout is sized for file I/O (CKPT_TIMEOUT_S): ranks finish writing or reading at different
+times, and that skew must not meet the training group's timeout, sized for a step's compute.
+
 With `checkpoint.async = true` the step only pays for copying the state into RAM; a background
-thread writes it through its own Gloo group (sharing the training group with a concurrent
-collective breaks Gloo) and rank 0 publishes once the write completes. One save is in flight
-at a time.
+thread writes it through that group (sharing the training group with a concurrent collective
+breaks Gloo) and rank 0 publishes once the write completes. One save is in flight at a time.
 
 What is saved is a mapping of named state objects, each with state_dict()/load_state_dict(),
 mapped onto the files by state.py. Besides the states, the checkpointer is told
@@ -23,7 +28,6 @@ layout's description and data-parallel size. It knows nothing of the trainer.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -41,16 +45,23 @@ import torch.distributed.checkpoint as dcp
 from ndtrain.config import to_dict
 from ndtrain.errors import NdtrainError, RunError
 from ndtrain.train.checkpoint import staging
-from ndtrain.train.checkpoint.digest import collect_digests, has_digests, write_manifest_from, write_own_digests
+from ndtrain.train.checkpoint.digest import (HashingWriter, bytes_entry, collect_digests, has_digests,
+                                             write_manifest_from, write_own_digests)
+from ndtrain.train.checkpoint.failure import write_failure
 from ndtrain.train.checkpoint.reader import dcp_load
 from ndtrain.train.checkpoint.resume import check_compatible, choose, continue_timeline, finish_abandoning, new_timeline
 from ndtrain.train.checkpoint.retention import Retention, clear_leftovers, clear_partial
 from ndtrain.train.checkpoint.state import FLAT_STATE, json_states, load_states, state_bytes, tensor_state
-from ndtrain.train.checkpoint.store import (FORMAT, TOKENIZER, TRAIN_STATE, fsync_dir, list_checkpoints,
-                                            read_train_state, step_name, tokenizer_to_carry, write_marker)
+from ndtrain.train.checkpoint.store import (FORMAT, TOKENIZER, TRAIN_STATE, fsync_dir, read_train_state, step_name,
+                                            tokenizer_to_carry, write_marker)
 from ndtrain.train.distributed import any_rank, barrier, broadcast_object, group_active
 
 __all__ = ["Checkpointer", "data_fingerprint"]
+
+# The checkpointer's group's timeout: at least the slowest rank's whole write or read of its share
+# (a 70B checkpoint is ~0.85 TB over a shared file system), or train.timeout_s if that is longer.
+# A rank hung in training meanwhile is caught by the training group's timeout and the watchdog.
+CKPT_TIMEOUT_S = 1800.0
 
 # One process saving alone is intended (world 1), not a misconfiguration worth a warning per save.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -71,6 +82,7 @@ class _Pending:
     started: float
     stall_s: float
     publisher: threading.Thread | None = None
+    written: dict = field(default_factory=dict)  # file name -> size and SHA-256, as DCP wrote it here
     error: list = field(default_factory=list)
     done_at: list = field(default_factory=list)  # when this rank's part was written (and published, on rank 0)
 
@@ -100,19 +112,16 @@ class Checkpointer:
         self.pending: _Pending | None = None
         self.last_saved_step: int | None = None
         self.loaded_from: Path | None = None
-        self.retention = Retention(self.root, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every, info)
+        # Created once, by every rank, before any save: see the module docstring.
+        self.pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(CKPT_TIMEOUT_S, cfg.train.timeout_s))) \
+            if group_active() else None
+        self.retention = Retention(self.root, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every, info, self.pg)
         self._last_bytes = 0  # the size of the last checkpoint published: what the next one needs
         # Rank 0 publishes, so it alone reads the tokenizer file every checkpoint carries (store.py).
         self.tokenizer = tokenizer_to_carry(cfg.data.path, cfg.data.mix, info) if runtime.is_main else None
         # Which line of history the checkpoints continue (resume.py): new unless resumed from the
         # newest checkpoint of this directory.
         self.timeline = new_timeline()
-        # Created once, by every rank, before any save: the async writer's collectives must never
-        # share a group with the training loop's.
-        # Its timeout covers the slowest rank's whole write (a hung peer is caught by the training
-        # group's timeout and the watchdog, since training goes on meanwhile).
-        self.pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(1800.0, cfg.train.timeout_s))) \
-            if self.async_ and group_active() else None
         self._stager = None
         self._staging = None  # the in-flight save's copy into host memory (CUDA: it overlaps the next step)
         if self.async_:
@@ -122,7 +131,10 @@ class Checkpointer:
         if self.is_main:
             clear_leftovers(self.root, self._info)  # never published; left by a killed save
             finish_abandoning(self.root, self._info)  # a timeline switch a crash interrupted
-        barrier()
+        barrier(self.pg)
+
+    def _any_rank(self, flag: bool) -> bool:
+        return any_rank(flag, "cpu", group=self.pg)  # Gloo reduces on the CPU
 
     @property
     def is_main(self) -> bool:
@@ -166,16 +178,17 @@ class Checkpointer:
                 clear_partial(tmp, self.root, self._info)
             except OSError as exc:
                 raise self._write_failure(exc, name) from None
-        barrier()
+        barrier(self.pg)
         meta = self.train_state()
         t0 = time.perf_counter()
         state = tensor_state(self.states)
         rank = self.rt.rank
+        writer = HashingWriter(str(tmp))
         if self.async_ and not final:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg,
+            future = dcp.async_save(state, checkpoint_id=str(tmp), storage_writer=writer, process_group=self.pg,
                                     async_stager=self._stager, no_dist=not group_active())
             self._staging, future = staging.split_response(future)
-            pending = _Pending(step, name, future, t0, time.perf_counter() - t0)
+            pending = _Pending(step, name, future, t0, time.perf_counter() - t0, written=writer.digests)
             if self.is_main:
                 pending.publisher = threading.Thread(target=self._publish_when_written, args=(pending, tmp, meta),
                                                      name="ndtrain-ckpt-publish", daemon=True)
@@ -188,23 +201,24 @@ class Checkpointer:
             return self.root / name
         error = None
         try:
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=not group_active())
-            write_own_digests(tmp, rank)
+            dcp.save(state, checkpoint_id=str(tmp), storage_writer=writer, process_group=self.pg,
+                     no_dist=not group_active())
+            write_own_digests(tmp, rank, writer.digests)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             if isinstance(exc, KeyboardInterrupt):
                 raise
             error = exc
-        if any_rank(error is not None, self.rt.device):
-            barrier()
+        if self._any_rank(error is not None):
+            barrier(self.pg)
             self._discard(tmp)
             raise self._write_failure(error, name)
-        barrier()
+        barrier(self.pg)
         if self.is_main:
             try:
-                self._publish(tmp, name, meta)
+                self._publish(tmp, name, meta, writer.digests)
             except Exception as exc:  # every rank must learn it, or they wait in the next collective
                 error = exc
-        if any_rank(error is not None, self.rt.device):
+        if self._any_rank(error is not None):
             self._discard(tmp)
             raise self._write_failure(error, name)
         total = time.perf_counter() - t0
@@ -216,7 +230,7 @@ class Checkpointer:
         """A non-zero rank's part of an async save is on disk: hash it for rank 0's manifest."""
         if future.exception() is None:
             try:
-                write_own_digests(tmp, rank)
+                write_own_digests(tmp, rank, pending.written)
             except OSError:
                 pass  # rank 0 times out waiting for these digests and reports the save as failed
         pending.done_at.append(time.perf_counter())
@@ -224,24 +238,26 @@ class Checkpointer:
     def _publish_when_written(self, pending: _Pending, tmp: Path, meta: dict) -> None:
         try:
             pending.future.result()
-            self._publish(tmp, pending.name, meta)
+            self._publish(tmp, pending.name, meta, pending.written)
             pending.done_at.append(time.perf_counter())
         except BaseException as exc:  # reported to every rank by wait(); never published
             pending.error.append(exc)
 
-    def _publish(self, tmp: Path, name: str, meta: dict) -> None:
-        grace = 5.0
-        if not has_digests(tmp, 0):  # async (the sync path hashed before its barrier)
-            t0 = time.perf_counter()
-            write_own_digests(tmp, 0)
-            # The other ranks hash shards of about this size: wait a few times that long for
-            # their digests, then hash what is missing here (a rank that died after writing).
-            grace += 3 * (time.perf_counter() - t0)
-        (tmp / TRAIN_STATE).write_text(json.dumps(meta, indent=1))
+    def _publish(self, tmp: Path, name: str, meta: dict, written: dict) -> None:
+        """Rank 0. `written`: what DCP wrote here (rank 0's shards, `.metadata`), hashed as written."""
+        if not has_digests(tmp, 0):  # async (the sync path wrote them before its barrier)
+            write_own_digests(tmp, 0, written)
+        known = dict(written)
+        state_bytes_ = json.dumps(meta, indent=1).encode()
+        (tmp / TRAIN_STATE).write_bytes(state_bytes_)
+        known[TRAIN_STATE] = bytes_entry(state_bytes_)
         if self.tokenizer is not None:  # hashed into the manifest with train_state.json, below
             (tmp / TOKENIZER).write_bytes(self.tokenizer)
-        world = self.rt.world_size
-        self._last_bytes = write_manifest_from(tmp, collect_digests(tmp, world, grace))
+            known[TOKENIZER] = bytes_entry(self.tokenizer)
+        # The other ranks' digests come from memory too; a rank whose digests are missing after
+        # this grace (it died after writing) has its shards hashed here.
+        grace = 5.0
+        self._last_bytes = write_manifest_from(tmp, collect_digests(tmp, self.rt.world_size, grace, known))
         self.fault("publish", meta["step"])
         write_marker(tmp, name)
         self.fault("rename", meta["step"])
@@ -300,7 +316,7 @@ class Checkpointer:
         if p.publisher is not None:
             p.publisher.join()
             error = error or (p.error[0] if p.error else None)
-        failed = any_rank(error is not None, self.rt.device)
+        failed = self._any_rank(error is not None)  # the ranks' writes end apart: the I/O group's timeout
         if failed:
             if self.last_saved_step == p.step:
                 self.last_saved_step = None
@@ -317,16 +333,16 @@ class Checkpointer:
     # ---- resuming ----------------------------------------------------------------------------
     def resume(self, spec: str) -> Path | None:
         batch = max(1, self.cfg.checkpoint.keep_last)  # also pre-verifies what retention will count
-        path, error = choose(spec, self.root, batch, self.is_main, self.verdicts, self._info)
+        path, error = choose(spec, self.root, batch, self.is_main, self.verdicts, self._info, self.pg)
         if error:
             raise NdtrainError(error, all_ranks=True)
         if path is None:
             self._info(f"no checkpoint under {self.root}: starting from scratch")
             return None
         state = read_train_state(path) if self.is_main else None
-        state = broadcast_object(state)
+        state = broadcast_object(state, group=self.pg)
         self.timeline = continue_timeline(path, self.root, state, self.is_main, self._info)
-        barrier()
+        barrier(self.pg)
         self.load(path, state)
         return path
 
@@ -337,13 +353,13 @@ class Checkpointer:
         model = self.states["model"]
         if state.get("kind", "full") != "full":  # imported weights: model only, fresh optimizer and data
             sd = {"model": model.state_dict()}
-            dcp_load(sd, path)
+            dcp_load(sd, path, process_group=self.pg)
             model.load_state_dict(sd["model"])
             self.loaded_from = path
             self._info(f"initialised weights from {path} ({state.get('kind')}); step 0")
             return
         sd = tensor_state(self.states, saved=state)
-        dcp_load(sd, path)
+        dcp_load(sd, path, process_group=self.pg)
         load_states(self.states, sd, state)
         self.last_saved_step = self.step
         self.loaded_from = path
@@ -354,49 +370,3 @@ class Checkpointer:
     def set_fault_hook(self, fault) -> None:
         """`fault(point, step)` runs at each save's save/publish/rename points (fault injection)."""
         self.fault = fault
-
-
-# ---- what a failed write tells the user ---------------------------------------------------------
-def write_failure(error: BaseException | None, name: str, root: Path, needed_bytes) -> RunError:
-    """One line with the path, the bytes it needed (and the bytes free), and which checkpoint is
-    still the newest published one. `needed_bytes()` is called only for a full disk (estimating
-    it may walk the state)."""
-    root = Path(root)
-    cause = os_error(error)
-    kept = list_checkpoints(root)
-    safe = f"{kept[-1]} is still the newest published checkpoint" if kept else "no checkpoint was published"
-    if cause is not None and cause.errno == errno.ENOSPC or "No space left" in str(error):
-        needed = needed_bytes()
-        free = shutil.disk_usage(_existing(root)).free
-        what = (f"no space left on the device of {root}: checkpoint {name} needs about "
-                f"{needed / 1e6:,.1f} MB ({needed:,} bytes), {free / 1e6:,.1f} MB are free")
-    elif cause is not None:
-        what = f"cannot write checkpoint {name}: {cause.strerror or cause}: {cause.filename or root}"
-    else:
-        first = next((ln.strip() for ln in str(error or "failed on another rank").splitlines() if ln.strip()), "")
-        what = f"checkpoint {name} could not be written to {root}: {first[:200]}"
-    return RunError(f"{what}; the partial checkpoint was removed and {safe}", all_ranks=True)
-
-
-def os_error(exc: BaseException | None) -> OSError | None:
-    """The OSError behind a failed write, wherever DCP wrapped it (its CheckpointException keeps
-    each rank's exception in `failures`)."""
-    seen, todo = set(), [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError):
-            return e
-        todo += [e.__cause__, e.__context__]
-        for failure in getattr(e, "failures", {}).values():
-            todo.append(failure[0] if isinstance(failure, tuple) else failure)
-    return None
-
-
-def _existing(path: Path) -> Path:
-    path = Path(path)
-    while not path.exists() and path.parent != path:
-        path = path.parent
-    return path

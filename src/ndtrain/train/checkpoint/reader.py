@@ -98,7 +98,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
-def dcp_load(state: dict, ckpt: Path, no_dist: bool = False) -> None:
+def dcp_load(state: dict, ckpt: Path, no_dist: bool = False, process_group=None) -> None:
+    """Loads `state` in place from `ckpt`; `process_group`: where DCP's collectives run (None:
+    the default group; the checkpointer passes its own, timed for file I/O)."""
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     metadata = read_dcp_metadata(ckpt)  # before DCP: its loader logs tracebacks on a bad file
@@ -108,7 +110,8 @@ def dcp_load(state: dict, ckpt: Path, no_dist: bool = False) -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP warns when loading without a process group
-            dcp.load(state, storage_reader=SafeReader(str(ckpt), metadata), planner=SafeLoadPlanner(), no_dist=no_dist)
+            dcp.load(state, storage_reader=SafeReader(str(ckpt), metadata), planner=SafeLoadPlanner(), no_dist=no_dist,
+                     process_group=process_group)
     except NdtrainError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP wraps per-rank failures: keep one line

@@ -31,20 +31,21 @@ _JOURNAL = re.compile(r"^\.abandoning-from-\d{8}-\d{8}-\d{6}$")  # ABANDONING + 
 
 
 def choose(spec: str, root: Path, batch: int, is_main: bool, verdicts: dict,
-           info: Callable[[str], None]) -> tuple[Path | None, str | None]:
+           info: Callable[[str], None], group=None) -> tuple[Path | None, str | None]:
     """Every rank: the newest candidate for `spec` ("auto" or a path) that verifies, the hashing
     shared out over the ranks `batch` candidates at a time; (None, None) when no checkpoint
     ever existed (a fresh start), or (None, why) when the user's choice cannot be used or every
     checkpoint there is damaged. `verdicts` collects what was checked. Candidates that fail are
     skipped, and moved to corrupt/ (when they are in `root`) once an older one verifies: a
-    resume that finds nothing usable leaves everything where it was."""
+    resume that finds nothing usable leaves everything where it was. `group`: the process group
+    of the collectives (None: the default one)."""
     plan = resume_candidates(spec, root) if is_main else None
-    candidates, error, explicit = broadcast_object(plan)
+    candidates, error, explicit = broadcast_object(plan, group=group)
     if error:
         return None, error
     failed: list[str] = []
     for i in range(0, len(candidates), batch):
-        checked = verify_shared([Path(c) for c in candidates[i:i + batch]])
+        checked = verify_shared([Path(c) for c in candidates[i:i + batch]], group=group)
         verdicts.update(checked)
         for c in candidates[i:i + batch]:
             if checked[c] is None:
