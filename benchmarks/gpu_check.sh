@@ -8,6 +8,12 @@
 #   bash benchmarks/gpu_check.sh --dry-run   # CPU, tiny shapes: the default test suite runs this
 #   GPU_CHECK_STAGES="cp-attention tf32" bash benchmarks/gpu_check.sh   # some stages only
 #
+# A machine whose Python has only its torch (no pydantic, which the config needs; no torchao, which
+# the fp8 stages need) gets them offline from wheelhouse/py<XY>/, which scripts/gpu_wheelhouse.sh
+# builds where PyPI can be reached (carry the ignored wheelhouse/ folder along): whatever the
+# machine's Python lacks is installed into a folder of this run on PYTHONPATH, and its own
+# packages stay as they are. GPU_CHECK_WHEELHOUSE names another folder.
+#
 # Stage budgets (seconds, GPU, process start included): 470 s in all, under 8 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +25,32 @@ if [ -z "${PY:-}" ]; then
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 out=$(mktemp -d "${TMPDIR:-/tmp}/ndtrain-gpu-check.XXXXXX")
+house="${GPU_CHECK_WHEELHOUSE:-wheelhouse}/$("$PY" -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1]}")')"
+if compgen -G "$house/*.whl" >/dev/null; then
+  # Only the distributions this Python does not have: never a second copy beside its own.
+  lacking=$("$PY" - "$house" <<'PYEOF'
+import importlib.metadata as md, pathlib, re, sys
+for wheel in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
+    name = wheel.name.split("-", 1)[0]
+    try:
+        md.version(re.sub(r"[-_.]+", "-", name))
+    except md.PackageNotFoundError:
+        print(wheel)
+PYEOF
+)
+  if [ -n "$lacking" ]; then
+    mapfile -t wheels <<< "$lacking"
+    if "$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --target "$out/site" \
+         "${wheels[@]}" >"$out/wheelhouse.log" 2>&1; then
+      export PYTHONPATH="$PYTHONPATH:$out/site"
+      echo "wheelhouse: installed ${#wheels[@]} wheels offline from $house ($(basename -a "${wheels[@]}" | cut -d- -f1 | tr '\n' ' '| sed 's/ $//'))"
+    else
+      echo "wheelhouse: $house could not be installed ($(grep -v '^\s*$' "$out/wheelhouse.log" | tail -n 1 | cut -c1-200)); stages run without it"
+    fi
+  fi
+elif [ -z "$dry" ]; then
+  echo "wheelhouse: none at $house (bash scripts/gpu_wheelhouse.sh builds it); stages run on this Python's own packages"
+fi
 # stage:seconds
 STAGES="env:20 calibrate:60 train-eager:55 train-compiled:100 fp8:70 cp-attention:30 doc-mask:40 ac-recompute:35 tf32:15 ckpt-stall:45"
 [ -n "$dry" ] && STAGES=$(echo "$STAGES" | sed -E 's/:[0-9]+/:120/g')
