@@ -78,14 +78,17 @@ def test_report_of_a_killed_and_restarted_run_overlaid_with_a_bf16_run(corpus_di
 
     run, bf16 = tmp_path / "fp32", tmp_path / "bf16"
     # Attempt 0 is killed (SIGKILL) as step 6 starts; attempt 1 resumes from step 4's checkpoint,
-    # exactly as under torchrun --max-restarts (which sets TORCHELASTIC_RESTART_COUNT).
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NDTRAIN_FAULTS": "0:0:6:step"}
+    # exactly as under torchrun --max-restarts (which sets TORCHELASTIC_RESTART_COUNT, and the
+    # launch's TORCHELASTIC_RUN_ID, the same for every attempt).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NDTRAIN_FAULTS": "0:0:6:step", "TORCHELASTIC_RUN_ID": "job-1"}
     killed = subprocess.run([sys.executable, "-m", "ndtrain", "train", *_train_args(corpus_dir, run, **{
         "train.steps": 8})], env=env, capture_output=True, text=True, timeout=120)
     assert killed.returncode == -9, killed.stderr[-2000:]
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
     assert train(load_config(None, _train_args(corpus_dir, run, **{"train.steps": 8})))["steps"] == 8
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     train(load_config(None, _train_args(corpus_dir, bf16, **{"train.steps": 8, "parallel.mixed_precision": "bf16"})))
 
     fp32_run = read_run(run)
