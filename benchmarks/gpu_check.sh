@@ -54,13 +54,16 @@ fi
 # stage:seconds
 STAGES="env:20 calibrate:60 train-eager:55 train-compiled:100 fp8:70 cp-attention:30 doc-mask:40 ac-recompute:35 tf32:15 ckpt-stall:45"
 [ -n "$dry" ] && STAGES=$(echo "$STAGES" | sed -E 's/:[0-9]+/:120/g')
+# GPU_CHECK_BUDGET_SCALE=x multiplies every stage's seconds: off the GPU machine (the tests, on CPU
+# hosts of differing speed and load) a budget only stops a hung stage, so it scales with the host.
+scale=${GPU_CHECK_BUDGET_SCALE:-1}
 # GPU_CHECK_STAGES="env tf32" runs only those stages (e.g. to repeat one).
 if [ -n "${GPU_CHECK_STAGES:-}" ]; then
   STAGES=$(for item in $STAGES; do case " $GPU_CHECK_STAGES " in *" ${item%%:*} "*) echo "$item";; esac; done)
 fi
 rows="$out/rows.jsonl"
 for item in $STAGES; do
-  stage=${item%%:*}; budget=${item##*:}
+  stage=${item%%:*}; budget=$(awk -v b="${item##*:}" -v s="$scale" 'BEGIN { printf "%d", b * s + 0.5 }')
   line=$(timeout --kill-after=10 "$budget" "$PY" benchmarks/gpu_check.py "$stage" $dry --out "$out" --budget "$((budget - 5))" 2>"$out/$stage.err" | tail -n 1)
   rc=$?
   if [ $rc -ne 0 ] || [ "${line:0:1}" != "{" ]; then

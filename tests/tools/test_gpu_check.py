@@ -28,14 +28,17 @@ def _table(stdout: str) -> dict[str, list[str]]:
     return rows
 
 
-def _run(env_extra: dict, *args: str, timeout: int) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
-    return subprocess.run(["bash", str(CHECK), *args], capture_output=True, text=True, timeout=timeout, env=env)
+def _run(env_extra: dict, *args: str, timeout: int, hang_deadline) -> subprocess.CompletedProcess:
+    """The check with its stage budgets (GPU seconds; on CPU, hang guards) and `timeout` scaled by
+    this host's measured slowdown (conftest hang_deadline)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", GPU_CHECK_BUDGET_SCALE=f"{hang_deadline(1.0):.3f}", **env_extra)
+    return subprocess.run(["bash", str(CHECK), *args], capture_output=True, text=True, timeout=hang_deadline(timeout),
+                          env=env)
 
 
 @pytest.mark.timeout(600)
-def test_dry_run_runs_every_stage_on_cpu():
-    proc = _run({"PY": sys.executable}, "--dry-run", timeout=590)
+def test_dry_run_runs_every_stage_on_cpu(hang_deadline):
+    proc = _run({"PY": sys.executable}, "--dry-run", timeout=590, hang_deadline=hang_deadline)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = _table(proc.stdout)
     assert list(rows) == STAGES, proc.stdout
@@ -46,8 +49,8 @@ def test_dry_run_runs_every_stage_on_cpu():
 
 
 @pytest.mark.timeout(120)
-def test_without_a_gpu_each_stage_is_one_line():
-    proc = _run({"PY": sys.executable, "GPU_CHECK_STAGES": "env tf32"}, timeout=110)
+def test_without_a_gpu_each_stage_is_one_line(hang_deadline):
+    proc = _run({"PY": sys.executable, "GPU_CHECK_STAGES": "env tf32"}, timeout=110, hang_deadline=hang_deadline)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = _table(proc.stdout)
     assert list(rows) == ["env", "tf32"]
@@ -56,14 +59,14 @@ def test_without_a_gpu_each_stage_is_one_line():
 
 
 @pytest.mark.timeout(60)
-def test_a_crashing_stage_degrades_to_one_line(tmp_path):
+def test_a_crashing_stage_degrades_to_one_line(tmp_path, hang_deadline):
     fake = tmp_path / "python"
     fake.write_text("#!/usr/bin/env bash\n"
                     "case \"$1\" in -) exec " + sys.executable + " \"$@\";; esac\n"
                     "echo 'Traceback (most recent call last):' >&2\n"
                     "echo 'ImportError: cannot import name flops_per_token' >&2\nexit 1\n")
     fake.chmod(0o755)
-    proc = _run({"PY": str(fake), "GPU_CHECK_STAGES": "env fp8"}, timeout=50)
+    proc = _run({"PY": str(fake), "GPU_CHECK_STAGES": "env fp8"}, timeout=50, hang_deadline=hang_deadline)
     assert proc.returncode == 0, proc.stderr
     rows = _table(proc.stdout)
     assert list(rows) == ["env", "fp8"]
