@@ -267,8 +267,8 @@ PHASE_COLORS = [("save_s", "save", "#2ca02c"), ("rendezvous_s", "re-rendezvous",
 
 
 def world(runs: list[Run], path: Path) -> Path | None:
-    """Ranks against wall time for runs whose world changed (self-healing), each membership
-    change's stop shaded by phase (run_data.membership_phases: save, re-rendezvous, reshard,
+    """Ranks against wall time for runs whose world changed (self-healing, or a user's resume on
+    another number of ranks), each self-healing membership change's stop shaded by phase (run_data.membership_phases: save, re-rendezvous, reshard,
     warm-up)."""
     changed = [(i, r) for i, r in enumerate(runs) if len(world_over_time(r)) > 1 and r.time_span()]
     if not changed:
@@ -356,7 +356,7 @@ FIGURES = [  # (file suffix, section title, function)
     ("memory", "Peak memory per rank", memory),
     ("stragglers", "Step-time spread across ranks", stragglers),
     ("timeline", "Checkpoints, restarts, skipped and rolled-back steps", timeline),
-    ("world", "World size over time (self-healing)", world),
+    ("world", "World size over time (self-healing changes and resumes on other ranks)", world),
     ("moe", "Mixture of experts: expert load", moe_load),
     ("pipeline", "Pipeline schedule (Gantt)", pipeline_gantt),
 ]
