@@ -26,6 +26,8 @@ def test_budget_steps_fit_the_budget_within_the_cap():
     assert budget_steps(240, 0.692, 300) == 300  # a fast one: train.steps, the most
     assert budget_steps(1, 10.0, 300) == 1  # never none
     assert budget_steps(240, 0.0, 300) == 300  # an unpriced step
+    assert budget_steps(240, 5.2, 300, 120) == 120  # a floor where the budget buys too few
+    assert budget_steps(240, 5.2, 50, 120) == 50  # train.steps caps the floor
 
 
 def test_durations_read_as_minutes_and_seconds():
@@ -104,13 +106,17 @@ def test_a_configured_layout_is_priced_for_the_budget(tmp_path):
 
 
 def test_make_train_fits_its_budget_on_slow_and_fast_hosts():
-    """configs/default.toml (what `make train` runs): the Zen 1 host's predicted 5.20 s/step gets
-    fewer steps within the budget; the AMX host's 0.692 the most it trains."""
+    """configs/default.toml (what `make train` runs): the Zen 3 host's predicted 1.759 s/step gets
+    the steps that fit the budget; the Zen 1 host's 5.20 the floor, with how long it takes said;
+    the AMX host's 0.692 the most it trains."""
     cfg = load_config(str(ROOT / "configs" / "default.toml"))
     budget = cfg.train.time_budget_s
     assert 0 < budget <= 300  # the README: about 5 minutes or less of training
-    slow = budget_choice(cfg, 5.20)["overrides"]["train"]["steps"]
-    assert slow * 5.20 <= budget < (slow + 1) * 5.20
+    mid = budget_choice(cfg, 1.759)["overrides"]["train"]["steps"]
+    assert mid * 1.759 <= budget < (mid + 1) * 1.759 and mid > cfg.train.time_budget_min_steps
+    slow = budget_choice(cfg, 5.20)
+    assert slow["overrides"]["train"]["steps"] == cfg.train.time_budget_min_steps == 120
+    assert "budget fits only 46; about 10m24s here" in slow["description"]
     assert budget_choice(cfg, 0.692)["overrides"]["train"]["steps"] == cfg.train.steps
 
 

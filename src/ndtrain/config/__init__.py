@@ -105,6 +105,9 @@ class TrainConfig:
     # > 0: train the steps the planner predicts fit in this many seconds on this machine, at most
     # `steps` (train/run_length.py; docs/launch.md); 0: exactly `steps`.
     time_budget_s: float = 0.0
+    # The fewest steps a time budget may cut the run to: below it a model learns too little to be
+    # worth the wait, so a slow host trains this many and says how long that takes.
+    time_budget_min_steps: int = 1
     global_batch: int = 32  # sequences per optimizer step, across all data-parallel ranks
     micro_batch: int = 8  # sequences per rank per forward/backward
     batch_ramp: list[list[int]] = field(default_factory=list)  # [[tokens_seen, global_batch], ...]

@@ -64,6 +64,7 @@ def validate(cfg) -> None:
         ("train.log_interval", t.log_interval > 0, f"must be positive, got {t.log_interval}"),
         ("train.timeout_s", t.timeout_s > 0, f"must be positive, got {t.timeout_s}"),
         ("train.time_budget_s", 0 <= t.time_budget_s < float("inf"), f"must be a finite number >= 0 (0 trains exactly train.steps), got {t.time_budget_s}"),
+        ("train.time_budget_min_steps", t.time_budget_min_steps >= 1, f"must be >= 1 (train.steps caps it), got {t.time_budget_min_steps}"),
         ("train.gc_every", t.gc_every >= 0, f"must be >= 0 (0 leaves Python's automatic garbage collection on), got {t.gc_every}"),
         ("train.step_deadline_s", t.step_deadline_s >= 0, f"must be >= 0 (0 disables the watchdog), got {t.step_deadline_s}"),
         ("train.nonfinite_skip", t.nonfinite_skip >= 1, f"must be >= 1, got {t.nonfinite_skip}"),

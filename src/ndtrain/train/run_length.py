@@ -18,11 +18,12 @@ import time
 from ndtrain.errors import NdtrainError
 
 
-def budget_steps(budget_s: float, step_s: float, max_steps: int) -> int:
-    """The steps that fit `budget_s` seconds at `step_s` a step: at least 1, at most `max_steps`."""
+def budget_steps(budget_s: float, step_s: float, max_steps: int, min_steps: int = 1) -> int:
+    """The steps that fit `budget_s` seconds at `step_s` a step: at least `min_steps`, at most
+    `max_steps` (which caps the floor too)."""
     if step_s <= 0:
         return max_steps
-    return max(1, min(max_steps, math.floor(budget_s / step_s)))
+    return max(min(min_steps, max_steps), 1, min(max_steps, math.floor(budget_s / step_s)))
 
 
 def duration(seconds: float) -> str:
@@ -56,8 +57,11 @@ def budget_choice(cfg, step_s: float | None) -> dict:
     if step_s is None:
         return {"overrides": {}, "description": f"train.time_budget_s = {t.time_budget_s:g}: the planner cannot price "
                                                 f"this layout, so the run trains train.steps = {t.steps}"}
-    steps = budget_steps(t.time_budget_s, step_s, t.steps)
-    cap = " (train.steps, the most it trains)" if steps == t.steps else f" of at most {t.steps}"
+    steps = budget_steps(t.time_budget_s, step_s, t.steps, t.time_budget_min_steps)
+    fits = math.floor(t.time_budget_s / step_s) if step_s > 0 else t.steps
+    cap = " (train.steps, the most it trains)" if steps == t.steps else \
+        f" (train.time_budget_min_steps: the budget fits only {fits}; about {duration(steps * step_s)} here)" \
+        if steps > fits else f" of at most {t.steps}"
     return {"overrides": {"train": {"steps": steps}},
             "description": f"train.time_budget_s = {t.time_budget_s:g}: {steps} steps{cap} at the predicted "
                            f"{step_s:.3f} s/step"}
