@@ -37,7 +37,7 @@ def _loss_and_grads(sp: bool, backend: str | None, moe: bool = False, ac: str = 
     from ndtrain.model.config import ModelConfig
     from ndtrain.model.init import materialize
     from ndtrain.model.llama import build_model
-    from ndtrain.parallel.activation import apply_activation_checkpointing
+    from ndtrain.parallel.compose import checkpoint_and_compile
     from ndtrain.parallel.tensor import apply_tensor_parallel
 
     kw = dict(n_experts=4, n_active_experts=2, n_shared_experts=1, expert_ffn_dim=64) if moe else {}
@@ -45,10 +45,7 @@ def _loss_and_grads(sp: bool, backend: str | None, moe: bool = False, ac: str = 
     model = build_model(cfg)  # on meta, sharded, then initialised as the trainer does
     apply_tensor_parallel(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), sp)
     materialize(model, seed=0)
-    apply_activation_checkpointing(model, ac)
-    if backend:
-        for block in model.layers.values():
-            block.compile(backend=backend)
+    checkpoint_and_compile(model, ac, 2, compile=backend is not None, backend=backend)
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     try:
         with loss_parallel():
@@ -92,9 +89,9 @@ def test_tp_blocks_compile_and_match_eager_through_aot_autograd():
     _check(run_ranks(2, _compare, [{"sp": True}], "aot_eager")[0])
 
 
-# MoE blocks (fixed in model/moe.py) and what still fails, refused by layout/rules.py
-# (tensor_parallel), in one launch; the xfail turns XPASS - a failure under strict - the day its
-# cause is fixed, so the refusal can go.
+# MoE blocks (fixed in model/moe.py) and fully checkpointed blocks (parallel/compose.py checkpoints
+# the compiled block; compiling the checkpointed one fails in torch 2.13, which
+# test_torch_ac_compile_mesh.py keeps in view), in one launch.
 KNOWN = {"moe": {"sp": True, "moe": True, "layers": 1}, "full_ac": {"sp": True, "ac": "full", "layers": 1}}
 
 
@@ -112,11 +109,8 @@ def test_compiled_tp_moe_blocks(known_failures):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="torch 2.13: a compiled, fully checkpointed TP block saves the DTensor weights' "
-                          "DeviceMesh (an opaque object) among the tensors for backward; AOTAutograd's "
-                          "save_from_forward asserts (expected all tensors_saved_with_vc_check to be Tensors)")
 def test_compiled_tp_blocks_under_full_checkpointing(known_failures):
+    """Full checkpointing around the compiled TP block: the eager loss and every gradient."""
     _check([known_failures["full_ac"]])
 
 
@@ -153,18 +147,18 @@ def test_compile_with_tp_is_allowed_where_it_builds():
     from ndtrain.parallel.dims import resolve
 
     for parallel in ({"tp": 2, "compile": True}, {"tp": 2, "compile": True, "activation_checkpoint": "selective"},
-                     {"tp": 2, "dp_shard": 2, "compile": True, "sequence_parallel": False}):
+                     {"tp": 2, "dp_shard": 2, "compile": True, "sequence_parallel": False},
+                     {"tp": 2, "compile": True, "activation_checkpoint": "full"},
+                     {"tp": 2, "compile": True, "activation_checkpoint": "every_n"}):
         cfg = load_config(None, {"parallel": parallel})  # explicit degrees: checked without a world
         assert cfg.parallel.compile
     cfg = load_config(None, {"parallel": {"tp": -1, "dp_shard": 1, "compile": True}})
     assert resolve(cfg.parallel, 2, cfg.model).tp == 2
     moe = load_config(None, {"model": {"preset": "debug-moe"}, "parallel": {"tp": 2, "compile": True}})
     assert moe.parallel.compile and moe.model.is_moe
-    refused = [({"parallel": {"tp": 2, "compile": True, "activation_checkpoint": "full"}}, "fully checkpointed"),
-               ({"parallel": {"tp": 2, "compile": True, "activation_checkpoint": "every_n"}}, "fully checkpointed")]
-    for overrides, why in refused:
-        with pytest.raises(ConfigError, match=f"parallel.compile.*{why}"):
-            load_config(None, overrides)
+    with pytest.raises(ConfigError, match="parallel.compile"):  # still refused: split-backward schedules
+        load_config(None, {"parallel": {"pp": 2, "pp_virtual_stages": 2, "pp_schedule": "ZBVZeroBubble",
+                                        "compile": True}})
 
 
 def test_planner_prices_compile_for_tp_where_the_runtime_allows_it():
@@ -179,7 +173,7 @@ def test_planner_prices_compile_for_tp_where_the_runtime_allows_it():
     d = compile_choice(pb, parse_layout("tp=8,dp_shard=1,mb=1", 8), 10**6)
     assert d is not None and d["compiled_step_s"] < d["eager_step_s"] and d["compile"]
     assert compile_choice(pb, parse_layout("tp=8,dp_shard=1,mb=1,ac=selective", 8), 10**6) is not None
-    assert compile_choice(pb, parse_layout("tp=8,dp_shard=1,mb=1,ac=full", 8), 10**6) is None
+    assert compile_choice(pb, parse_layout("tp=8,dp_shard=1,mb=1,ac=full", 8), 10**6) is not None  # torchtitan's 70B
     moe = make_problem(preset("mixtral-8x7b"), 4096, 64, 8, "h200", precision="bf16")
     assert compile_choice(moe, parse_layout("tp=8,dp_shard=1,mb=1", 8), 10**6) is not None  # MoE blocks compile too
 
@@ -188,7 +182,7 @@ def test_planner_prices_compile_for_tp_where_the_runtime_allows_it():
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("layout", ["tp=2,compile=true", "tp=2,sp=0,compile=true,ac=selective",
-                                    "dp_shard=2,tp=2,compile=true"])
+                                    "dp_shard=2,tp=2,compile=true", "tp=2,compile=true,ac=full"])
 def test_inductor_compiled_tp_matches_eager_tp(parity_base, layout):
     """3 AdamW steps of the debug model, compiled (inductor) and eager in the same layout, each
     against one process. One launch per layout: compiled blocks are cold-compiled per process

@@ -53,8 +53,8 @@ def test_what_cannot_be_priced_gets_no_decision():
     lay = parse_layout("dp_replicate=2,dp_shard=1,mb=4", 2)
     assert compile_choice(peers_problem({}), lay, 10**6) is None  # uncalibrated CPU: no compile time known
     pb = peers_problem(CALIBRATED)
-    # compile refuses fully checkpointed TP blocks (torch 2.13; layout/rules.py)
-    assert compile_choice(pb, parse_layout("tp=2,dp_shard=1,mb=4,ac=full", 2), 10**6) is None
+    # fully checkpointed TP blocks compile (parallel/compose.py checkpoints the compiled block)
+    assert compile_choice(pb, parse_layout("tp=2,dp_shard=1,mb=4,ac=full", 2), 10**6) is not None
     assert compile_choice(pb, parse_layout("dp_replicate=2,dp_shard=1,mb=4,ac=every_n", 2), 10**6) is None
     split_bwd = parse_layout("pp=2,dp_shard=1,mb=1,schedule=ZBVZeroBubble,v=2", 2)
     assert compile_choice(pb, split_bwd, 10**6) is None

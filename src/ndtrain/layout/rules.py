@@ -102,12 +102,6 @@ def tensor_parallel(c: Context):
             yield "parallel.tp", f"model.ffn_dim={m.ffn_dim} is not divisible by tp={tp}"
         if m.vocab_size % tp:
             yield "parallel.tp", f"model.vocab_size={m.vocab_size} is not divisible by tp={tp} (vocab-parallel head)"
-        if c.lay.compile and c.lay.ac in ("full", "every_n"):
-            # torch 2.13: the compiled recompute saves the DTensor weights' DeviceMesh (an opaque
-            # object) among the backward's tensors; AOTAutograd's save_from_forward asserts.
-            yield "parallel.compile", ("torch.compile of fully checkpointed tensor-parallel blocks fails in torch 2.13 "
-                                       "(AOTAutograd saves a DeviceMesh among the backward's tensors); set "
-                                       "activation_checkpoint to selective or none, compile=false, or tp=1")
 
 
 def context_parallel(c: Context):

@@ -11,7 +11,12 @@ Order matters, and is fixed:
 5. activation checkpointing - wraps whole (already TP-ed) blocks so recompute replays the TP
    collectives too.
 6. torch.compile per block - compiles the wrapped block, AC included, and keeps FSDP's hooks
-   outside the graph so parameter all-gathers stay eager and overlappable.
+   outside the graph so parameter all-gathers stay eager and overlappable. Full and every-n
+   checkpointing swap 5 and 6: the compiled block is checkpointed, so its recompute replays the
+   compiled forward. Compiling a fully checkpointed TP block fails in torch 2.13 (AOTAutograd
+   saves the region's DeviceMesh among the backward's tensors;
+   tests/parallel/test_tp_compile.py keeps the failure in view), and recomputing everything needs
+   no look inside the graph. Selective checkpointing stays inside: its policy picks ops.
 7. FSDP/HSDP/DDP - last, over the outer data-parallel mesh: it shards whatever the steps above
    produced (DTensors become 2-D sharded) and owns gradient reduction. Plain replication gets
    torch's DDP reducer instead (Layout.on_ddp_reducer, parallel/data_parallel.py).
@@ -51,10 +56,7 @@ def parallelize(model: nn.Module, dims: Layout, mesh=None) -> nn.Module:
         from ndtrain.parallel.expert import moe_context_parallel
 
         moe_context_parallel(model, mesh["cp"])
-    apply_activation_checkpointing(model, dims.ac, dims.ac_every)
-    if dims.compile:
-        for block in model.layers.values():
-            block.compile()
+    checkpoint_and_compile(model, dims.ac, dims.ac_every, dims.compile)
     if dims.world_size // (dims.tp * dims.pp) > 1:
         from ndtrain.parallel.data_parallel import apply_ddp, apply_fsdp
 
@@ -68,6 +70,19 @@ def parallelize(model: nn.Module, dims: Layout, mesh=None) -> nn.Module:
         apply_fsdp(model, dp_mesh, dims.reshards_after_forward, dims.mp, dims.offload,
                    mesh["ep_fsdp"] if dims.ep > 1 else None)
     return model
+
+
+def checkpoint_and_compile(model: nn.Module, ac: str, every: int, compile: bool, backend: str | None = None) -> None:
+    """Steps 5 and 6: selective checkpointing inside the compiled block, full and every-n around
+    it (see above). `backend`: torch.compile's (None: inductor)."""
+    checkpoint_compiled = ac in ("full", "every_n")
+    if not checkpoint_compiled:
+        apply_activation_checkpointing(model, ac, every)
+    if compile:
+        for block in model.layers.values():
+            block.compile(**({"backend": backend} if backend else {}))
+    if checkpoint_compiled:
+        apply_activation_checkpointing(model, ac, every)
 
 
 def set_fp32_matmul_precision(precision: str) -> None:
