@@ -83,10 +83,14 @@ def test_elastic_shrink_continues_on_fewer_workers(corpus_dir, tmp_path, hang_de
     # FSDP named explicitly: with no data-parallel key the planner would choose DDP for this model
     args += ["--train.steps=200", "--checkpoint.resume=auto", "--parallel.dp_shard=-1"]
 
+    # How long the first rendezvous waits for the second agent: agents start slower on a slower
+    # host, so the window scales as the hang guards do.
+    last_call = f"last_call_timeout={hang_deadline(2):.0f}"
+
     def agent(name: str, is_host: bool):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
-               f"--rdzv-conf=last_call_timeout=2,is_host={str(is_host).lower()}", "--max-restarts=2",
+               f"--rdzv-conf={last_call},is_host={str(is_host).lower()}", "--max-restarts=2",
                "--monitor-interval=0.5", "-m", "ndtrain", "train", *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         log = open(tmp_path / f"{name}.log", "w")
