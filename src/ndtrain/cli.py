@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "export": ("ndtrain.train.interop", "export_main", "export a checkpoint (safetensors or Hugging Face)"),
     "import": ("ndtrain.train.interop", "import_main", "import Hugging Face Llama weights"),
     "report": ("ndtrain.tools.report", "main", "draw runs (loss, throughput, memory, restarts...) into one HTML file"),
+    "dryrun": ("ndtrain.tools.dryrun", "main", "build one rank of an N-rank job and train one step on fake tensors: memory, FLOPs, traffic vs the planner"),
 }
 
 

@@ -371,6 +371,8 @@ CASES = [
     Case("import-out-under-file", lambda w, d: ["import", "--from", "hf", str(w["hf"]), "--out", str(d / "f" / "o")],
          r"--out", prep=write("f", "x")),
     # goodput
+    Case("dryrun-rank-outside-world", lambda w, d: ["dryrun", "--world", "4", "--rank", "4"], r"--rank"),
+    Case("dryrun-batch-not-split", lambda w, d: ["dryrun", "--world", "64"], r"train\.global_batch"),
     Case("goodput-gpus-zero", lambda w, d: ["goodput", *GOOD_GOODPUT[2:], "--gpus", "0"], r"--gpus"),
     Case("goodput-mtbf-nan", lambda w, d: ["goodput", *GOOD_GOODPUT[:2], "--mtbf-gpu-hours", "nan",
                                            *GOOD_GOODPUT[4:]], r"--mtbf-gpu-hours"),

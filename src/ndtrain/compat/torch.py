@@ -120,6 +120,14 @@ PRIVATE: dict[str, Private] = {
     "dtensor_local_tensor": _p("torch.distributed.tensor", "DTensor._local_tensor",
                                "fp8 checkpoints: the fp32 tensor inside torchao's weight wrapper (parallel/float8.py)",
                                "fallback: DTensor.to_local()", instance=True),
+    **{key: _p(module, attr, "the dry run: N ranks' group, fake tensors, watching every op (tools/dryrun*.py)",
+                 "refused: `ndtrain dryrun` only")
+       for key, module, attr in (("fake_store", "torch.testing._internal.distributed.fake_pg", "FakeStore"),
+                                 ("fake_tensor_mode", "torch._subclasses.fake_tensor", "FakeTensorMode"),
+                                 ("dispatch_mode", "torch.utils._python_dispatch", "TorchDispatchMode"),
+                                 ("local_scalar_dense", "torch", "ops.aten._local_scalar_dense"),
+                                 ("fake_tensor", "torch._subclasses.fake_tensor", "FakeTensor"),
+                                 ("unset_fake", "torch._subclasses.fake_tensor", "unset_fake_temporarily"))},
     "flex_validate_device": _p("torch.nn.attention.flex_attention", "_validate_device",
                                "tests only: running flex attention's backward on CPU", "the tests that use it fail"),
 }

@@ -108,6 +108,8 @@ def _local_window(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]
 def materialize(model: nn.Module, seed: int, device: str | torch.device = "cpu") -> nn.Module:
     """Allocate a meta-device (possibly sharded) model on `device` and fill every parameter from
     (seed, name). Tied parameters are filled once under their first name."""
+    from ndtrain.compat.fake import is_fake
+
     model.to_empty(device=device)
     if torch.device(device).type == "cpu":
         from ndtrain.model.linear import look_up_cpu_kernels
@@ -130,6 +132,8 @@ def materialize(model: nn.Module, seed: int, device: str | torch.device = "cpu")
             name = "tok_embeddings.weight"
         global_shape, offset, local_shape = _local_window(param)
         local = param.to_local() if hasattr(param, "to_local") else param
+        if is_fake(local):  # a dry run's tensor (tools/dryrun.py): a shape with no values to fill
+            continue
         vals = init_values(name, global_shape, init_std(name, n_layers, base_std), seed, offset, local_shape)
         local.copy_(vals.to(local.dtype))
     for module in model.modules():

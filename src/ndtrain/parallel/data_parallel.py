@@ -60,7 +60,8 @@ def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool, mixed_pre
             shard_experts(block, ep_fsdp_mesh, kwargs, reshard)
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
-    if dp_mesh.device_type == "cpu":
+    # Gloo's own: not on NCCL, nor on the dry run's fake group (it stands for a GPU job's).
+    if dp_mesh.device_type == "cpu" and torch.distributed.get_backend() == "gloo":
         overlap_on_gloo(blocks, model)
 
 

@@ -22,13 +22,15 @@ from ndtrain.train.optim import build_optimizer
 from ndtrain.train.state import TrainState
 
 
-def build(cfg: JobConfig, layout, *, host=None) -> TrainState:
+def build(cfg: JobConfig, layout, *, host=None, train_set=None, mesh=None) -> TrainState:
     """This rank's TrainState for `cfg` in `layout` (resolved for this world: train/plan.py).
-    `host`: the host probe's choices (plan_choices.host_choice), None when not probed."""
+    `host`: the host probe's choices (plan_choices.host_choice), None when not probed.
+    `train_set`: the training split to read instead of cfg.data's (the dry run's synthetic tokens);
+    `mesh`: this layout's mesh, built already (the dry run builds it before its tensors turn fake)."""
     rt = distributed.setup(cfg.train)
-    mesh = pdims.build_mesh(layout, rt.device.type)
+    mesh = pdims.build_mesh(layout, rt.device.type) if mesh is None else mesh
     torch.manual_seed(cfg.train.seed)
-    train_set = open_training_data(cfg)
+    train_set = open_training_data(cfg) if train_set is None else train_set
     dp_rank, dp_size = mesh.coordinate("dp")
     loader = make_loader(train_set, cfg.data.seq_len, cfg.train.seed, dp_rank, dp_size)
     # The next batches are built on a thread while this step computes (pinned for a GPU copy).

@@ -1,0 +1,59 @@
+"""The dry run's doors into torch's private testing and dispatch machinery (tools/dryrun*.py):
+a process group of N ranks inside one process, tensors that carry shapes but no memory, and a
+mode that sees every operator below autograd and DTensor. Each name is listed in
+compat/torch.py's PRIVATE, like every other private torch name; a torch without one refuses
+`ndtrain dryrun` in one line and changes nothing else."""
+
+from __future__ import annotations
+
+from ndtrain.compat.torch import require
+
+
+def init_fake_group(rank: int, world: int) -> None:
+    """torch.distributed's default group as rank `rank` of `world`, with torch's `fake` backend:
+    every collective returns at once and moves nothing (the dry run counts what it would move)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("fake", store=require("fake_store")(), rank=rank, world_size=world)
+
+
+def fake_tensor_mode():
+    """Tensors with shapes, dtypes and strides but no data; real tensors met inside become fake."""
+    return require("fake_tensor_mode")(allow_non_fake_inputs=True)
+
+
+def host_read_op():
+    """The operator every read of a device value on the host goes through (.item(), float(),
+    .tolist(), a Python `if` on a tensor)."""
+    return require("local_scalar_dense").default
+
+
+def op_watcher(on_op):
+    """A context manager that hands every operator call to `on_op(func, args, kwargs)` (whose
+    return value is the call's result), below autograd and tensor subclasses: the ops a device
+    would launch, on local shards."""
+    base = require("dispatch_mode")
+
+    class OpWatcher(base):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return on_op(func, args, kwargs or {})
+
+    return OpWatcher()
+
+
+def op_schema(func) -> tuple[str, list[str]]:
+    """(an operator's name without its namespace, its arguments' names)."""
+    schema = func._schema
+    return schema.name.split("::")[-1], [a.name for a in schema.arguments]
+
+
+def is_fake(t) -> bool:
+    """A fake tensor itself (a DTensor of fake shards is not one: its operators reach the
+    watcher twice, as the DTensor's and then as its shards')."""
+    return isinstance(t, require("fake_tensor"))
+
+
+def real_tensors():
+    """A context in which operators on real tensors run for real (a device mesh's rank tables,
+    made before the tensors turned fake)."""
+    return require("unset_fake")()

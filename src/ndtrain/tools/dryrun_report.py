@@ -1,0 +1,78 @@
+"""The dry run beside the planner: the planner's prediction of the same figures for the same
+layout (planner/api.predict: memory by category, FLOPs per rank), and the text `ndtrain dryrun`
+prints. The planner's peak here leaves out what a fake run cannot see (its allowance for
+allocator fragmentation and the runtime's fixed overhead: CUDA context, NCCL and cuBLAS
+workspaces), so both sides count the same things."""
+
+from __future__ import annotations
+
+GiB = 2**30
+
+# The planner's memory categories (planner/memory.memory_breakdown) under the dry run's names:
+# its logits (kept for the loss's backward) are activations a forward made and holds.
+PLANNER_CATEGORIES = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer_state",
+                      "buffers": "communication_buffers", "activations": "activations", "logits": "activations"}
+UNSEEN = ("overhead", "fragmentation")  # what a fake run cannot see
+
+
+def planner_figures(cfg, layout, world: int, hardware: str = "h100") -> dict:
+    """The planner's prediction for this layout, in the dry run's terms."""
+    from ndtrain.layout.flops import MFU_ATTENTION, flops_per_token, recompute_flops_per_token
+    from ndtrain.planner.api import predict
+
+    lay = {k: v for k, v in layout.as_dict().items() if k != "layers_per_stage"}
+    pred = predict(cfg.model, lay, cfg.data.seq_len, cfg.train.global_batch, hardware, world=world,
+                   precision=cfg.parallel.mixed_precision)
+    mem = pred.memory
+    memory = dict.fromkeys(dict.fromkeys(PLANNER_CATEGORIES.values()), 0)
+    for key, category in PLANNER_CATEGORIES.items():
+        memory[category] += int(mem.get(key, 0))
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    per_token = flops_per_token(cfg.model, cfg.data.seq_len, MFU_ATTENTION)
+    per_token += recompute_flops_per_token(cfg.model, cfg.data.seq_len, layout.ac, MFU_ATTENTION)
+    return {"peak_memory_bytes": int(sum(memory.values())), "memory_bytes": memory,
+            "left_out_bytes": {k: int(mem.get(k, 0)) for k in UNSEEN}, "device": mem.get("device"),
+            "flops": per_token * tokens / world, "step_time_s": pred.step_time, "time_s": pred.time,
+            "hardware": hardware}
+
+
+def compare(result: dict) -> dict:
+    """The dry run's result (tools/dryrun.run_rank) as the JSON object: its figures, the
+    planner's, and their ratios."""
+    cfg, layout = result.pop("config"), result.pop("layout_obj")
+    planner = planner_figures(cfg, layout, result["world"])
+    ratios = {"peak_memory": _ratio(result["peak_memory_bytes"], planner["peak_memory_bytes"]),
+              "flops": _ratio(result["flops"], planner["flops"])}
+    for k, v in result["memory_bytes"].items():
+        if k in planner["memory_bytes"]:
+            ratios[k] = _ratio(v, planner["memory_bytes"][k])
+    return {**result, "planner": planner, "dry_run_over_planner": ratios}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 4) if b else None
+
+
+def text(out: dict) -> str:
+    lines = [f"dry run: rank {out['rank']} of {out['world']} ({out['layout']}; "
+             f"{', '.join(f'{k}={v}' for k, v in out['mesh_coordinates'].items()) or 'no mesh'})"]
+    planner = out["planner"]
+    lines.append(f"  {'memory (GiB)':<24}{'dry run':>10}{'planner':>10}")
+    for k, v in out["memory_bytes"].items():
+        p = planner["memory_bytes"].get(k)
+        lines.append(f"  {k:<24}{v / GiB:>10.2f}{'' if p is None else f'{p / GiB:10.2f}'}")
+    lines.append(f"  {'peak':<24}{out['peak_memory_bytes'] / GiB:>10.2f}{planner['peak_memory_bytes'] / GiB:>10.2f}"
+                 f"   (peak during {out['peak_phase']}; the planner's fragmentation and overhead, "
+                 f"{sum(planner['left_out_bytes'].values()) / GiB:.2f} GiB, left out)")
+    lines.append(f"  {'TFLOP per step':<24}{out['flops'] / 1e12:>10.2f}{planner['flops'] / 1e12:>10.2f}")
+    lines.append(f"  operators launched: {sum(v for k, v in out['operators'].items() if k != 'build')} in the step "
+                 f"({', '.join(f'{k} {v}' for k, v in out['operators'].items())})")
+    for kind, dims in out["collective_bytes"].items():
+        for dim, row in dims.items():
+            lines.append(f"  {kind:<15} over {dim:<13} {row['calls']:>6} calls {row['input_bytes'] / GiB:>9.3f} GiB in")
+    reads = out["host_reads"]
+    lines.append(f"  host reads of device values in the step: {len(reads)}")
+    lines += [f"    {r}" for r in reads]
+    if "roles" in out:
+        lines.append(f"  roles: {[r['rank'] for r in out['roles']]}; the worst is rank {out['worst_rank']}")
+    return "\n".join(lines)

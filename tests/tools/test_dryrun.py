@@ -1,0 +1,84 @@
+"""`ndtrain dryrun`: one rank of an N-rank job built and stepped on fake tensors, in a process of
+its own (a process joins one process group, once), as outside scripts call it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+KEYS = {"peak_memory_bytes", "memory_bytes", "flops", "collective_bytes", "planner", "operators", "host_reads"}
+
+
+def dryrun(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "ndtrain", "dryrun", *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=900)
+
+
+def local_param_bytes(world: int, rank: int, **overrides) -> int:
+    """What rank `rank` holds of every parameter under ZeRO-3 over `world` ranks: FSDP2 splits
+    dim 0 into chunks of ceil(d0 / world) rows (rank r holds rows [r*c, (r+1)*c), padded to c)."""
+    from ndtrain.config import load_config
+    from ndtrain.model.llama import build_model
+
+    cfg = load_config(None, [f"--{k}={v}" for k, v in overrides.items()])
+    total = 0
+    for p in build_model(cfg.model, "meta").parameters():
+        rows = math.ceil(p.shape[0] / world)
+        total += rows * (p.numel() // p.shape[0]) * p.element_size()
+    return total
+
+
+def test_zero3_at_world_64_counts_local_shards_only():
+    done = dryrun("--world", "64", "--rank", "5", "--json", "--train.global_batch=64")
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout)
+    assert KEYS <= set(out) and out["rank"] == 5 and out["layout"] == "dp_shard=64"
+    mem = out["memory_bytes"]
+    # Local shards, not the global tensors (torch's FSDPMemTracker counts DTensors whole).
+    assert mem["parameters"] == local_param_bytes(64, 5)
+    assert out["peak_memory_bytes"] == sum(mem.values())
+    assert {"parameters", "gradients", "optimizer_state", "peak_memory_bytes", "flops"} <= set(out["planner"]) | set(
+        out["planner"]["memory_bytes"])
+    # ZeRO-3: parameters gathered over dp_shard, gradients reduce-scattered over it.
+    colls = out["collective_bytes"]
+    assert colls["all_gather"]["dp_shard"]["calls"] > 0 and colls["reduce_scatter"]["dp_shard"]["calls"] > 0
+    # all-gather in the planner's convention: the gathered output, 64 inputs.
+    gather = colls["all_gather"]["dp_shard"]
+    assert gather["bytes"] == 64 * gather["input_bytes"]
+    assert out["flops"] > 0 and out["operators"]["forward"] > 0 and out["operators"]["backward"] > 0
+    # The step's reads of device values on the host (each a sync on a GPU), where they are.
+    assert out["host_reads"] and all(r.startswith("ndtrain/train/") for r in out["host_reads"])
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--world", "4", "--rank", "4"], "--rank must be in 0..3"),
+    (["--world", "4", "--rank", "first"], "--rank must be an integer or 'all'"),
+    (["--world", "0"], "--world must be >= 1"),
+    (["--world", "64"], "train.global_batch"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, says):
+    done = dryrun(*args)
+    assert done.returncode == 2 and done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_llama3_8b_on_8_ranks_whole_depth():
+    """The published 8-GPU layout at full depth and sequence (configs/llama3-8b-8gpu.toml)."""
+    done = dryrun("--config", "configs/llama3-8b-8gpu.toml", "--world", "8", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout)
+    mem = out["memory_bytes"]
+    params = 8_030_261_248  # llama3-8b, untied embeddings
+    # fp32 shards of an eighth each (FSDP2 keeps the fp32 master; bf16 only while gathered)
+    assert mem["parameters"] == pytest.approx(4 * params / 8, rel=0.01)
+    assert mem["optimizer_state"] in (0, pytest.approx(2 * mem["parameters"], rel=0.01))
