@@ -35,17 +35,27 @@ def test_a_loopback_name_on_a_peer_node_takes_the_interface_that_reaches_the_mas
     assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "eth0"
 
 
-def test_on_the_master_node_its_only_interface_is_taken_and_two_are_refused(node):
+def test_on_the_master_node_its_only_interface_is_taken_and_with_two_it_warns(node):
     names, ifaces = node
-    names["node2"] = ["127.0.1.1"]
     env = {"MASTER_ADDR": "node2"}  # this host is the master: its name resolves to loopback here
     assert "only interface" in ha.choose_interface(2, 1, "gloo", env) and env["GLOO_SOCKET_IFNAME"] == "eth0"
+    # Two: agents that all share this host need nothing, so it is a warning naming what to set, not a refusal.
     ifaces["ib0"] = "192.168.0.2"
+    env = {"MASTER_ADDR": "node2"}
+    line = ha.choose_interface(2, 1, "nccl", env)
+    assert env == {"MASTER_ADDR": "node2"} and line.startswith("ndtrain: warning:") and "\n" not in line
+    assert "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME" in line and "eth0 (10.233.7.12), ib0 (192.168.0.2)" in line
+
+
+def test_a_peer_node_with_no_interface_on_the_route_to_the_master_is_refused(node):
+    _, ifaces = node
+    ifaces.clear()
+    ifaces["ib0"] = "192.168.0.2"  # the route to MASTER_ADDR leaves from NODE2, which no interface holds
     with pytest.raises(UsageError) as info:
-        ha.choose_interface(2, 1, "nccl", {"MASTER_ADDR": "node2"})
+        ha.choose_interface(2, 1, "gloo", {"MASTER_ADDR": "node1"})
     msg = str(info.value)
-    assert "\n" not in msg and "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME" in msg
-    assert "eth0 (10.233.7.12), ib0 (192.168.0.2)" in msg and "/etc/hosts" in msg
+    assert "\n" not in msg and "Set GLOO_SOCKET_IFNAME to the interface" in msg
+    assert "ib0 (192.168.0.2)" in msg and "/etc/hosts" in msg
 
 
 def test_nothing_is_set_where_nothing_is_needed(node):

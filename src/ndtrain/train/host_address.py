@@ -5,8 +5,10 @@ name resolves to 127.0.1.1 by default (/etc/hosts), and many images map it to 12
 rendezvous still succeeds (it goes through MASTER_ADDR), then every peer is told to connect to
 its own loopback, and the group fails or hangs. Before the group forms, a rank whose name
 resolves to loopback while its peers are on other hosts uses the interface that reaches
-MASTER_ADDR (GLOO_SOCKET_IFNAME, and NCCL_SOCKET_IFNAME for NCCL), unless the user chose one;
-where no interface is clearly the one, it refuses in one line naming what to set."""
+MASTER_ADDR (GLOO_SOCKET_IFNAME, and NCCL_SOCKET_IFNAME for NCCL), unless the user chose one.
+On a peer node the route to MASTER_ADDR names it; on the master's node, where MASTER_ADDR resolves
+to loopback too, the only non-loopback interface does, and with several (or none) it warns in
+one line naming what to set, since agents that all share this host need nothing."""
 
 from __future__ import annotations
 
@@ -78,7 +80,8 @@ def choose_interface(world: int, local_world: int, backend: str, environ=None) -
     """Set the socket interface variables when this host's name resolves to loopback and the world
     spans hosts (WORLD_SIZE above LOCAL_WORLD_SIZE). Returns the one line that says so, None when
     nothing was needed (one host, a name that resolves to a routable address, or the variables
-    already set); raises UsageError naming what to set when no interface is clearly the one."""
+    already set); raises UsageError naming what to set when no interface is on the route to a
+    remote MASTER_ADDR."""
     env = os.environ if environ is None else environ
     names = socket_variables(backend)
     if world <= local_world or all(env.get(n) for n in names):
@@ -98,8 +101,15 @@ def choose_interface(world: int, local_world: int, backend: str, environ=None) -
     else:  # this is the master's host (its name resolves to loopback here too): the only interface there is
         chosen = list(ifaces) if len(ifaces) == 1 else []
         why = f"this host's only interface besides loopback (MASTER_ADDR={master} is this host)"
+    listed = ", ".join(f"{n} ({a})" for n, a in ifaces.items()) or "none found"
+    if len(chosen) != 1 and not master_addrs:
+        # The master is on this host: its peers may all be here too (several agents on one
+        # machine), which works over loopback; only a warning, and the failure line names the
+        # variable if remote peers were told to connect to loopback.
+        return (f"ndtrain: warning: this host's name {host!r} resolves to {seen} (loopback); ranks on other "
+                f"hosts could not reach this one: set {' and '.join(names)} to the interface that reaches "
+                f"them (here: {listed})")
     if len(chosen) != 1:
-        listed = ", ".join(f"{n} ({a})" for n, a in ifaces.items()) or "none found"
         raise UsageError(f"this host's name {host!r} resolves to {seen}, a loopback address, but the world spans "
                          f"hosts (WORLD_SIZE={world}, {local_world} on this host): peers could not reach this rank. "
                          f"Set {' and '.join(names)} to the interface that reaches the other nodes "
