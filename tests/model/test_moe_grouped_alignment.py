@@ -68,7 +68,10 @@ def test_operands_the_cuda_kernel_would_refuse_take_the_per_expert_path():
     assert fused_operands("cuda", torch.zeros(16, 64, dtype=torch.bfloat16), w)
     assert not fused_operands("cuda", torch.zeros(16, 12, dtype=torch.bfloat16), torch.zeros(4, 12, 32))  # 24-byte rows
     assert not fused_operands("cuda", torch.zeros(64, 16, dtype=torch.bfloat16).t(), w)  # column-major tokens
+    assert not fused_operands("cuda", torch.zeros(17 * 64 + 1, dtype=torch.bfloat16)[1:].view(-1, 64)[:16], w)  # 2-byte offset
     assert fused_operands("cpu", torch.zeros(16, 12, dtype=torch.bfloat16), torch.zeros(4, 12, 32))
+    with torch._subclasses.FakeTensorMode():  # shapes only, no data pointer: still decided
+        assert fused_operands("cuda", torch.zeros(16, 64, dtype=torch.bfloat16), torch.zeros(4, 64, 32, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("fused", [True, False])

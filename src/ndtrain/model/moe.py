@@ -89,7 +89,10 @@ def fused_operands(device_type: str, x: torch.Tensor, w: torch.Tensor) -> bool:
     def leading(t):  # the stride between rows (row-major) or columns (column-major)
         return t.stride(-2) if t.stride(-1) == 1 else t.stride(-1)
 
-    aligned = all(leading(t) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0 for t in (x, w))
+    # The base address by the offset into its storage (allocations themselves are aligned far
+    # beyond 16 bytes): readable from a fake tensor too, which has no data pointer.
+    aligned = all((leading(t) * t.element_size() % 16 == 0 and t.storage_offset() * t.element_size() % 16 == 0)
+                  for t in (x, w))
     return aligned and cuda_group_rule(x, w)[0] == 1
 
 
