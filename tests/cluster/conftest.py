@@ -7,7 +7,6 @@ there would hide a broken harness."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -68,17 +67,3 @@ def guard(host_slowdown):
     It only stops a hung test; no result depends on it."""
     return lambda reference_s: 4.0 * reference_s * host_slowdown
 
-
-def metric_rows(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
-def step_losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in metric_rows(run_dir) if "loss" in r and "step" in r and r.get("kind", "train") == "train"}

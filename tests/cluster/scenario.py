@@ -1,9 +1,10 @@
 """What several cluster tests share: a layout's config written where every node reads it, the
-one-process reference losses, and a run of `ndtrain train` across the cluster's nodes."""
+one-process reference losses, a run of `ndtrain train` across the cluster's nodes, and its rows."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import agents
@@ -52,3 +53,19 @@ def train_across(cluster, config: Path, run_dir: Path, nproc: int, guard_s: floa
     started = agents.start_agents(cluster, nproc, args, run_id=run_id, nodes=nodes, env=env,
                                   max_restarts=max_restarts)
     return started.wait(guard_s), started
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    """The training loss of each step (event rows, such as start and end, carry no loss)."""
+    return {r["step"]: r["loss"] for r in metric_rows(run_dir) if r.get("loss") is not None and "event" not in r}

@@ -17,7 +17,6 @@ import time
 
 import pytest
 import scenario
-from conftest import metric_rows
 
 NDTRAIN = [sys.executable, "-m", "ndtrain", "train"]
 
@@ -53,7 +52,7 @@ def test_shared_run_dir_checkpoints_lock_report_sample_then_preempt_and_resume_o
     assert codes == {"node1": 0, "node2": 0}, first.all_logs()
     assert _steps(cp_dir) == [2, 4]  # keep_last=2 of 2, 4
     assert not (run_dir / "checkpoints").exists()  # checkpoint.dir, not the run directory's default
-    rows = metric_rows(run_dir)
+    rows = scenario.metric_rows(run_dir)
     assert any("val_loss" in r for r in rows) and rows[0]["world"] == 2
     assert "---- sample ----" in first.log("node1") and "---- sample ----" not in first.log("node2")
     assert not list(n1.tmp.glob("**/metrics.jsonl")) and not list(n2.tmp.glob("**/metrics.jsonl"))
@@ -66,7 +65,7 @@ def test_shared_run_dir_checkpoints_lock_report_sample_then_preempt_and_resume_o
         c, 1, ["--config", str(config), f"--train.output_dir={run_dir}", "--logging.progress=off",
                "--train.steps=100000", "--checkpoint.resume=auto", *ckpt], run_id="job2")
     try:
-        _wait_for(lambda: max((r.get("step", 0) for r in metric_rows(run_dir) if "loss" in r), default=0) >= 6,
+        _wait_for(lambda: max((r.get("step", 0) for r in scenario.metric_rows(run_dir) if "loss" in r), default=0) >= 6,
                   guard(120), "the resumed run reach step 6", second)
         intruder = n2.run([*NDTRAIN, "--config", str(config), f"--train.output_dir={run_dir}",
                            "--checkpoint.resume=auto", "--logging.progress=off", *ckpt], timeout=guard(60),
@@ -98,7 +97,7 @@ def test_shared_run_dir_checkpoints_lock_report_sample_then_preempt_and_resume_o
     codes, third = scenario.train_across(c, config, run_dir, 1, guard(90), nodes=[n1], run_id="job3",
                                          extra=[f"--train.steps={saved + 2}", "--checkpoint.resume=auto", *ckpt])
     assert codes == {"node1": 0}, third.all_logs()
-    starts = [r for r in metric_rows(run_dir) if r.get("event") in ("start", "restart")]
+    starts = [r for r in scenario.metric_rows(run_dir) if r.get("event") in ("start", "restart")]
     said = f"{[(r.get('launch'), r.get('world'), r.get('resumed_from')) for r in starts]}\n{third.all_logs()}"
     assert starts[-1]["world"] == 1 and str(saved) in json.dumps(starts[-1]["resumed_from"]), said
     assert max(_steps(cp_dir)) == saved + 2

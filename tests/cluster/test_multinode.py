@@ -31,9 +31,7 @@ def _parity(make_cluster, guard, parity_base, hostnames: str, spec: str, nproc: 
                                            extra=[f"--train.steps={STEPS}"])
     logs = started.all_logs()
     assert codes == {"node1": 0, "node2": 0}, logs
-    from conftest import step_losses
-
-    got = step_losses(run_dir)
+    got = scenario.step_losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1)), logs
     tol = scenario.parity_tolerance()
     worst = max(abs(got[s + 1] - ref[s]) for s in range(STEPS))
