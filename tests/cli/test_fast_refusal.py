@@ -79,3 +79,42 @@ def test_dense_model_and_checkpoint_reading_do_not_import_dynamo():
     """)
     assert found["dense"] is False and found["moe"] is True
     assert found["eager"] == [True, True] and found["wrapped_once"], found
+
+
+def _refused_before_torch(argv: list[str]) -> dict:
+    """Run the command `argv` in a fresh interpreter; its exit code, its stderr lines and whether
+    torch was imported when it returned."""
+    found = _fresh(f"""
+        from ndtrain.cli import main
+        found["rc"] = main({argv!r})
+        found["torch"] = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+    """)
+    found["lines"] = [line for line in found.pop("stderr").splitlines() if line.strip()]
+    return found
+
+
+@pytest.mark.parametrize("argv, rc, key", [
+    (["generate", "--checkpoint", "{tmp}/gone"], 2, "gone: no such checkpoint"),
+    (["generate", "--checkpoint", "{tmp}/gone", "--tokenz", "5"], 2, "--tokenz"),
+    (["generate", "--checkpoint", "{tmp}/gone", "--temperature", "-1"], 2, "--temperature"),
+    (["generate", "--checkpoint", "{tmp}", "--top-k", "-3"], 2, "--top-k"),
+    (["export", "--checkpoint", "{tmp}/gone", "--to", "hf", "{tmp}/out"], 2, "gone: no such checkpoint"),
+    (["export", "--checkpoint", "{tmp}", "--to", "onnx", "{tmp}/out"], 2, "--to"),
+    (["export", "--checkpoint", "{tmp}", "--to", "safetensors", "{tmp}/mine.safetensors"], 2,
+     "mine.safetensors already exists"),
+], ids=["generate-missing", "generate-bad-flag", "generate-bad-temperature", "generate-bad-top-k",
+        "export-missing", "export-bad-format", "export-out-exists"])
+def test_generate_and_export_refuse_bad_arguments_before_importing_torch(tmp_path, argv, rc, key):
+    mine = tmp_path / "mine.safetensors"
+    mine.write_bytes(b"the user's own file")
+    found = _refused_before_torch([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    assert found["rc"] == rc and len(found["lines"]) == 1 and key in found["lines"][0], found
+    assert found["torch"] == [], found["torch"][:5]
+    assert mine.read_bytes() == b"the user's own file" and sorted(p.name for p in tmp_path.iterdir()) == [mine.name]
+
+
+def test_generate_past_its_checks_does_import_torch(tmp_path):
+    """The other side of the refusals above: a checkpoint path that exists takes generate on to
+    the checkpoint package (and torch), which says what is wrong with it."""
+    found = _refused_before_torch(["generate", "--checkpoint", str(tmp_path)])
+    assert found["rc"] == 2 and "no checkpoint found" in found["lines"][0] and "torch" in found["torch"], found

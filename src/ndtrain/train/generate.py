@@ -3,7 +3,11 @@ with a KV cache (the prompt is prefilled once, then each new token is one single
 
 The cache plugs into the model through `Attention.sdpa`, the slot context parallelism uses for
 ring attention, so the model itself carries no sampling code. The no-cache path (`cache=False`)
-is kept as the reference the tests compare against: both see the same window of tokens."""
+is kept as the reference the tests compare against: both see the same window of tokens.
+
+torch, the model and the checkpoint package are imported inside the functions that use them, so
+`ndtrain generate` refuses a bad argument or a missing checkpoint path before importing torch
+(about a thousand modules: seconds on a slow CPU)."""
 
 from __future__ import annotations
 
@@ -11,17 +15,17 @@ import argparse
 import gc
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
-
-from ndtrain.data.mixture import first_data_dir
 from ndtrain.data.tokenizer import load_tokenizer
 from ndtrain.errors import NdtrainError, UsageError
 from ndtrain.model.config import ModelConfig, num_params
-from ndtrain.model.llama import Transformer, build_model
 from ndtrain.train import host_memory
-from ndtrain.train.checkpoint import list_checkpoints
+
+if TYPE_CHECKING:
+    import torch
+
+    from ndtrain.model.llama import Transformer
 
 # Bytes per parameter and per cached K/V element: checkpoints hold fp32 weights and the sample
 # runs in them.
@@ -33,11 +37,11 @@ _DEVICE_SHARE, _HOST_SHARE = 0.9, 0.5
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """Accept a checkpoint directory, a `checkpoints/` directory or a run directory."""
-    from ndtrain.train.checkpoint import not_a_directory
-
     path = Path(path)
     if not path.exists():
         raise NdtrainError(f"{path}: no such checkpoint, checkpoints/ or run directory")
+    from ndtrain.train.checkpoint import list_checkpoints, not_a_directory
+
     if not path.is_dir():
         raise NdtrainError(f"{path}: {not_a_directory(path)}")
     if (path / "train_state.json").exists():
@@ -50,6 +54,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def sample_device(device: str | torch.device = "auto") -> torch.device:
+    import torch
+
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device)
@@ -68,6 +74,8 @@ def memory_needed(cfg: ModelConfig, tokens: int) -> int:
 def does_not_fit(cfg: ModelConfig, device: torch.device, tokens: int) -> str | None:
     """Why a sample of `tokens` positions would not fit `device` (None: it fits). The weights
     are read onto the device tensor by tensor, so the host holds only one at a time."""
+    import torch
+
     need = memory_needed(cfg, tokens)
     gc.collect()  # the trainer that just finished may still hold its model and optimizer
     if device.type == "cuda":
@@ -95,6 +103,9 @@ def _published(ckpt: Path) -> bool:
 
 
 def _load_one(ckpt: Path, device, verified: bool, tokenizer: bool) -> tuple:
+    import torch
+
+    from ndtrain.model.llama import build_model
     from ndtrain.train.checkpoint import checkpoint_config, dcp_load, read_train_state, verify
 
     problem = verify(ckpt, check_hashes=not verified)
@@ -167,6 +178,7 @@ def checkpoint_tokenizer(cfg, state: dict, ckpt: Path | None = None):
     A BPE checkpoint `ckpt` carries its run's tokenizer.json (its manifest lists the file); one
     saved before checkpoints carried it has it read from the data directory the run trained on
     (recorded absolute)."""
+    from ndtrain.data.mixture import first_data_dir
     from ndtrain.data.tokenizer import BPETokenizer, ByteTokenizer
     from ndtrain.train.checkpoint import TOKENIZER, manifest_items
 
@@ -213,6 +225,8 @@ class KVCache:
             return self.inner(q, k, v, **kwargs)
         if kwargs or s != 1:
             raise ValueError("a KV cache continues one token at a time, without document masks")
+        import torch.nn.functional as F
+
         # The one new query sees every cached position: no mask. (is_causal would align the
         # mask to the first key, hiding all but position 0.)
         return F.scaled_dot_product_attention(q, self.k[:, :, :self.length], self.v[:, :, :self.length],
@@ -229,6 +243,8 @@ def window_start(n_tokens: int, start: int, ctx: int) -> int:
 
 
 def _choose(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
+    import torch
+
     logits = logits.float().cpu()  # on the host: the same seed gives the same tokens on any device
     if temperature <= 0:
         return int(logits.argmax())
@@ -239,43 +255,45 @@ def _choose(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Gen
     return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
 
 
-@torch.no_grad()
 def sample(model: Transformer, tokens: list[int], n: int, temperature: float = 0.8, top_k: int = 40,
            seed: int = 0, stop_id: int | None = None, cache: bool = True) -> list[int]:
     """Up to n new tokens; stops after `stop_id` (the end of a document). `cache=False`
     recomputes the whole window for every token (the reference)."""
-    gen = torch.Generator().manual_seed(seed)
-    device = next(model.parameters()).device
-    ctx = model.cfg.max_seq_len
-    ids = list(tokens)
-    caches = []
-    if cache:
-        capacity = min(ctx, len(ids) + n)
-        for layer in model.layers.values():
-            caches.append(KVCache(layer.attention.sdpa, capacity))
-            layer.attention.sdpa = caches[-1]
-    try:
-        start, filled = 0, False  # filled: the cache holds ids[start:-1] (or all, before a token)
-        for _ in range(n):
-            new_start = window_start(len(ids), start, ctx)
-            if not cache or new_start != start or not filled:
-                start = new_start
-                for c in caches:
-                    c.reset()
-                x = torch.tensor([ids[start:]], device=device)
-                logits = model(x)[0, -1]
-                filled = True
-            else:  # one token at its position in the window
-                x = torch.tensor([ids[-1:]], device=device)
-                logits = model(x, positions=torch.tensor([len(ids) - 1 - start], device=device))[0, -1]
-            nxt = _choose(logits, temperature, top_k, gen)
-            ids.append(nxt)
-            if nxt == stop_id:
-                break
-    finally:
-        for layer, c in zip(model.layers.values(), caches):
-            layer.attention.sdpa = c.inner
-    return ids
+    import torch
+
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        device = next(model.parameters()).device
+        ctx = model.cfg.max_seq_len
+        ids = list(tokens)
+        caches = []
+        if cache:
+            capacity = min(ctx, len(ids) + n)
+            for layer in model.layers.values():
+                caches.append(KVCache(layer.attention.sdpa, capacity))
+                layer.attention.sdpa = caches[-1]
+        try:
+            start, filled = 0, False  # filled: the cache holds ids[start:-1] (or all, before a token)
+            for _ in range(n):
+                new_start = window_start(len(ids), start, ctx)
+                if not cache or new_start != start or not filled:
+                    start = new_start
+                    for c in caches:
+                        c.reset()
+                    x = torch.tensor([ids[start:]], device=device)
+                    logits = model(x)[0, -1]
+                    filled = True
+                else:  # one token at its position in the window
+                    x = torch.tensor([ids[-1:]], device=device)
+                    logits = model(x, positions=torch.tensor([len(ids) - 1 - start], device=device))[0, -1]
+                nxt = _choose(logits, temperature, top_k, gen)
+                ids.append(nxt)
+                if nxt == stop_id:
+                    break
+        finally:
+            for layer, c in zip(model.layers.values(), caches):
+                layer.attention.sdpa = c.inner
+        return ids
 
 
 def generate_from_checkpoint(path, prompt: str, n: int, temperature: float = 0.8, top_k: int = 40,
@@ -305,6 +323,7 @@ def main(argv: list[str]) -> int:
         raise UsageError(f"--seed must be >= 0, got {a.seed}")
     if not a.prompt:
         raise UsageError("--prompt must not be empty (the model needs at least one token to continue)")
+    resolve_checkpoint(a.checkpoint)  # a mistyped path is refused before torch is imported
     try:
         device = sample_device(a.device)
     except RuntimeError:

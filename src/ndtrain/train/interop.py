@@ -5,6 +5,9 @@ weights. Our RoPE rotates half-split pairs, as Hugging Face's Llama does, so q/k
 permutation: the mapping is names only. Import writes an ndtrain checkpoint of kind "weights"
 (model only); `--checkpoint.resume` on it starts a fresh run (step 0, new optimizer) from those
 weights, on any layout. Only safetensors are read: pickle-based `.bin` files are refused.
+
+torch (and hf_weights, which needs it) is imported inside the functions that use it, so `ndtrain
+export` refuses a bad argument, an existing output or a missing checkpoint before importing torch.
 """
 
 from __future__ import annotations
@@ -18,11 +21,19 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
-
 from ndtrain.errors import NdtrainError
 from ndtrain.model.config import ModelConfig
-from ndtrain.train.hf_weights import from_hf_name, to_hf_name  # noqa: F401  (re-exported: tests, tools)
+
+_FROM_HF_WEIGHTS = ("from_hf_name", "to_hf_name")  # re-exported (tests, tools), imported when first asked for
+
+
+def __getattr__(name: str):
+    if name in _FROM_HF_WEIGHTS:
+        from ndtrain.train import hf_weights
+
+        return getattr(hf_weights, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 def hf_config(m: ModelConfig, dtype: str) -> dict:
     if m.is_moe:
@@ -189,14 +200,17 @@ def _write_failed(exc: OSError, out: Path, tmp: Path, needed: int):
 
 
 def export(checkpoint: str | Path, to: str, out: str | Path, dtype: str = "float32") -> Path:
-    from safetensors.torch import save_file
-
-    from ndtrain.train.checkpoint import checkpoint_config, load_model_weights
     from ndtrain.train.generate import resolve_checkpoint
 
     out = Path(out)
     check_new_output(out, "file" if to == "safetensors" else "dir")
     ckpt = resolve_checkpoint(checkpoint)
+    import torch
+    from safetensors.torch import save_file
+
+    from ndtrain.train.checkpoint import checkpoint_config, load_model_weights
+    from ndtrain.train.hf_weights import to_hf_name
+
     weights, state = load_model_weights(ckpt)
     cfg = checkpoint_config(ckpt, state)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
