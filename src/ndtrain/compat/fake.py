@@ -6,7 +6,10 @@ compat/torch.py's PRIVATE, like every other private torch name; a torch without 
 
 from __future__ import annotations
 
-from ndtrain.compat.torch import require
+import contextlib
+import importlib
+
+from ndtrain.compat.torch import PRIVATE, require
 
 
 def init_fake_group(rank: int, world: int) -> None:
@@ -57,3 +60,28 @@ def real_tensors():
     """A context in which operators on real tensors run for real (a device mesh's rank tables,
     made before the tensors turned fake)."""
     return require("unset_fake")()
+
+
+@contextlib.contextmanager
+def dtensor_shape_inference(enter, leave):
+    """Calls `enter()` and `leave()` around DTensor's shape inference: it runs an operator once on
+    fake tensors of the global shapes (a whole vocabulary's logits, every optimizer state at full
+    size) to learn its output's shape; no device runs that, so the dry run must not count it."""
+    key = "dtensor_shape_inference"
+    infer = require(key)
+    owner = importlib.import_module(PRIVATE[key].module)
+    for part in PRIVATE[key].attr.split(".")[:-1]:
+        owner = getattr(owner, part)
+
+    def watched(self, *args, **kwargs):
+        enter()
+        try:
+            return infer(self, *args, **kwargs)
+        finally:
+            leave()
+
+    setattr(owner, infer.__name__, watched)
+    try:
+        yield
+    finally:
+        setattr(owner, infer.__name__, infer)

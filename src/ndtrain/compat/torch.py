@@ -127,6 +127,8 @@ PRIVATE: dict[str, Private] = {
                                  ("dispatch_mode", "torch.utils._python_dispatch", "TorchDispatchMode"),
                                  ("local_scalar_dense", "torch", "ops.aten._local_scalar_dense"),
                                  ("fake_tensor", "torch._subclasses.fake_tensor", "FakeTensor"),
+                                 ("dtensor_shape_inference", "torch.distributed.tensor._sharding_prop",
+                                  "ShardingPropagator._propagate_tensor_meta_non_cached"),
                                  ("unset_fake", "torch._subclasses.fake_tensor", "unset_fake_temporarily"))},
     "flex_validate_device": _p("torch.nn.attention.flex_attention", "_validate_device",
                                "tests only: running flex attention's backward on CPU", "the tests that use it fail"),

@@ -74,8 +74,8 @@ def resolved(cfg, world: int):
 
 def run_rank(cfg, world: int, rank: int) -> dict:
     """Builds rank `rank` of `world` and trains one step; what it measured."""
-    from ndtrain.compat.fake import fake_tensor_mode, init_fake_group, op_watcher
-    from ndtrain.tools.dryrun_watch import Watch, watching_resize
+    from ndtrain.compat.fake import dtensor_shape_inference, fake_tensor_mode, init_fake_group, op_watcher
+    from ndtrain.tools.dryrun_watch import Watch, enter_shadow, leave_shadow, watching_resize
     from ndtrain.parallel.dims import build_mesh
     from ndtrain.train.build import build
     from ndtrain.train.step import next_batch, train_step
@@ -85,7 +85,8 @@ def run_rank(cfg, world: int, rank: int) -> dict:
     mesh = build_mesh(layout, "cpu")
     names = mesh_groups(mesh, layout)  # every view made now, while its rank tables can be computed
     watch = Watch()
-    with fake_tensor_mode(), op_watcher(watch.on_op), watching_resize(watch):
+    shadow = dtensor_shape_inference(lambda: enter_shadow(watch), lambda: leave_shadow(watch))
+    with fake_tensor_mode(), op_watcher(watch.on_op), watching_resize(watch), shadow:
         state = build(cfg, layout, train_set=SyntheticTokens(cfg.model.vocab_size, 0), mesh=mesh)
         params = watch.serials(state.params)
         grads: set = set()

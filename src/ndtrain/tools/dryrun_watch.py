@@ -43,6 +43,7 @@ _SRC = Path(__file__).resolve().parents[1]  # the ndtrain package: where a host 
 class Watch:
     def __init__(self):
         self.phase = "build"
+        self.shadow = 0  # > 0 inside DTensor's shape inference: global-shape work no device does
         self.flops = 0  # of the step (torch.utils.flop_counter's formulas), from step_started on
         self._counting = False
         self.ops: Counter = Counter()  # phase -> operators launched
@@ -140,6 +141,8 @@ class Watch:
         if phase in ("forward", "backward"):
             phase = "backward" if recomputing() else "forward"
             self.phase = phase
+        if self.shadow:
+            return func(*args, **kwargs)
         kinds = _kinds(args, kwargs)
         if kinds == {"real"}:  # a device mesh's rank tables (real, made before the fake mode)
             with real_tensors():
@@ -240,6 +243,14 @@ def _where() -> str:
         if _SRC in path.parents and not path.name.startswith("dryrun") and path.parent.name != "compat":
             return f"{path.relative_to(_SRC.parent)}:{frame.lineno} {frame.line}"
     return "outside ndtrain"
+
+
+def enter_shadow(watch: Watch) -> None:
+    watch.shadow += 1
+
+
+def leave_shadow(watch: Watch) -> None:
+    watch.shadow -= 1
 
 
 @contextmanager
