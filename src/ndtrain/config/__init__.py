@@ -50,6 +50,10 @@ class OptimizerConfig:
     # The schedule of a resume that finds train.steps changed, said in one line there: stretch,
     # keep, decay or restart (train/optim.py EXTEND says what each does; docs/checkpoints.md).
     extend: Literal["stretch", "keep", "decay", "restart"] = "stretch"
+    # The learning rate where train.batch_ramp changes the global batch: lr (tuned at
+    # train.global_batch) times (batch / global_batch) ** 0.5 (sqrt), ** 1 (linear) or 1 (none);
+    # train/optim.py batch_lr_scale; docs/batch-size.md.
+    batch_lr_rule: Literal["sqrt", "linear", "none"] = "sqrt"
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1

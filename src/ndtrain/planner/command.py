@@ -56,6 +56,8 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, help="sequences per step")
     p.add_argument("--tokens", help=f"token budget for days and energy (decimal: 15T = 15e12; default {DEFAULT_TOKENS}, "
                    "said in the output)")
+    p.add_argument("--batch-ramp", help="price a ramped run on the first layout: [[tokens_seen, global_batch], ...] as "
+                   "train.batch_ramp (JSON); --global-batch is the batch before the first threshold")
     p.add_argument("--top", type=int, default=3)
     p.add_argument("--layout", help="evaluate one layout: tp=8,pp=16,dp_shard=64,mb=1,ac=full,schedule=... "
                    "(the layout syntax of verify and config check)")
@@ -193,8 +195,10 @@ def plan_main(argv: list[str]) -> int:
         bw, latency = diloco.parse_across(args.replicas_across)
         across = diloco.across_report(pb, shown[0].layout, bw, latency,
                                       diloco.parse_variants(args.diloco or diloco.DEFAULT_VARIANTS))
+    ramp = _ramp_price(args, cfg, batch, budget, shown) if args.batch_ramp else None
     if args.json:
         out = {
+            **({"batch_ramp": ramp} if ramp else {}),
             "model": cfg.preset, "gpus": args.gpus, "hardware": pb.hw.name, "seq": args.seq, "global_batch": batch,
             "precision": args.precision, "stack": args.stack, "token_budget": budget,
             "token_budget_from": "--tokens" if args.tokens else "default",
@@ -214,9 +218,35 @@ def plan_main(argv: list[str]) -> int:
     else:
         print(plan_text(pb, res, budget, args.explain, rob=rob, shown=shown)
               + (diloco.across_text(across) if across else ""))
+        if ramp:
+            print(ramp["line"])
         if args.tokens is None:
             print(f"days and energy are for a budget of {DEFAULT_TOKENS} tokens (the default): give yours with --tokens")
     return 0 if res.top else 1
+
+
+def _ramp_price(args, cfg, batch: int, budget: float, shown: list) -> dict | None:
+    """The first layout's price for the run with its batch ramp: each batch's predicted step time
+    over the tokens it trains (planner/batch_ramp.py)."""
+    from ndtrain.planner.batch_ramp import parse_ramp, price
+
+    ramp = parse_ramp(args.batch_ramp)
+    if not shown:
+        return None
+    lay = shown[0].layout
+
+    def step_seconds(b: int) -> float:
+        pb = make_problem(cfg, args.seq, b, args.gpus, args.gpu, stack=args.stack, precision=args.precision,
+                          strict=not args.relaxed, profile=args.profile, network=_network(args.network),
+                          power_w=args.power_limit or 0.0)
+        return Evaluator(pb)(lay).step_time
+
+    out = price(budget, batch, ramp, args.seq, step_seconds)
+    fixed = budget / shown[0].tokens_per_s
+    out["line"] = (f"with batch_ramp {ramp}: {out['days']:,.1f} days at a time-weighted {out['tokens_per_s']:,.0f} "
+                   f"tokens/s over {out['steps']:,.0f} steps (at global batch {batch} throughout: "
+                   f"{fixed / 86400:,.1f} days)")
+    return out
 
 
 def _plan_pool(args, cfg, batch: int, pool: list) -> int:

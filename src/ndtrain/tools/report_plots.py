@@ -107,6 +107,28 @@ def optimizer(runs: list[Run], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def batch_size(runs: list[Run], path: Path) -> Path | None:
+    """The global batch over steps where it changed (train.batch_ramp, fixed or "auto"), and the
+    gradient noise scale measured for "auto" (grad_noise_scale: the batch it grows toward)."""
+    shown = [(i, r) for i, r in enumerate(runs)
+             if len({row.get("global_batch") for row in r.train} - {None}) > 1
+             or any("grad_noise_scale" in row for row in r.train)]
+    if not shown:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for i, run in shown:
+        ax.step(*_series(run.train, "step", "global_batch"), where="post", color=_color(i), lw=1.5,
+                label=f"{run.label}: global batch")
+        xs, ys = _series(run.train, "step", "grad_noise_scale")
+        if xs:
+            ax.plot(xs, ys, color=_color(i), lw=0.8, ls=":", label=f"{run.label}: gradient noise scale")
+    ax.set(xlabel="step", ylabel="sequences", yscale="log")
+    ax.set_title("Global batch (steps) and measured gradient noise scale (dotted)", loc="left", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def per_rank_memory(run: Run) -> list[float]:
     """Each rank's peak memory (MB) over the run; rank 0's training rows when no per-rank rows
     were gathered (one process, or a run shorter than a straggler window)."""
@@ -353,6 +375,7 @@ FIGURES = [  # (file suffix, section title, function)
     ("loss", "Loss", loss),
     ("throughput", "Throughput and MFU", throughput),
     ("optimizer", "Gradient norm and learning rate", optimizer),
+    ("batch", "Global batch and gradient noise scale", batch_size),
     ("memory", "Peak memory per rank", memory),
     ("stragglers", "Step-time spread across ranks", stragglers),
     ("timeline", "Checkpoints, restarts, skipped and rolled-back steps", timeline),

@@ -1,5 +1,6 @@
 """AdamW with decoupled weight decay on matrices only, and warmup + cosine learning rate (and what
-becomes of it when a resumed run is given another length: extend_schedule)."""
+becomes of it when a resumed run is given another length: extend_schedule; and when the
+batch ramps: batch_lr_scale)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,18 @@ def extend_schedule(cfg, progress) -> str | None:
             f"step {step + 1} learns at {lr_at(step, opt, now, new):.2e}, where the checkpoint's schedule gave "
             f"{lr_at(step, opt, before, old):.2e} (other choices: {', '.join(m for m in EXTEND if m != mode)}; "
             f"docs/checkpoints.md)")
+
+
+# The exponent of (batch / train.global_batch) that scales the learning rate (optimizer.batch_lr_rule):
+# sqrt keeps the update's noise (Adam-style optimizers; OLMo-core's choice), linear keeps the step per
+# sample (SGD's rule), none leaves the schedule alone.
+BATCH_LR_EXPONENT = {"sqrt": 0.5, "linear": 1.0, "none": 0.0}
+
+
+def batch_lr_scale(rule: str, batch: int, base: int) -> float:
+    """The factor on the schedule's rate for a step of `batch` sequences, the rate being tuned at
+    `base` (train.global_batch). A function of the batch alone, so a resume needs no state for it."""
+    return (batch / base) ** BATCH_LR_EXPONENT[rule]
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -25,7 +25,7 @@ from ndtrain.model.moe import end_step as moe_end_step, set_aux_scale
 from ndtrain.parallel.data_parallel import accumulation, reshard
 from ndtrain.parallel.grad_norm import all_reduce_sum, clip_coefficient, local_grad_sq, reduce_partial_grads, scale_grads
 from ndtrain.train.metrics import mfu, peak_memory_mb, raise_peak, reset_peak_memory, run_peaks
-from ndtrain.train.optim import extend_schedule, lr_at, set_lr
+from ndtrain.train.optim import batch_lr_scale, extend_schedule, lr_at, set_lr
 from ndtrain.train.state import TrainState
 
 
@@ -151,7 +151,8 @@ def train_step(state: TrainState, batch, data_wait_s: float = 0.0) -> StepResult
     reset_peak_memory(rt.device)  # each step's row reports that step's peak
     gb = global_batch_at(cfg, progress.tokens_seen)  # the batch `batch` is this rank's share of
     extend_schedule(cfg, progress)  # a no-op but after a resume (or rollback) onto another train.steps
-    lr = lr_at(progress.step, cfg.optimizer, cfg.train.steps, progress.lr_schedule["segment"])
+    lr = (lr_at(progress.step, cfg.optimizer, cfg.train.steps, progress.lr_schedule["segment"])
+          * batch_lr_scale(cfg.optimizer.batch_lr_rule, gb, cfg.train.global_batch))
     set_lr(state.optimizer, lr)
     # The MoE aux loss is a mean over sequences: each of this rank's sequences weighs 1/n here,
     # and FSDP's average over ranks completes the global mean (as for the token loss).
@@ -188,7 +189,7 @@ def train_step(state: TrainState, batch, data_wait_s: float = 0.0) -> StepResult
     extra = {**moe_end_step(state.moe, reduce, update_bias=not skipped), "data_wait_s": data_wait_s,
              # CPU seconds this process spent on the step (all its threads): the work done,
              # which a shared host's load stretches far less than the wall time.
-             "step_cpu_s": time.process_time() - cpu0}
+             "step_cpu_s": time.process_time() - cpu0, "global_batch": gb}
     progress.step += 1
     progress.tokens_seen += global_tokens
     rows = []
