@@ -15,7 +15,7 @@ import sys
 # name -> (module, function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("ndtrain.train.command", "main", "train a model (single process, --nproc N, or under torchrun)"),
-    "prepare": ("ndtrain.data.prepare", "main", "tokenize text files into a binary token shard"),
+    "prepare": ("ndtrain.tools.prepare_command", "main", "tokenize text files into a binary token shard"),
     "generate": ("ndtrain.train.generate", "main", "sample text from a checkpoint"),
     "config": ("ndtrain.tools.config_check", "config_main", "`config show`: the resolved config; `config check --world N`: check it for N ranks"),
     "verify": ("ndtrain.tools.verify", "main", "check that parallel layouts match a single process"),

@@ -338,7 +338,9 @@ class _Parser(argparse.ArgumentParser):
         raise NdtrainError(message)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], note=None) -> int:
+    """`ndtrain prepare`. `note(manifest)`: a line to say on stderr after the summary (the command
+    passes what the shipped configs make of the split: data/ knows no config), or None."""
     parser = _Parser(
         prog="ndtrain prepare",
         description="Tokenize text into DIR/tokens-NNNNN.bin shards + DIR/manifest.json. With no SOURCES, uses "
@@ -384,11 +386,9 @@ def main(argv: list[str]) -> int:
           f"in {len(manifest['shards'])} shard(s) -> {a.out} ({len(manifest['parts'])} part(s), "
           f"val {sum(p['val'][1] - p['val'][0] for p in manifest['parts']):,} tokens{_val_summary(manifest)})"
           + (f"; {skipped.read:,} file(s) read, {skipped.describe()}" if action != "kept" else ""))
-    from ndtrain.train.preflight import small_split_note
-
-    note = small_split_note(manifest, Path(__file__).resolve().parents[3] / "configs")
-    if note:  # a warning, beside the summary line on stdout
-        print(note, file=sys.stderr)
+    said = note(manifest) if note else None
+    if said:  # a warning, beside the summary line on stdout
+        print(said, file=sys.stderr)
     return 0
 
 

@@ -354,3 +354,9 @@ def peer_failure_message(exc: BaseException, peers: list[tuple[str, int]], rank:
 def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
+
+def run_id() -> str:
+    """torchrun's id of this job ('' when none): the same for every restart attempt."""
+    rid = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return "" if rid == "none" else rid
+

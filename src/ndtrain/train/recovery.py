@@ -24,18 +24,12 @@ import torch.distributed as dist
 
 from ndtrain.errors import NdtrainError
 from ndtrain.train import resilience
-from ndtrain.train.distributed import restart_count
+from ndtrain.train.distributed import restart_count, run_id
 from ndtrain.train.metrics import busy_timer, peak_memory_mb
 from ndtrain.train.signals import Preemption
 
 EXIT_HANG = 70  # a watchdog abort: nonzero, so torchrun restarts the group
 MAX_ROLLBACKS = 5  # more than this and the problem is the run, not a few batches
-
-
-def run_id() -> str:
-    """torchrun's id of this job ('' when none): the same for every restart attempt."""
-    rid = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    return "" if rid == "none" else rid
 
 
 def resume_specs(cfg) -> list[str]:

@@ -305,7 +305,7 @@ def launch_id() -> str:
     """Who launched this attempt: torchrun's run id (the same for its restarts and re-rendezvous;
     `--standalone` draws a new one per launch), else a fresh id (a process with no agent is
     never restarted in place: each is a launch of its own). Each start row records it."""
-    from ndtrain.train.recovery import run_id
+    from ndtrain.train.distributed import run_id
 
     return run_id() or f"process-{uuid.uuid4().hex[:12]}"
 

@@ -201,7 +201,7 @@ def default_run_dir(cfg) -> Path:
 def launcher_run_dir(cfg) -> Path | None:
     """runs/<name>-<rdzv id> under torchrun with a run id: the same directory on every restart
     attempt (a timestamp would give each attempt a new one, with no checkpoint to resume)."""
-    from ndtrain.train.recovery import run_id
+    from ndtrain.train.distributed import run_id
 
     if cfg.train.output_dir or not run_id():
         return None
