@@ -85,3 +85,16 @@ def dtensor_shape_inference(enter, leave):
         yield
     finally:
         setattr(owner, infer.__name__, infer)
+
+
+def count_cpu_attention_flops() -> None:
+    """torch's FLOP formulas cover the GPU attention kernels but not the CPU flash kernel a CPU
+    (and so a dry) run calls: the same formulas, registered for it (once per process)."""
+    from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
+
+    forward, backward = require("sdpa_cpu_flash"), require("sdpa_cpu_flash_backward")
+    if forward not in flop_registry:
+        register_flop_formula(forward)(lambda q, k, v, *_, out_shape=None, **__: sdpa_flop_count(q, k, v))
+    if backward not in flop_registry:
+        register_flop_formula(backward)(
+            lambda grad, q, k, v, *_, out_shape=None, **__: sdpa_backward_flop_count(grad, q, k, v))

@@ -74,7 +74,8 @@ def resolved(cfg, world: int):
 
 def run_rank(cfg, world: int, rank: int) -> dict:
     """Builds rank `rank` of `world` and trains one step; what it measured."""
-    from ndtrain.compat.fake import dtensor_shape_inference, fake_tensor_mode, init_fake_group, op_watcher
+    from ndtrain.compat.fake import (count_cpu_attention_flops, dtensor_shape_inference, fake_tensor_mode,
+                                     init_fake_group, op_watcher)
     from ndtrain.tools.dryrun_watch import Watch, enter_shadow, leave_shadow, watching_resize
     from ndtrain.parallel.dims import build_mesh
     from ndtrain.train.build import build
@@ -82,6 +83,7 @@ def run_rank(cfg, world: int, rank: int) -> dict:
 
     cfg, layout = resolved(dry_config(cfg), world)
     init_fake_group(rank, world)
+    count_cpu_attention_flops()
     mesh = build_mesh(layout, "cpu")
     names = mesh_groups(mesh, layout)  # every view made now, while its rank tables can be computed
     watch = Watch()
@@ -105,13 +107,28 @@ def run_rank(cfg, world: int, rank: int) -> dict:
         watch.step_started()
         train_step(state, batch)
         watch.finish()
-        optim = watch.serials(t for s in state.optimizer.state.values() for t in s.values()
-                              if isinstance(t, torch.Tensor))
+        optim = watch.serials(_local_states(state.optimizer))
         memory = watch.categories(params, grads, optim)
+        # Adam's state is made by the first step's update and held from the start of every later
+        # step: a peak reached before this first update holds it too in the steady state.
+        optim_bytes = sum(t.untyped_storage().nbytes() for t in _local_states(state.optimizer))
+        first_peak = sum(memory.values())
+        memory["optimizer_state"] = max(memory["optimizer_state"], optim_bytes)
     return {"rank": rank, "world": world, "layout": layout.describe(), "mesh_coordinates": coordinates(state),
             "peak_memory_bytes": sum(memory.values()), "memory_bytes": memory, "peak_phase": watch.peak_phase,
+            "first_step_peak_memory_bytes": first_peak,
             "flops": watch.flops, "operators": dict(watch.ops), "collective_bytes": watch.collective_table(names),
             "host_reads": watch.host_reads, "config": cfg, "layout_obj": layout}
+
+
+def _local_states(optimizer) -> list:
+    """The optimizer's state tensors, as this rank's local shards."""
+    out = []
+    for per_param in optimizer.state.values():
+        for t in per_param.values():
+            if isinstance(t, torch.Tensor):
+                out.append(t.to_local() if hasattr(t, "to_local") else t)
+    return out
 
 
 def coordinates(state) -> dict:
