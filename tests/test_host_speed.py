@@ -23,11 +23,18 @@ def test_hang_deadline_and_timeout_limits_scale_by_the_same_measured_factor(pyte
                                                                               monkeypatch):
     from pytest_timeout import Settings
 
-    scale, _ = _conftest(pytestconfig).host_slowdown(pytestconfig)
-    assert scale >= 1.0 and hang_deadline(7.0) == 7.0 * scale
+    conftest = _conftest(pytestconfig)
+    scale, _ = conftest.host_slowdown(pytestconfig)
+    assert scale >= 1.0 and hang_deadline(7.0) == 7.0 * min(scale, conftest.HANG_SCALE_CAP)
     plugin = pytestconfig.pluginmanager.get_plugin("timeout")
     set_to = []
     monkeypatch.setattr(plugin, "pytest_timeout_set_timer", lambda item, settings: set_to.append(settings) or True)
     assert pytestconfig.hook.pytest_timeout_set_timer(item=SimpleNamespace(config=pytestconfig),
                                                       settings=Settings(7.0, "signal", False, False)) is True
     assert [s.timeout for s in set_to] == [hang_deadline(7.0)] and set_to[0].method == "signal"
+
+
+def test_a_hang_guard_stretches_at_most_to_the_cap(pytestconfig, monkeypatch):
+    conftest = _conftest(pytestconfig)
+    monkeypatch.setattr(conftest, "host_slowdown", lambda config: (21.6, "a loaded host"))
+    assert conftest.hang_scale(pytestconfig) == conftest.HANG_SCALE_CAP == 6.0

@@ -50,20 +50,10 @@ def make_cluster(corpus_dir):
     assert not left, f"the cluster harness left these behind: {left}"
 
 
-@pytest.fixture(scope="session")
-def host_slowdown(request) -> float:
-    """How much slower this host is now than the reference host of tests/budgets.toml (>= 1),
-    from the root conftest's probe: hang guards are multiplied by it."""
-    import tomllib
-
-    probe = next(p for p in request.config.pluginmanager.get_plugins() if hasattr(p, "_host_slowdown"))
-    ref = tomllib.loads((Path(__file__).parents[1] / "budgets.toml").read_text())["reference"]
-    return probe._host_slowdown(ref)[0]
-
-
 @pytest.fixture
-def guard(host_slowdown):
-    """guard(seconds on the reference host) -> a hang guard for this host: generous (x4) and scaled.
-    It only stops a hung test; no result depends on it."""
-    return lambda reference_s: 4.0 * reference_s * host_slowdown
+def guard(hang_deadline):
+    """guard(seconds on the reference host) -> a hang guard for this host: generous (x4) and scaled
+    by the root conftest's measured slowdown (hang_deadline). It only stops a hung test; no result
+    depends on it."""
+    return lambda reference_s: 4.0 * hang_deadline(reference_s)
 
