@@ -114,7 +114,10 @@ class TrainConfig:
     time_budget_min_steps: int = 1
     global_batch: int = 32  # sequences per optimizer step, across all data-parallel ranks
     micro_batch: int = 8  # sequences per rank per forward/backward
-    batch_ramp: list[list[int]] = field(default_factory=list)  # [[tokens_seen, global_batch], ...]
+    # [[tokens_seen, global_batch], ...], or "auto": the batch doubles from global_batch toward the
+    # measured gradient noise scale at checkpoint boundaries, up to batch_auto_max (docs/batch-size.md).
+    batch_ramp: list[list[int]] | Literal["auto"] = field(default_factory=list)
+    batch_auto_max: int = 0  # "auto"'s largest global batch: global_batch times a power of two
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     backend: Literal["auto", "gloo", "nccl"] = "auto"

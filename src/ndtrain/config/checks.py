@@ -70,7 +70,9 @@ def validate(cfg) -> None:
         ("train.nonfinite_skip", t.nonfinite_skip >= 1, f"must be >= 1, got {t.nonfinite_skip}"),
         ("train.straggler_threshold", t.straggler_threshold >= 0, f"must be >= 0 (0 disables), got {t.straggler_threshold}"),
         ("train.straggler_window", t.straggler_window >= 1, f"must be >= 1, got {t.straggler_window}"),
-        ("train.batch_ramp", all(len(r) == 2 and r[0] >= 0 and r[1] > 0 for r in t.batch_ramp), "must be a list of [tokens_seen, global_batch] pairs"),
+        ("train.batch_ramp", t.batch_ramp == "auto" or all(len(r) == 2 and r[0] >= 0 and r[1] > 0 for r in t.batch_ramp), "must be a list of [tokens_seen, global_batch] pairs, or \"auto\""),
+        ("train.batch_auto_max", t.batch_ramp != "auto" or (t.batch_auto_max >= t.global_batch > 0 and (t.batch_auto_max // t.global_batch) & (t.batch_auto_max // t.global_batch - 1) == 0 and t.batch_auto_max % t.global_batch == 0),
+         f"must be train.global_batch ({t.global_batch}) times a power of two with batch_ramp = \"auto\", got {t.batch_auto_max}"),
         ("checkpoint.interval_steps", c.interval_steps >= 0, f"must be >= 0, got {c.interval_steps}"),
         ("checkpoint.keep_last", c.keep_last >= 1, f"must be >= 1 (the newest checkpoint is always kept), got {c.keep_last}"),
         ("checkpoint.keep_every", c.keep_every >= 0, f"must be >= 0, got {c.keep_every}"),
@@ -102,10 +104,12 @@ def validate(cfg) -> None:
         raise ConfigError(found[0].key, str(found[0]))
 
 
-def global_batch_at(cfg, tokens_seen: int) -> int:
-    """The global batch (sequences) for the next step; `batch_ramp` raises it by tokens seen."""
+def global_batch_at(cfg, tokens_seen: int, decided: list | None = None) -> int:
+    """The global batch (sequences) for the next step; `batch_ramp` raises it by tokens seen
+    (with "auto", by the points `decided` at checkpoint boundaries, which the checkpoint keeps)."""
     gb = cfg.train.global_batch
-    for threshold, batch in sorted(cfg.train.batch_ramp):
+    ramp = (decided or []) if cfg.train.batch_ramp == "auto" else cfg.train.batch_ramp
+    for threshold, batch in sorted(ramp):
         if tokens_seen >= threshold:
             gb = batch
     return gb
@@ -113,6 +117,10 @@ def global_batch_at(cfg, tokens_seen: int) -> int:
 
 def layout_batches(train) -> list[int]:
     """Every global batch (sequences) a run uses: the batch first, then each stage of its ramp."""
+    if train.batch_ramp == "auto":
+        from ndtrain.train.noise_scale import auto_batches
+
+        return auto_batches(train) or [train.global_batch]
     out = [train.global_batch]
     for _, b in sorted(train.batch_ramp):
         if b > 0 and b not in out:

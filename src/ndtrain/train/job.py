@@ -24,6 +24,7 @@ from ndtrain.train.gc_schedule import GcSchedule
 from ndtrain.train.distributed import group_active
 from ndtrain.train.metrics import compute_modules
 from ndtrain.train.optim import extend_schedule
+from ndtrain.train.noise_scale import grow
 from ndtrain.train.state import checkpointer
 
 SAMPLE_DELAY_ENV = "NDTRAIN_TEST_SAMPLE_DELAY_S"  # tests only: seconds rank 0 sleeps before its sample
@@ -152,6 +153,12 @@ def _loop(plan, run_dir: Path, reached: dict) -> dict:
             if cfg.train.val_interval and (result.step % cfg.train.val_interval == 0 or last):
                 last_val = steps.validate(state)
                 log.log({"step": result.step, "val_loss": last_val})
+            if cfg.train.batch_ramp == "auto" and ckpt.due(result.step):
+                # A new batch only at a checkpoint boundary, decided before any save there (a stop's
+                # too), so the checkpoint records it and a resume continues the same batches.
+                said = grow(cfg, progress, result.extra.get("grad_noise_scale"), result.extra["global_batch"])
+                if said:
+                    log.info(said)
             if action == "leave":  # a host is taken out (resilience.py): save, then the group re-forms
                 break
             if action == "stop":

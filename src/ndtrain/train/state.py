@@ -48,6 +48,8 @@ class TrainState:
     # not write the weights until it is done (the copy overlaps forward and backward).
     before_update: Callable | None = None
     val_data: list | None = None  # the fixed validation batches, built on first use
+    noise: object | None = None  # noise_scale.NoiseScale under batch_ramp = "auto", built on first use
+    first_micro_sq: float | None = None  # the first micro-batch's squared gradient norm, this step
 
     @property
     def model(self):

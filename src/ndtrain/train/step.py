@@ -20,11 +20,13 @@ from ndtrain.config import global_batch_at
 from ndtrain.data.loader import IGNORE, validation_batches
 from ndtrain.data.mixture import open_dataset
 from ndtrain.data.packing import document_ids, document_positions
+from ndtrain.errors import ConfigError
 from ndtrain.layout.flops import flops_per_token
 from ndtrain.model.moe import end_step as moe_end_step, set_aux_scale
 from ndtrain.parallel.data_parallel import accumulation, reshard
 from ndtrain.parallel.grad_norm import all_reduce_sum, clip_coefficient, local_grad_sq, reduce_partial_grads, scale_grads
 from ndtrain.train.metrics import mfu, peak_memory_mb, raise_peak, reset_peak_memory, run_peaks
+from ndtrain.train.noise_scale import NoiseScale, small_batch, unsupported
 from ndtrain.train.optim import batch_lr_scale, extend_schedule, lr_at, set_lr
 from ndtrain.train.state import TrainState
 
@@ -54,7 +56,7 @@ def next_batch(state: TrainState):
     """(this rank's share of the step's batch, seconds waited for it). Its size is the batch
     rule's for the tokens seen so far (layout/rules.py checked it splits over dp)."""
     t0 = time.perf_counter()
-    batch = state.loader.next_batch(global_batch_at(state.cfg, state.progress.tokens_seen))
+    batch = state.loader.next_batch(global_batch_at(state.cfg, state.progress.tokens_seen, state.progress.batch_points))
     return batch, time.perf_counter() - t0  # ~0 when prefetching keeps ahead of the step
 
 
@@ -137,19 +139,36 @@ def forward_backward(state: TrainState, inputs: torch.Tensor, targets: torch.Ten
             # Normalise by this rank's tokens for the whole step: summed over micro-batches and
             # averaged over data-parallel ranks by FSDP, this is the exact global mean.
             (loss / tokens_here).backward()
+        if i == 0 and state.noise is not None and len(slices) > 1:
+            # Its gradient is (its tokens / the step's) times its own mean gradient: undo that.
+            rescale = (tokens_here / targets[a:b].numel()) ** 2
+            state.first_micro_sq = float(local_grad_sq(state.params, state.rt.world_size)) * rescale
         loss = loss.detach()
         total = loss if total is None else total + loss
     return _value(total) if total is not None else 0.0
 
 
 # ---- one optimizer step ----------------------------------------------------------------------
+def start_noise_scale(state: TrainState) -> NoiseScale:
+    """batch_ramp = "auto"'s estimator, from the checkpoint's EMAs on a resume; a layout that
+    cannot read the first micro-batch's gradient is refused in one line."""
+    why = unsupported(state.layout, state.diloco is not None)
+    if why:
+        raise ConfigError("train.batch_ramp", f"\"auto\" measures the gradient noise scale from the first "
+                          f"micro-batch's gradient, which this layout ({state.layout.describe()}) does not have: {why}")
+    return NoiseScale(state.progress.noise_ema)
+
+
 def train_step(state: TrainState, batch, data_wait_s: float = 0.0) -> StepResult:
     """One optimizer step on `batch` (next_batch's; `data_wait_s`: what fetching it took, counted
     in the step's time). Advances state.progress; a non-finite step skips its update."""
     cfg, rt, progress = state.cfg, state.rt, state.progress
     t0, cpu0 = time.perf_counter(), time.process_time()
     reset_peak_memory(rt.device)  # each step's row reports that step's peak
-    gb = global_batch_at(cfg, progress.tokens_seen)  # the batch `batch` is this rank's share of
+    gb = global_batch_at(cfg, progress.tokens_seen, progress.batch_points)  # `batch` is this rank's share of it
+    if cfg.train.batch_ramp == "auto" and state.noise is None:
+        state.noise = start_noise_scale(state)
+    state.first_micro_sq = None
     extend_schedule(cfg, progress)  # a no-op but after a resume (or rollback) onto another train.steps
     lr = (lr_at(progress.step, cfg.optimizer, cfg.train.steps, progress.lr_schedule["segment"])
           * batch_lr_scale(cfg.optimizer.batch_lr_rule, gb, cfg.train.global_batch))
@@ -168,9 +187,10 @@ def train_step(state: TrainState, batch, data_wait_s: float = 0.0) -> StepResult
     contributes = state.tp_rank == 0
     replicas = state.layout.dp_replicate if state.diloco else 1  # DiLoCo: each replica on its own
     ranks_per_stage = rt.world_size // replicas // state.layout.pp
-    loss_total, grad_sq = all_reduce_sum(
-        [total_loss if contributes else 0.0, float(local_grad_sq(state.params, ranks_per_stage))], rt.device,
-        state.scalar_group)
+    probe = state.first_micro_sq is not None
+    loss_total, grad_sq, *small = all_reduce_sum(
+        [total_loss if contributes else 0.0, float(local_grad_sq(state.params, ranks_per_stage))]
+        + ([state.first_micro_sq] if probe else []), rt.device, state.scalar_group)
     global_tokens = gb * cfg.data.seq_len
     loss = loss_total / (global_tokens // replicas)
     grad_norm = math.sqrt(grad_sq) if grad_sq >= 0 else float("nan")
@@ -190,6 +210,12 @@ def train_step(state: TrainState, batch, data_wait_s: float = 0.0) -> StepResult
              # CPU seconds this process spent on the step (all its threads): the work done,
              # which a shared host's load stretches far less than the wall time.
              "step_cpu_s": time.process_time() - cpu0, "global_batch": gb}
+    if probe and not skipped:
+        b_small = small_batch(state.layout, min(cfg.train.micro_batch, batch.inputs.shape[0]))
+        noise = state.noise.update(small[0], b_small, grad_sq, gb)
+        progress.noise_ema = state.noise.state
+        if noise is not None:
+            extra["grad_noise_scale"] = noise
     progress.step += 1
     progress.tokens_seen += global_tokens
     rows = []

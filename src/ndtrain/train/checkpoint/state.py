@@ -39,6 +39,10 @@ class TrainProgress:
     # The learning-rate schedule the steps follow: {"steps": the train.steps it was made for,
     # "segment": None (the config's) or where an extended run's differs} (optim.extend_schedule).
     lr_schedule: dict | None = None
+    # batch_ramp = "auto": the [tokens_seen, global_batch] points it decided, and its noise-scale
+    # EMAs (train/noise_scale.py), so a resume continues the same batches and estimate.
+    batch_points: list[list[int]] = field(default_factory=list)
+    noise_ema: list[float] | None = None
 
     def add_skip_window(self, window: list[int]) -> None:
         self.skip_windows.append(list(window))
@@ -49,12 +53,15 @@ class TrainProgress:
 
     def state_dict(self) -> dict:
         return {"step": self.step, "tokens_seen": self.tokens_seen,
-                "skip_windows": [list(w) for w in self.skip_windows], "lr_schedule": self.lr_schedule}
+                "skip_windows": [list(w) for w in self.skip_windows], "lr_schedule": self.lr_schedule,
+                "batch_points": [list(p) for p in self.batch_points], "noise_ema": self.noise_ema}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.skip_windows = [list(w) for w in state.get("skip_windows", [])]
+        self.batch_points = [[int(t), int(b)] for t, b in state.get("batch_points", [])]
+        self.noise_ema = state.get("noise_ema")
         # A checkpoint from before the record followed its config's schedule over its train.steps.
         steps = state.get("config", {}).get("train", {}).get("steps")
         self.lr_schedule = state.get("lr_schedule") or ({"steps": int(steps), "segment": None} if steps else None)
