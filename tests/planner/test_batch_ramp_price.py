@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ndtrain.errors import NdtrainError
@@ -31,3 +33,19 @@ def test_price_is_time_weighted():
 def test_bad_ramp_is_one_clear_error(text):
     with pytest.raises(NdtrainError, match="--batch-ramp must be"):
         parse_ramp(text)
+
+
+def test_plan_prices_a_ramped_run(capsys):
+    from ndtrain.cli import main as cli
+
+    args = ["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "64", "--top", "1", "--tokens", "1B"]
+    assert cli(args + ["--json", "--batch-ramp", "[[0, 32], [500000000, 64]]"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ramp, fixed = out["batch_ramp"], out["layouts"][0]
+    assert [s["global_batch"] for s in ramp["segments"]] == [32, 64]
+    assert sum(s["tokens"] for s in ramp["segments"]) == pytest.approx(1e9)
+    assert ramp["segments"][1]["step_s"] == pytest.approx(fixed["step_time_s"], rel=1e-9)  # the layout's own batch
+    assert ramp["seconds"] == pytest.approx(sum(s["seconds"] for s in ramp["segments"]))
+    assert cli(args + ["--batch-ramp", "[[0]]"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch-ramp must be" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
