@@ -166,7 +166,9 @@ def train_step(state: TrainState, batch, data_wait_s: float = 0.0) -> StepResult
     t0, cpu0 = time.perf_counter(), time.process_time()
     reset_peak_memory(rt.device)  # each step's row reports that step's peak
     gb = global_batch_at(cfg, progress.tokens_seen, progress.batch_points)  # `batch` is this rank's share of it
-    if cfg.train.batch_ramp == "auto" and state.noise is None:
+    # From the progress's EMAs whenever they differ from the estimator's: the first step, a resume,
+    # and a rollback, which restores an earlier checkpoint's progress.
+    if cfg.train.batch_ramp == "auto" and (state.noise is None or state.noise.state != (progress.noise_ema or [0.0, 0.0])):
         state.noise = start_noise_scale(state)
     state.first_micro_sq = None
     extend_schedule(cfg, progress)  # a no-op but after a resume (or rollback) onto another train.steps
