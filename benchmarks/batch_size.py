@@ -28,7 +28,7 @@ def run(spec: str, out: Path, budget: int, seq: int, ckpt_every: int) -> dict:
     if kind == "auto":
         train_keys.update(batch_ramp="auto", batch_auto_max=int(sizes[1]), micro_batch=min(gb, 4))
     cfg = load_config("configs/default.toml", {"data": {"seq_len": seq}, "train": train_keys,
-                                               "optimizer": {"schedule": "constant"},
+                                               "optimizer": {"schedule": "constant", "batch_lr_rule": "sqrt"},
                                                "checkpoint": {"interval_steps": ckpt_every, "keep_last": 1},
                                                "logging": {"tensorboard": False, "progress": "off"}})
     original = step_mod.train_step

@@ -52,8 +52,9 @@ class OptimizerConfig:
     extend: Literal["stretch", "keep", "decay", "restart"] = "stretch"
     # The learning rate where train.batch_ramp changes the global batch: lr (tuned at
     # train.global_batch) times (batch / global_batch) ** 0.5 (sqrt), ** 1 (linear) or 1 (none);
-    # train/optim.py batch_lr_scale; docs/batch-size.md.
-    batch_lr_rule: Literal["sqrt", "linear", "none"] = "sqrt"
+    # train/optim.py batch_lr_scale; docs/batch-size.md. "none" by default: a run (or a checkpoint)
+    # with a batch_ramp from before this key keeps the rates it trained at.
+    batch_lr_rule: Literal["sqrt", "linear", "none"] = "none"
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1
