@@ -115,6 +115,17 @@ def _rmdir_cgroup(d: Path, patience_s: float = 30.0) -> None:
             time.sleep(0.05)
 
 
+def _under_tmp() -> list[Path]:
+    """The checkout and the Python prefix the nodes run from, where they lie under /tmp."""
+    import sys
+
+    found = []
+    for path in (Path(__file__).resolve().parents[2], Path(sys.prefix).resolve()):
+        if path.is_relative_to("/tmp") and path != Path("/tmp") and not any(path.is_relative_to(f) for f in found):
+            found = [f for f in found if not f.is_relative_to(path)] + [path]
+    return found
+
+
 class Node:
     def __init__(self, cluster: "Cluster", index: int):
         self.cluster = cluster
@@ -143,7 +154,11 @@ class Node:
         hosts.write_text(hosts_text)
         # The node's own hostname and hosts file, and its /tmp, in mount and UTS namespaces that
         # only this node's processes enter. `ip netns exec` mounts the namespace's own /sys.
-        script = (f"hostname {self.name} && mount --bind {hosts} /etc/hosts && mount --bind {self.tmp} /tmp "
+        # A checkout or venv under /tmp (a CI clone there) would vanish under the node's own /tmp:
+        # each is bound to its own path inside the node's /tmp first, and /tmp is bound recursively.
+        keep = "".join(f"mkdir -p {self.tmp / p.relative_to('/tmp')} && mount --bind {p} {self.tmp / p.relative_to('/tmp')} && "
+                       for p in _under_tmp())
+        script = (f"hostname {self.name} && mount --bind {hosts} /etc/hosts && {keep}mount --rbind {self.tmp} /tmp "
                   f"&& echo ready && exec sleep infinity")
         self.holder = subprocess.Popen(
             ["ip", "netns", "exec", self.netns, "unshare", "--uts", "--mount", "--propagation", "private",

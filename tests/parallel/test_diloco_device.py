@@ -73,7 +73,7 @@ def collectives(monkeypatch):
     for name in ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
                  "all_to_all_single"):
         monkeypatch.setattr(dist, name, _record(seen, name))
-    monkeypatch.setattr(diloco_mod, "_subgroup", lambda rank_lists: "own-group")
+    monkeypatch.setattr(diloco_mod, "own_group", lambda rank_lists, desc: "own-group")
     return seen
 
 

@@ -115,11 +115,18 @@ def global_batch_at(cfg, tokens_seen: int, decided: list | None = None) -> int:
     return gb
 
 
+def auto_batches(train) -> list[int]:
+    """The batches `batch_ramp = "auto"` may choose: global_batch doubled up to batch_auto_max."""
+    out, b = [], train.global_batch
+    while b <= train.batch_auto_max:
+        out.append(b)
+        b *= 2
+    return out
+
+
 def layout_batches(train) -> list[int]:
     """Every global batch (sequences) a run uses: the batch first, then each stage of its ramp."""
     if train.batch_ramp == "auto":
-        from ndtrain.train.noise_scale import auto_batches
-
         return auto_batches(train) or [train.global_batch]
     out = [train.global_batch]
     for _, b in sorted(train.batch_ramp):

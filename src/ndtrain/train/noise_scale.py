@@ -63,15 +63,6 @@ class NoiseScale:
         return self.s / self.g2 if self.g2 > 0 else None
 
 
-def auto_batches(train) -> list[int]:
-    """The batches "auto" may choose: global_batch doubled up to batch_auto_max."""
-    out, b = [], train.global_batch
-    while b <= train.batch_auto_max:
-        out.append(b)
-        b *= 2
-    return out
-
-
 def grow(cfg, progress, noise: float | None, current: int) -> str | None:
     """At a checkpoint boundary: double the batch (at most once a boundary, within the limits) while
     the measured noise scale is at least the doubled batch; the decision becomes a ramp point from
