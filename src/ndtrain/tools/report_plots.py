@@ -252,26 +252,19 @@ def timeline(runs: list[Run], path: Path) -> Path | None:
         for r in run.train:
             if r.get("skipped") and "time" in r:
                 mark("skipped", _at(r["time"], t0), r["step"], "x", 50)
-        for k, e in enumerate(run.restarts):
+        # a restart after a failure, dashed; the user's own stop and start again (nothing lost), dotted
+        lines = [("restart", "--", 6, f"restart {k + 1} at step", e) for k, e in enumerate(run.restarts)] + \
+                [("resume", ":", -10, "resumed at step", e) for e in run.resumes]
+        for kind, style, dy, text, e in lines:
             if e.get("time") is None:
                 continue
             x = _at(e["time"], t0)
-            color, label = MARKS["restart"]
-            ax.axvline(x, color=color, lw=1, ls="--", label=None if "restart" in seen else label)
-            seen.add("restart")
+            color, label = MARKS[kind]
+            ax.axvline(x, color=color, lw=1, ls=style, label=None if kind in seen else label)
+            seen.add(kind)
             world = f", world {e['world']}" if e.get("world") else ""
-            ax.annotate(f"restart {k + 1} at step {e['step']}{world}", (x, e["step"]), fontsize=7, color=color,
-                        xytext=(4, 6), textcoords="offset points")
-        for e in run.resumes:  # the user's own stop and start again: no failure, nothing lost
-            if e.get("time") is None:
-                continue
-            x = _at(e["time"], t0)
-            color, label = MARKS["resume"]
-            ax.axvline(x, color=color, lw=1, ls=":", label=None if "resume" in seen else label)
-            seen.add("resume")
-            world = f", world {e['world']}" if e.get("world") else ""
-            ax.annotate(f"resumed at step {e['step']}{world}", (x, e["step"]), fontsize=7, color=color,
-                        xytext=(4, -10), textcoords="offset points")
+            ax.annotate(f"{text} {e['step']}{world}", (x, e["step"]), fontsize=7, color=color,
+                        xytext=(4, dy), textcoords="offset points")
         for e in run.events:
             if e.get("event") in ("rollback", "skip_window", "straggler") and e.get("time") is not None:
                 mark(e["event"], _at(e["time"], t0), e["step"], {"rollback": "v", "skip_window": "s"}
