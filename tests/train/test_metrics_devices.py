@@ -6,6 +6,9 @@ before the parent process holds any CUDA memory."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -179,6 +182,41 @@ def _step(clock, blocks, wait):
     for b in blocks:
         x = b(x)
     clock.t += wait
+
+
+_STARVED = """
+import os, subprocess, sys, time
+from ndtrain.train.metrics import CpuBusyTimer
+cpu = min(os.sched_getaffinity(0))
+os.sched_setaffinity(0, {cpu})  # inherited: the competitor below takes turns with this thread
+rival = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+try:
+    time.sleep(0.2)
+    timer, c0 = CpuBusyTimer(), time.thread_time()
+    timer.start()
+    x = 0
+    for i in range(3_000_000):
+        x += i
+    print(timer.stop(), time.thread_time() - c0)
+    timer.start()
+    time.sleep(0.5)
+    print(timer.stop(), 0.5)
+finally:
+    rival.kill()
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="Linux schedstat only")
+def test_cpu_busy_time_counts_waiting_for_a_cpu_not_blocking(hang_deadline):
+    """A rank whose CPU is shared with another process (or throttled by a cgroup quota) does the
+    same work in the same CPU time but waits on the run queue for it: busy time counts that wait,
+    so a node starved of CPU is named as the straggler. A thread asleep (a collective waiting on
+    a slow peer) is not busy."""
+    out = subprocess.run([sys.executable, "-c", _STARVED], capture_output=True, text=True,
+                         timeout=hang_deadline(60), check=True).stdout.split()
+    busy, cpu, slept, asleep = map(float, out)
+    assert busy > 1.3 * cpu, (busy, cpu)  # two runnable threads on one CPU: about twice the CPU time
+    assert slept < asleep / 2, (slept, asleep)
 
 
 def test_busy_timer_selection_and_arithmetic():

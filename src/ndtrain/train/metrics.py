@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -137,15 +138,30 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 # ---- per-rank busy time (the straggler monitor's input) --------------------------------------
+def thread_demand_s() -> float:
+    """Seconds the calling thread has run or waited to run: its CPU time plus its run-queue wait
+    (Linux /proc/.../schedstat; the CPU time alone where that file is missing). A thread blocked in
+    a collective is neither; a thread whose node is throttled (a cgroup CPU quota) or whose cores
+    other work takes waits on the run queue: CPU time alone cannot see that node as slow, since
+    the work costs the same CPU time however long it waits for it."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            ran_ns, waited_ns = f.read().split()[:2]
+        return (int(ran_ns) + int(waited_ns)) / 1e9
+    except (OSError, ValueError):
+        return time.thread_time()
+
+
 class CpuBusyTimer:
-    """The training thread's CPU time: time blocked in a collective waiting for a slow peer is not
-    CPU time, so the slow rank stands out though every rank's wall time is the same."""
+    """The training thread's demand for a CPU (thread_demand_s): time blocked in a collective
+    waiting for a slow peer is not counted, so the slow rank stands out though every rank's wall
+    time is the same, whether it is slow from more work or from less CPU."""
 
     def start(self) -> None:
-        self._t0 = time.thread_time()
+        self._t0 = thread_demand_s()
 
     def stop(self) -> float:
-        return time.thread_time() - self._t0
+        return thread_demand_s() - self._t0
 
     def close(self) -> None:
         pass
