@@ -333,15 +333,10 @@ def _val_summary(manifest: dict) -> str:
     return f": {docs:,} drawn documents from {files:,} files"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (via the CLI), instead of usage + message
-        raise NdtrainError(message)
-
-
 def main(argv: list[str], note=None) -> int:
     """`ndtrain prepare`. `note(manifest)`: a line to say on stderr after the summary (the command
     passes what the shipped configs make of the split: data/ knows no config), or None."""
-    parser = _Parser(
+    parser = argparse.ArgumentParser(
         prog="ndtrain prepare",
         description="Tokenize text into DIR/tokens-NNNNN.bin shards + DIR/manifest.json. With no SOURCES, uses "
         "the Python standard library's .py files as a default corpus. Re-running adds only new sources.",

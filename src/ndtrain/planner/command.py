@@ -27,11 +27,6 @@ NETWORK_KEYS = {"nvlink": ("gpus_per_node", 1), "pod": ("pod_gpus", 1), "oversub
                 "nic": ("nic_bw", 1e9)}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit code 2, like every other ndtrain user error
-        raise NdtrainError(message)
-
-
 def _count(text: str, binary: bool = False) -> float:
     try:
         return parse_count(text, binary)
@@ -40,7 +35,7 @@ def _count(text: str, binary: bool = False) -> float:
 
 
 def plan_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="ndtrain plan", description="Predict memory, step time, MFU and energy of parallel "
+    p = argparse.ArgumentParser(prog="ndtrain plan", description="Predict memory, step time, MFU and energy of parallel "
                 "layouts and pick the fastest that fits.")
     p.add_argument("--model", help="preset name (e.g. llama3-8b, deepseek-v3)")
     p.add_argument("--model-shape", help="layers=,hidden=,heads=,kv_heads=,ffn=,vocab=,mlp=swiglu|gelu "
@@ -287,7 +282,7 @@ PHASES = [("detect", "time from the first slow window to the decision (trained o
 
 
 def goodput_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="ndtrain goodput", description="Expected training goodput under failures and the "
+    p = argparse.ArgumentParser(prog="ndtrain goodput", description="Expected training goodput under failures and the "
                 "optimal checkpoint interval (Young, Daly), checked by Monte-Carlo simulation.")
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--mtbf-gpu-hours", type=float, required=True,

@@ -187,13 +187,8 @@ def format_table(results: list[Comparison], tol_loss: float, tol_weight: float) 
     return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit code 2, like every other ndtrain user error
-        raise NdtrainError(message)
-
-
 def main(argv: list[str]) -> int:
-    p = _Parser(prog="ndtrain verify", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="ndtrain verify", description=__doc__.split("\n\n")[0])
     p.add_argument("--layouts", nargs="+", default=[], metavar="LAYOUT",
                    help="one layout per argument, items key=value joined by commas: dp_shard=4 tp=2,dp_shard=2")
     p.add_argument("--config", help="TOML config for model and training (default: debug preset)")
