@@ -152,7 +152,7 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=15)
-    # The config defaults (measured best here: see docs/benchmarks.md)
+    # The config defaults (measured best here: see docs/results/benchmarks.md)
     p.add_argument("--outer-lr", type=float, default=1.0)
     p.add_argument("--outer-momentum", type=float, default=0.0)
     p.add_argument("--val-batches", type=int, default=16)

@@ -29,7 +29,7 @@ def _reference_host_cache() -> Path:
     bf16's attention dtype, the precision) and the uncalibrated planner's rates are then the same
     on every host and in every test order, instead of this machine's ~/.cache (a probe cached
     by whichever earlier run made it, or a calibration profile). The rates are a reference
-    host's, the AMD EPYC's of docs/benchmarks.md: oneDNN 1.15x the BLAS, bf16 attention slower
+    host's, the AMD EPYC's of docs/results/benchmarks.md: oneDNN 1.15x the BLAS, bf16 attention slower
     than attending in fp32, a bf16 block 1.4x an fp32 one, fp8 ~15% of bf16. Tests of the probe
     itself (tests/tools/test_host_probe.py) move the cache again, to directories of their own."""
     import tempfile

@@ -1,5 +1,5 @@
-"""`plan --strict` for the five plans in docs/planner.md: the layout each plan picks passes
-`config check --world N`, run exactly as the plan prints it."""
+"""`plan --strict` for the five plans in docs/results/planner-validation.md: the layout each plan
+picks passes `config check --world N`, run exactly as the plan prints it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from ndtrain.cli import main as cli
 
-PLANS = [  # as in docs/planner.md ("Plans")
+PLANS = [  # as in docs/results/planner-validation.md ("Plans")
     ["--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--seq", "8192", "--global-batch-tokens", "1M"],
     ["--model", "llama3-70b", "--gpus", "256", "--gpu", "h100", "--seq", "8192", "--global-batch-tokens", "4M"],
     ["--model", "llama3-405b", "--gpus", "16384", "--gpu", "h100", "--seq", "8192", "--global-batch-tokens", "16M",

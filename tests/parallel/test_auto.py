@@ -26,7 +26,7 @@ PEERS = {"model": {"dim": 256, "n_layers": 6, "n_heads": 16, "n_kv_heads": 16, "
 @pytest.mark.parametrize("precision,chosen", [("fp32", "ddp"), ("bf16", "zero1")])
 def test_defaults_choose_what_was_fastest(precision, chosen, tmp_path, monkeypatch):
     """No data-parallel key: the planner picks the flavour. For the peers' model at world 2 on CPU
-    ranks it picks what trained fastest there (docs/benchmarks.md, run I), with the uncalibrated
+    ranks it picks what trained fastest there (docs/results/history.md, run I), with the uncalibrated
     profile: DDP in fp32 (torch's DDP reducer overlaps its all-reduce with the backward), ZeRO-1
     in bf16 (replication runs on FSDP2's blocking all-reduce there, ZeRO-1's reduce-scatter is an
     all-to-all and its all-gather prefetched); every other knob stays as configured."""

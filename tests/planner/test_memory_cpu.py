@@ -1,5 +1,5 @@
 """The CPU (Gloo) memory model's data-parallel terms, pinned to what benchmarks/memory_peak.py
-measured (docs/benchmarks.md, "Peak resident memory per rank")."""
+measured (docs/results/benchmarks.md, "Peak resident memory per rank")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every relative link in README.md and docs/*.md lands somewhere.
+"""Every relative link in README.md, docs/*.md and docs/results/*.md lands somewhere.
 
 The README is a front page that sends readers to docs/ pages, and sections move between pages;
 a link left pointing at the old place lands on a 404 or at the top of a page, which no one
@@ -19,7 +19,7 @@ EXTERNAL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.IGNORECASE)  # http:, https:, m
 
 
 def _pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "results").glob("*.md"))]
 
 
 def _prose(text: str) -> list[tuple[int, str]]:
