@@ -3,6 +3,7 @@ semantics, fault-plan parsing, the job hooks that install it."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -93,3 +94,27 @@ def test_job_hooks_call_the_named_function_and_refuse_a_bad_one_in_one_line(monk
         assert "\n" not in str(err.value)
     monkeypatch.delenv(hooks.HOOKS_ENV)
     assert hooks.load(0, tmp_path).inner is None  # no hooks: every point is a no-op
+
+
+def test_the_fault_plan_records_each_kept_step_and_slows_the_end_through_the_job_hooks(monkeypatch, parity_base,
+                                                                                    tmp_path):
+    """What the self-healing and end-of-run tests rely on, in one short run in this process: the
+    samples of every step through the `after_step` hook point, and the `end` and `sample` points
+    (zero seconds here) each passed once, the closing sample restored after its one delay."""
+    from ndtrain.train import job as jobs
+    from ndtrain.train.trainer import train
+
+    monkeypatch.setenv(hooks.HOOKS_ENV, fault_plan.HOOKS)
+    monkeypatch.setenv(fault_plan.SAMPLE_LOG_ENV, "1")
+    monkeypatch.setenv(fault_plan.FAULTS_ENV, "0:0:0:end:0,0:0:0:sample:0")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    real = jobs.closing_sample
+    run = tmp_path / "run"
+    summary = train(cfg_of(job(parity_base, run, train={"steps": 3, "sample_tokens": 4})))
+    assert jobs.closing_sample is real and "sample" in summary
+    rows = [json.loads(line) for line in (run / "samples.rank0.jsonl").read_text().splitlines()]
+    per_step = parity_base["train"]["global_batch"]
+    assert [(r["step"], r["world"], r["attempt"], len(r["ids"])) for r in rows] == [(s, 1, 0, per_step) for s in (1, 2, 3)]
+    assert len({i for r in rows for i in r["ids"]}) == 3 * per_step  # each sample once
+    notes = [line.split()[1] for line in (run / hooks.HOOK_LOG).read_text().splitlines()]
+    assert notes == ["end-delay", "sample-delay"], notes

@@ -16,16 +16,19 @@ from pathlib import Path
 
 import pytest
 
-# Rank 0's extra time in the sampling path (NDTRAIN_TEST_SAMPLE_DELAY_S), against the collective
-# timeout: twice the timeout, so that any collective spanning the sample must time out.
+# Rank 0's extra time (the fault plan's `sample` or `end` point: tests/train/fault_plan.py, through
+# the job hooks tests/conftest.py installs), against the collective timeout: twice the timeout, so
+# that any collective spanning it must time out.
 TIMEOUT_S = 4
 DELAY_S = 2 * TIMEOUT_S
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("where", ["NDTRAIN_TEST_SAMPLE_DELAY_S",  # after the teardown
-                                   pytest.param("NDTRAIN_TEST_END_DELAY_S", marks=pytest.mark.slow)])  # before it
+@pytest.mark.parametrize("where", ["sample",  # before the closing sample, after the teardown
+                                   pytest.param("end", marks=pytest.mark.slow)])  # before the teardown
 def test_slow_rank0_sample_does_not_time_out_the_group(corpus_dir, tmp_path, where):
+    from fault_plan import FAULTS_ENV
+
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "ndtrain", "train", "--nproc", "2", "--max-restarts", "1",
            f"--data.path={corpus_dir}", "--data.seq_len=64", "--train.global_batch=8", "--train.micro_batch=4",
@@ -33,13 +36,15 @@ def test_slow_rank0_sample_does_not_time_out_the_group(corpus_dir, tmp_path, whe
            f"--train.timeout_s={TIMEOUT_S}", "--checkpoint.interval_steps=0", "--logging.tensorboard=false",
            "--logging.progress=off", f"--train.output_dir={out}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", where: str(DELAY_S)})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", FAULTS_ENV: f"0:0:0:{where}:{DELAY_S}"})
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     attempts = [r for r in rows if r.get("event") in ("start", "restart")]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["attempt"] for r in attempts] == [0], attempts  # one attempt: nothing restarted
     assert proc.stdout.count("---- sample ----") == 1, proc.stdout[-2000:]  # once: no restart sampled again
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    delayed = [line for line in (out / "faults.log").read_text().splitlines() if f"point={where}" in line]
+    assert len(delayed) == 1 and "rank=0" in delayed[0], delayed  # the delay happened, once, on rank 0
 
 
 def _train(base: dict) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from chaos import descendants
+from fault_plan import SAMPLE_LOG_ENV
 
 from ndtrain.config import load_config
 from ndtrain.errors import ConfigError
@@ -230,7 +231,7 @@ def _stop(agents: dict) -> None:
 
 def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-            resilience.SAMPLE_LOG_ENV: "1"}
+            SAMPLE_LOG_ENV: "1"}
 
 
 @pytest.mark.slow

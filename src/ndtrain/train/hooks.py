@@ -1,6 +1,7 @@
 """Job hooks: the one way for a test or a drill to act inside a training process, at the points
-the job offers. The chaos, preemption and self-healing tests use it to kill, hang or slow a rank
-(their FaultPlan is tests/train/fault_plan.py, not shipped); nothing in ndtrain needs it.
+the job offers. The chaos, preemption, self-healing and end-of-run tests use it to kill, hang or
+slow a rank and to record what each step trained on (their FaultPlan is tests/train/fault_plan.py,
+not shipped); nothing in ndtrain needs it.
 
     NDTRAIN_JOB_HOOKS="module:function"      # the module importable by every rank (PYTHONPATH)
 
@@ -9,6 +10,8 @@ Each rank's job calls `function(rank=rank, log_path=path)` once, before its firs
 without a run directory). It returns an object with any of:
 
     at_step(step)               step `step` is about to run (the watchdog armed, busy time counted)
+    after_step(result)          step `result.step` is done and kept (not rolled back): its StepResult
+                                (loss, grad norm, the global sample numbers this rank trained on)
     at_checkpoint(step, point)  inside the save of step `step`: "save" (the async write started),
                                 "publish" (rank 0, manifest written, marker not yet), "rename"
     close()                     the loop is over (also after an error)
@@ -40,6 +43,9 @@ class JobHooks:
 
     def at_step(self, step: int) -> None:
         self._call("at_step", step)
+
+    def after_step(self, result) -> None:
+        self._call("after_step", result)
 
     def at_checkpoint(self, step: int, point: str) -> None:
         self._call("at_checkpoint", step, point)

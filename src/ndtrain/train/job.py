@@ -27,12 +27,6 @@ from ndtrain.train.optim import extend_schedule
 from ndtrain.train.noise_scale import grow
 from ndtrain.train.state import checkpointer
 
-SAMPLE_DELAY_ENV = "NDTRAIN_TEST_SAMPLE_DELAY_S"  # tests only: seconds rank 0 sleeps before its sample
-# tests only: seconds rank 0 sleeps after its last collective, before the teardown (what a slow
-# tracker flush or W&B finish does there)
-END_DELAY_ENV = "NDTRAIN_TEST_END_DELAY_S"
-
-
 def run(plan, run_dir: Path) -> dict:
     """Train `plan` (train/plan.py: the job resolved for this world) in `run_dir` (already
     claimed); a dead peer or Ctrl-C becomes one clear error."""
@@ -77,7 +71,6 @@ def closing_sample(cfg: JobConfig, summary: dict) -> None:
     request = summary.pop("sample_from", None)
     if not request:
         return
-    time.sleep(float(os.environ.get(SAMPLE_DELAY_ENV, "0") or 0))  # tests: a slow rank 0
     from ndtrain.errors import NdtrainError
     from ndtrain.train.generate import does_not_fit, generate_from_checkpoint, sample_device
 
@@ -145,6 +138,7 @@ def _loop(plan, run_dir: Path, reached: dict) -> dict:
             action = guard.after_step(result)
             if action == "rollback":
                 continue
+            job_hooks.after_step(result)
             step_times.append(result.seconds)
             last = result.step == cfg.train.steps
             if result.step % cfg.train.log_interval == 0 or last:
@@ -195,8 +189,6 @@ def _loop(plan, run_dir: Path, reached: dict) -> dict:
         # the collective timeout. closing_sample runs once no rank can be waiting.
         summary["sample_from"] = {"checkpoint": str(path), "device": str(rt.device),
                                   "verified": ckpt.verdicts.get(str(path), "unknown") is None}
-    if rt.is_main:
-        time.sleep(float(os.environ.get(END_DELAY_ENV, "0") or 0))  # tests: rank 0 slow to close
     steps.close(state)
     log.close()
     return summary

@@ -202,9 +202,6 @@ class Recovery:
         if action == "rollback":
             self.rollback(window)
             return "rollback"
-        if os.environ.get(resilience.SAMPLE_LOG_ENV) and self.run_dir is not None:
-            resilience.log_samples(self.run_dir, self.rt.rank, self.rt.world_size, getattr(result, "sample_ids", None),
-                                   result.step, restart_count())
         if self.stragglers.add(busy):
             self._report_stragglers(result.step)
         elif result.step == self.cfg.train.steps:  # a run shorter than its straggler window still

@@ -37,7 +37,6 @@ from ndtrain.train.run_files import open_run_log, write_run_file
 EXIT_EXCLUDED = 73  # this rank's host was taken out: its agent leaves the rendezvous
 EXIT_REFORM = 75  # a peer's host was taken out: the agent restarts this worker into the smaller group
 HOST_ENV = "NDTRAIN_HOST_ID"  # a host's name in the policy (default: the hostname); tests run agents on one machine
-SAMPLE_LOG_ENV = "NDTRAIN_TEST_SAMPLE_LOG"  # tests only: each rank appends the sample numbers of every step
 AGENT_GRACE_S = 5.0  # how long an excluded worker waits for its agent's SIGTERM before exiting on its own
 # When this worker's imports were done (job.py imports this module after torch, before the process
 # group forms): the report splits a membership change's re-rendezvous from its reshard here.
@@ -275,15 +274,6 @@ def excluded_hosts(run_dir: Path) -> set[str]:
         if row.get("event") == "exclude" and row.get("host"):
             out.add(row["host"])
     return out
-
-
-def log_samples(run_dir: Path, rank: int, world: int, ids, step: int, attempt: int) -> None:
-    """Tests: the global sample numbers (`ids`) this rank trained on in `step` (the exactly-once check)."""
-    if ids is None:
-        return
-    with open(Path(run_dir) / f"samples.rank{rank}.jsonl", "a") as f:
-        f.write(json.dumps({"step": step, "world": world, "attempt": attempt,
-                            "ids": [int(i) for i in ids]}) + "\n")
 
 
 def leave(decision: Leave, rank: int) -> None:
