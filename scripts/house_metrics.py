@@ -6,7 +6,9 @@ For each tree: lines and files in src/ndtrain, the largest file, the attributes 
 state's constructor sets (`Trainer.__init__` before the build/step/job split, `build()`'s
 TrainState after), the `trainer.*` / `state.*` attributes read outside the file that defines
 them, reads two attributes deep into another object (`x.a.b` where x is a trainer or state), and
-private torch symbols used outside ndtrain/compat/. Compare two commits with git worktrees:
+private torch symbols used outside ndtrain/compat/; and how far a reader walks (house_paths.py):
+the files and function-body lines from `ndtrain train` to one optimizer step, and from the
+`parallel.tp` key to the module it changes. Compare two commits with git worktrees:
 
     git worktree add /tmp/before 350ea51 && python scripts/house_metrics.py /tmp/before .
 """
@@ -17,6 +19,8 @@ import ast
 import re
 import sys
 from pathlib import Path
+
+from house_paths import measure as measure_paths
 
 # Names that hold the trainer (or, after the split, the train state) where other modules read it.
 HOLDERS = {"trainer", "t", "tr", "state", "train_state", "ts"}
@@ -142,7 +146,22 @@ def measure(root: Path) -> dict:
             "files_over_400": sorted(f"{p.relative_to(src).as_posix()} ({n})" for p, n in lines.items() if n > 400),
             **init, "owner_attrs_read_outside": sorted({r.split(".", 1)[1] for r in reads}),
             "owner_attrs_read_by_file": {k: sorted(v) for k, v in sorted(by_file.items())}, "reads_two_deep": sorted(deep),
-            "private_torch_outside_compat": {k: sorted(set(v)) for k, v in sorted(private.items())}}
+            "private_torch_outside_compat": {k: sorted(set(v)) for k, v in sorted(private.items())},
+            **_paths(root)}
+
+
+def _paths(root: Path) -> dict:
+    out = {}
+    m = measure_paths(root)
+    for name in ("path_to_one_step", "path_of_parallel.tp"):
+        path = m[name]
+        spine = path.get("spine")
+        out[name] = (f"{path['files']} files, {path['functions']} functions, {path['body_lines']} body lines"
+                     + (f"; {path['calls_to_the_step']} calls from the command to the step, through "
+                        f"{spine['files']} files and {spine['body_lines']} body lines" if spine else ""))
+        out[f"{name}_by_file"] = {f: [f"{n} lines"] for f, n in path["by_file"].items()}
+    out["path_hops_gone"] = m["stale_hops"]
+    return out
 
 
 def main(argv: list[str]) -> None:
