@@ -182,17 +182,19 @@ class CudaBusyTimer:
         self._pairs: list | None = None  # None: not timing (outside a step, e.g. validation)
         self._open: dict[int, object] = {}
         self._hooks = []
+        # Host-side bookkeeping that compiled blocks must run eagerly around their graph. Wrapped
+        # here, not by a decorator at import: torch.compiler.disable imports torch._dynamo, ~3 s of
+        # CPU in every process that imports this module, though only a CUDA run builds this timer.
+        eager = torch.compiler.disable
         for m in modules:
-            self._hooks.append(m.register_forward_pre_hook(self._begin))
-            self._hooks.append(m.register_forward_hook(self._end))
+            self._hooks.append(m.register_forward_pre_hook(eager(self._begin)))
+            self._hooks.append(m.register_forward_hook(eager(self._end)))
 
-    @torch.compiler.disable  # host-side bookkeeping; compiled blocks run it eagerly around their graph
     def _begin(self, module, args) -> None:
         if self._pairs is not None:
             self._open[id(module)] = ev = self._event()
             ev.record()
 
-    @torch.compiler.disable
     def _end(self, module, args, output) -> None:
         start = self._open.pop(id(module), None)
         if self._pairs is not None and start is not None:
