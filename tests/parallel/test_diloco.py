@@ -31,7 +31,7 @@ def _replica_trainers(base: dict, replicas: int) -> list:
     trainers = []
     for r in range(replicas):
         t = Trainer(cfg, None, log=False)
-        t.loader = StatefulLoader(t.train_set, cfg.data.seq_len, cfg.train.seed, r, replicas)
+        t.state.loader = StatefulLoader(t.train_set, cfg.data.seq_len, cfg.train.seed, r, replicas)
         trainers.append(t)
     return trainers
 

@@ -9,6 +9,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,15 +18,27 @@ from ndtrain.config import JobConfig
 from ndtrain.model.init import canonical_name
 from ndtrain.train.checkpoint import DiLoCoState, ModelState, OptimizerState, RNGState, TrainProgress
 
+if TYPE_CHECKING:  # names for the fields only: build.py imports the modules themselves
+    from torch.distributed import ProcessGroup
+
+    from ndtrain.data.loader import StatefulLoader, TokenDataset
+    from ndtrain.data.mixture import MixtureDataset
+    from ndtrain.layout import Layout
+    from ndtrain.parallel.diloco import DiLoCo
+    from ndtrain.parallel.dims import Meshes
+    from ndtrain.parallel.pipeline import Pipeline
+    from ndtrain.train.distributed import Runtime
+    from ndtrain.train.noise_scale import NoiseScale
+
 
 @dataclass
 class TrainState:
     cfg: JobConfig  # the config that trains (the plan's)
-    rt: object  # distributed.Runtime: rank, world, device
-    layout: object  # the resolved layout.Layout (checked by its rules, batch rule included)
-    mesh: object  # parallel.dims mesh; one process: a mesh with no dimension
-    train_set: object  # the opened training split (manifest, eos id)
-    loader: object  # data.loader.StatefulLoader of this rank's data-parallel share
+    rt: Runtime  # rank, world, device
+    layout: Layout  # the resolved layout (checked by its rules, batch rule included)
+    mesh: Meshes  # one process: a mesh with no dimension
+    train_set: TokenDataset | MixtureDataset  # the opened training split (manifest, eos id)
+    loader: StatefulLoader  # this rank's data-parallel share (a MixtureLoader for a mixture)
     model_parts: list  # the model, or this pipeline rank's stage(s)
     params: list  # the trainable parameters of every part
     optimizer: torch.optim.Optimizer
@@ -34,12 +47,12 @@ class TrainState:
     cp_rank: int
     tp_rank: int
     cp_positions: torch.Tensor | None  # this cp rank's global RoPE positions (None: 0..s-1)
-    pipeline: object | None = None  # parallel.pipeline runtime when pp > 1
+    pipeline: Pipeline | None = None  # the pipeline runtime when pp > 1
     fsdp: bool = False  # FSDP2 wraps the parts (plain replication has torch's DDP instead)
     moe: list = field(default_factory=list)  # the MoE layers (routing statistics, aux-loss scale)
-    moe_group: object | None = None  # dp x cp group MoE statistics sum over (None: one such rank)
-    diloco: object | None = None  # parallel.diloco.DiLoCo when replicas sync every H steps
-    scalar_group: object | None = None  # per-step scalars reduce here (DiLoCo: inside the replica)
+    moe_group: ProcessGroup | None = None  # dp x cp group MoE statistics sum over (None: one such rank)
+    diloco: DiLoCo | None = None  # when replicas sync every H steps
+    scalar_group: ProcessGroup | None = None  # per-step scalars reduce here (DiLoCo: inside the replica)
     autocast: bool = False  # bf16 autocast around the forward (bf16/fp8 without FSDP's policy)
     fp8: bool = False
     fp8_scales: Callable | None = None  # FSDP float8 all-gather: refresh the weights' fp8 scales
@@ -48,7 +61,7 @@ class TrainState:
     # not write the weights until it is done (the copy overlaps forward and backward).
     before_update: Callable | None = None
     val_data: list | None = None  # the fixed validation batches, built on first use
-    noise: object | None = None  # noise_scale.NoiseScale under batch_ramp = "auto", built on first use
+    noise: NoiseScale | None = None  # under batch_ramp = "auto", built on first use
     first_micro_sq: float | None = None  # the first micro-batch's squared gradient norm, this step
 
     @property

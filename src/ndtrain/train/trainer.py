@@ -1,11 +1,11 @@
 """The Python API: `train(cfg)` runs a whole job (job.py) as `ndtrain train` does, and `Trainer`
 is one rank's TrainState (build.py) with its step (step.py) and its logger, for tools, tests and
 benchmarks that drive steps themselves: `Trainer(cfg).train_step()`. The state's fields read
-through, and are set through (`trainer.model`, `trainer.loader`, `trainer.step`, ...)."""
+through (`trainer.model`, `trainer.loader`, `trainer.step`, ...); a field is changed on the state
+itself (`trainer.state.loader = ...`), which the step reads."""
 
 from __future__ import annotations
 
-from dataclasses import fields
 from pathlib import Path
 
 from ndtrain.config import JobConfig
@@ -16,9 +16,6 @@ from ndtrain.train.distributed import env_world_size
 from ndtrain.train.plan import Plan, as_written, resolve_plan
 from ndtrain.train.state import TrainState, checkpointer, full_weights
 from ndtrain.train.step import StepResult, split_micro  # noqa: F401  (the API's names)
-
-
-STATE_FIELDS = frozenset(f.name for f in fields(TrainState))
 
 
 class Trainer:
@@ -41,13 +38,6 @@ class Trainer:
         if name == "state":  # not built (yet): no field to read through
             raise AttributeError(name)
         return getattr(self.state, name)
-
-    def __setattr__(self, name: str, value) -> None:
-        # A state field set here (a test's own loader, say) is the state's, which the step reads.
-        if name in STATE_FIELDS and "state" in self.__dict__:
-            setattr(self.state, name, value)
-        else:
-            object.__setattr__(self, name, value)
 
     @property
     def dims(self):
