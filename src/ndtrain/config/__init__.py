@@ -102,6 +102,18 @@ class ParallelConfig(_LayoutKeys):
     # it lost 25-40% (docs/benchmarks.md). Checked in validate(), not by the layout rules.
     diloco_outer_lr: float = 1.0
     diloco_outer_momentum: float = 0.0  # Nesterov momentum
+    # Uneven data-parallel shares (layout/batch_shares.py; docs/heterogeneous.md): one weight per
+    # data-parallel rank, its rows of every global batch in proportion ([] = equal slices). Every
+    # rank runs the same number of micro-batches, of at most train.micro_batch rows.
+    batch_shares: list[float] = field(default_factory=list)
+    # Who sets the shares: "off" (batch_shares as given), "plan" (the planner's per-kind speeds of
+    # `gpus`), "measured" (each rank's measured compute time, re-balanced at checkpoint
+    # boundaries when the slowest rank's busy time is more than balance_threshold over the mean).
+    balance: Literal["off", "plan", "measured"] = "off"
+    balance_threshold: float = 0.1
+    # balance = "plan": the GPU kind of each data-parallel rank in rank order, as `ndtrain plan
+    # --gpus` spells a pool: "1xh100,1xa100-80" (counts are data-parallel ranks, summing to dp).
+    gpus: str = ""
 
 
 @dataclass

@@ -91,6 +91,7 @@ def validate(cfg) -> None:
         ("parallel.diloco_outer_momentum", 0 <= p.diloco_outer_momentum < 1, f"must be in [0, 1), got {p.diloco_outer_momentum}"),
         ("parallel.auto", not (p.auto and p.replicate_sync == "diloco"),
          "the planner does not choose DiLoCo replicas; set the degrees yourself (dp_replicate >= 2) with auto=false"),
+        *_share_checks(p, t),
     ]
     for key, ok, msg in checks:
         if not ok:
@@ -102,6 +103,29 @@ def validate(cfg) -> None:
     found = problems(from_config(p, t, d), cfg.model, None, d.seq_len, layout_batches(t))
     if found:
         raise ConfigError(found[0].key, str(found[0]))
+
+
+def _share_checks(p, t) -> list:
+    """Uneven batch shares and who balances them (layout/batch_shares.py); the checks that need
+    the data-parallel degree run when the run starts (train/balance.py)."""
+    uneven = bool(p.batch_shares) or p.balance != "off"
+    key = "parallel.batch_shares" if p.batch_shares else "parallel.balance"
+    return [
+        ("parallel.batch_shares", all(0 < w < float("inf") for w in p.batch_shares),
+         f"must be positive weights, one per data-parallel rank, got {p.batch_shares}"),
+        ("parallel.balance_threshold", 0 < p.balance_threshold < float("inf"),
+         f"must be a positive fraction (0.1: re-balance when the slowest rank is 10% over the mean), got {p.balance_threshold}"),
+        ("parallel.gpus", p.balance == "plan" or not p.gpus, "is read only with balance = \"plan\""),
+        ("parallel.gpus", p.balance != "plan" or p.gpus, "balance = \"plan\" needs the GPU kind of each data-parallel "
+         "rank, e.g. gpus = \"1xh100,1xa100-80\""),
+        ("parallel.batch_shares", p.balance != "plan" or not p.batch_shares,
+         "balance = \"plan\" sets the shares from parallel.gpus; give one or the other"),
+        (key, not uneven or p.pp == 1, "uneven shares need pp = 1 (a pipeline schedule runs equal micro-batches)"),
+        (key, not uneven or p.replicate_sync != "diloco", "uneven shares and DiLoCo replicas do not mix (each replica "
+         "normalises its own loss)"),
+        (key, not uneven or t.batch_ramp != "auto", "uneven shares and batch_ramp = \"auto\" do not mix (the noise "
+         "scale reads equal first micro-batches)"),
+    ]
 
 
 def global_batch_at(cfg, tokens_seen: int, decided: list | None = None) -> int:

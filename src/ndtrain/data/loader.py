@@ -14,7 +14,8 @@ numpy permutation (ORDER_PERMUTATION), so a resumed run never changes its stream
 A split is the concatenation of its parts' token ranges (manifest.py), read across shard
 boundaries as one stream, so window j names the same tokens whatever the shard count. Each step
 consumes a contiguous block [consumed, consumed + global_batch) of the stream and rank r takes
-the r-th equal slice of it. So the loader state is one integer (samples consumed) plus the seed,
+the r-th equal slice of it, or, with uneven batch shares (set_shares; layout/batch_shares.py),
+the r-th of slices sized by the shares. So the loader state is one integer (samples consumed) plus the seed,
 and a run resumed at any dp_size, with any per-step batch size, sees every sample of the stream
 exactly once and in the same order.
 
@@ -36,6 +37,7 @@ import torch
 
 from ndtrain.data.manifest import read_manifest, split_ranges
 from ndtrain.errors import NdtrainError
+from ndtrain.layout.batch_shares import BatchSplit, make_split
 
 _LOAD_CHECK_TOKENS = 4096  # ids checked at each end of every shard when a dataset opens
 
@@ -195,6 +197,7 @@ class Batch:
     global_ids: torch.Tensor  # [local_batch] position k of each sample in the global stream
     indices: torch.Tensor  # [local_batch] window index within the split (of its component, for a mixture)
     components: torch.Tensor | None = None  # [local_batch] mixture component of each sample
+    split: BatchSplit | None = None  # the step's uneven split (None: equal slices)
 
     @property
     def sample_ids(self) -> torch.Tensor:
@@ -227,6 +230,10 @@ def _local_batch(global_batch: int, dp_size: int) -> int:
 
 
 class StatefulLoader:
+    # (weights per dp rank, micro_batch) of uneven shares (set_shares); None: equal slices. A class
+    # default, so subclasses with their own __init__ (MixtureLoader) start equal too.
+    shares: tuple[list[float], int] | None = None
+
     def __init__(self, dataset, seq_len: int, seed: int, dp_rank: int = 0, dp_size: int = 1):
         self.dataset = dataset
         self.seq_len = _check_int("seq_len", seq_len, 1)
@@ -270,11 +277,29 @@ class StatefulLoader:
         inputs, targets = self.dataset.windows(indices, self.seq_len)
         return Batch(inputs, targets, torch.from_numpy(global_ids), torch.from_numpy(indices))
 
+    def set_shares(self, weights: list[float] | None, micro_batch: int = 1) -> None:
+        """Uneven shares from the next batch on: rank r's rows of each global batch in proportion to
+        weights[r], in micro-batches of at most `micro_batch` rows on the largest share (None:
+        equal slices). Batches prefetched under the old shares are dropped."""
+        new = None if weights is None else (list(weights), int(micro_batch))
+        if new != self.shares:
+            for f in self._ahead.values():
+                f.cancel()
+            self._ahead.clear()
+        self.shares = new
+
     def batch_at(self, consumed: int, global_batch: int) -> Batch:
         """This rank's share of samples [consumed, consumed + global_batch): a pure function."""
-        local = _local_batch(global_batch, self.dp_size)
-        first = consumed + self.dp_rank * local
-        return self._samples(np.arange(first, first + local, dtype=np.int64))
+        shares = self.shares  # one read: the prefetch thread builds with the shares it started with
+        if shares is None:
+            local = _local_batch(global_batch, self.dp_size)
+            first = consumed + self.dp_rank * local
+            return self._samples(np.arange(first, first + local, dtype=np.int64))
+        split = make_split(_check_int("global batch size", global_batch, 1), shares[0], self.dp_rank, shares[1])
+        first = consumed + sum(split.rows[:self.dp_rank])
+        batch = self._samples(np.arange(first, first + split.rows[self.dp_rank], dtype=np.int64))
+        batch.split = split
+        return batch
 
     def _build(self, consumed: int, global_batch: int) -> Batch:
         batch = self.batch_at(consumed, global_batch)

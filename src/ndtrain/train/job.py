@@ -18,6 +18,7 @@ from ndtrain.config import JobConfig, to_toml
 from ndtrain.layout.flops import MFU_CONVENTION
 from ndtrain.model.config import num_params
 from ndtrain.train import distributed, hooks, recovery, resilience, signals, step as steps
+from ndtrain.train.balance import Balancer
 from ndtrain.train.build import build
 from ndtrain.train.checkpoint import list_checkpoints
 from ndtrain.train.gc_schedule import GcSchedule
@@ -122,10 +123,13 @@ def _loop(plan, run_dir: Path, reached: dict) -> dict:
     guard = recovery.Recovery(cfg, run_dir, rt=rt, progress=progress, loader=state.loader, ckpt=ckpt,
                               logger=log, compute=compute_modules(state.model_parts), layout=layout.describe())
     gc_schedule = GcSchedule(cfg.train.gc_every).start()  # every rank collects on the same steps
+    balancer = Balancer(state) if cfg.parallel.balance == "measured" else None
     try:
         while progress.step < cfg.train.steps and guard.leave is None:  # leave: a host refused at start
             guard.before_step()
             job_hooks.at_step(progress.step + 1)
+            if balancer and (said := balancer.sync()):  # the checkpoint's shares (a resume, a rollback)
+                log.info(said)
             trace = steps.trace_next_step(state, cfg.logging.pipeline_trace_step)
             batch, wait = steps.next_batch(state)
             result = steps.train_step(state, batch, wait)
@@ -153,6 +157,9 @@ def _loop(plan, run_dir: Path, reached: dict) -> dict:
                 said = grow(cfg, progress, result.extra.get("grad_noise_scale"), result.extra["global_batch"])
                 if said:
                     log.info(said)
+            if balancer and ckpt.due(result.step) and (change := balancer.at_boundary()):
+                log.log(change[0])  # likewise decided before any save there, so the checkpoint records it
+                log.info(change[1])
             if action == "leave":  # a host is taken out (resilience.py): save, then the group re-forms
                 break
             if action == "stop":
@@ -170,6 +177,8 @@ def _loop(plan, run_dir: Path, reached: dict) -> dict:
         path = published[-1] if published else None
     finally:
         gc_schedule.stop()
+        if balancer:
+            balancer.close()
         job_hooks.close()
         guard.close()
     if plan.prediction is not None and len(step_times) > 3:

@@ -127,8 +127,10 @@ def forward_backward(state: TrainState, inputs: torch.Tensor, targets: torch.Ten
         with _loss_context(state), _autocast(state):
             return state.pipeline.run(inputs.to(state.rt.device), targets.to(state.rt.device), micro)
     tokens_here = targets.numel()
+    split = None if isinstance(micro, int) else micro  # uneven batch shares (layout/batch_shares.py)
+    norm = tokens_here if split is None else tokens_here * split.norm_scale
     total = None  # summed on the device; read once per step (a read per micro-batch syncs the host)
-    slices = split_micro(inputs.shape[0], micro)
+    slices = split_micro(inputs.shape[0], micro) if split is None else split.slices()
     for i, (a, b) in enumerate(slices):
         # The ZeRO stage decides: reduce after every micro-batch (2, 3) or accumulate whole
         # gradients locally and reduce on the last (1, and plain replication).
@@ -138,7 +140,7 @@ def forward_backward(state: TrainState, inputs: torch.Tensor, targets: torch.Ten
             loss = loss_sum(state, _to_device(state, inputs[a:b]), _to_device(state, targets[a:b]), mb_docs)
             # Normalise by this rank's tokens for the whole step: summed over micro-batches and
             # averaged over data-parallel ranks by FSDP, this is the exact global mean.
-            (loss / tokens_here).backward()
+            (loss / norm).backward()
         if i == 0 and state.noise is not None and len(slices) > 1:
             # Its gradient is (its tokens / the step's) times its own mean gradient: undo that.
             rescale = (tokens_here / targets[a:b].numel()) ** 2
@@ -177,11 +179,13 @@ def train_step(state: TrainState, batch, data_wait_s: float = 0.0) -> StepResult
     set_lr(state.optimizer, lr)
     # The MoE aux loss is a mean over sequences: each of this rank's sequences weighs 1/n here,
     # and FSDP's average over ranks completes the global mean (as for the token loss).
-    set_aux_scale(state.moe, 1.0 / batch.inputs.shape[0])
+    set_aux_scale(state.moe, 1.0 / (batch.inputs.shape[0] if batch.split is None else batch.split.mean_rows))
     # Under cp, each rank normalises by its own tokens (forward_backward); FSDP averages over
     # dp x cp ranks, which makes that the global token mean.
     docs = doc_inputs(state, batch.inputs)
-    args = (state, cp_shard(state, batch.inputs), cp_shard(state, batch.targets), cfg.train.micro_batch)
+    # An uneven split (batch.split) takes micro_batch's place: its own micro-batches and normaliser.
+    args = (state, cp_shard(state, batch.inputs), cp_shard(state, batch.targets),
+            cfg.train.micro_batch if batch.split is None else batch.split)
     total_loss = forward_backward(*args) if docs is None else forward_backward(*args, docs)
     reduce_partial_grads(state.params)
     # tp ranks hold the same loss; count it once. cp ranks hold disjoint tokens: sum them.

@@ -43,6 +43,8 @@ class TrainProgress:
     # EMAs (train/noise_scale.py), so a resume continues the same batches and estimate.
     batch_points: list[list[int]] = field(default_factory=list)
     noise_ema: list[float] | None = None
+    # balance = "measured": the batch shares it decided (train/balance.py), None: the config's.
+    batch_shares: list[float] | None = None
 
     def add_skip_window(self, window: list[int]) -> None:
         self.skip_windows.append(list(window))
@@ -54,7 +56,8 @@ class TrainProgress:
     def state_dict(self) -> dict:
         return {"step": self.step, "tokens_seen": self.tokens_seen,
                 "skip_windows": [list(w) for w in self.skip_windows], "lr_schedule": self.lr_schedule,
-                "batch_points": [list(p) for p in self.batch_points], "noise_ema": self.noise_ema}
+                "batch_points": [list(p) for p in self.batch_points], "noise_ema": self.noise_ema,
+                "batch_shares": self.batch_shares}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
@@ -62,6 +65,8 @@ class TrainProgress:
         self.skip_windows = [list(w) for w in state.get("skip_windows", [])]
         self.batch_points = [[int(t), int(b)] for t, b in state.get("batch_points", [])]
         self.noise_ema = state.get("noise_ema")
+        shares = state.get("batch_shares")
+        self.batch_shares = [float(w) for w in shares] if shares else None
         # A checkpoint from before the record followed its config's schedule over its train.steps.
         steps = state.get("config", {}).get("train", {}).get("steps")
         self.lr_schedule = state.get("lr_schedule") or ({"steps": int(steps), "segment": None} if steps else None)
