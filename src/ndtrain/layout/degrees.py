@@ -98,7 +98,7 @@ class Layout:
     offload: Annotated[bool, Key("cpu_offload")] = False
     compile: bool = False  # torch.compile each decoder block
     # The Linear layers' CPU fp32 kernel (model/linear.py): "onednn" (faster than MKL's on the AMD
-    # host measured, docs/benchmarks.md) or "blas" (torch's own choice); GPUs and other dtypes
+    # host measured, docs/results/benchmarks.md) or "blas" (torch's own choice); GPUs and other dtypes
     # are unaffected. "onednn" is the default where nothing chooses (a Trainer without the planner).
     cpu_matmul: CpuMatmul = "onednn"
     # How CUDA runs fp32 matmuls: "tf32" on the tensor cores (inputs rounded to a 10-bit mantissa,
@@ -177,7 +177,7 @@ class Layout:
         replication in fp32, without CPU offload, of a dense model (`moe`: the model has routed
         experts, which a step may leave without gradient; `mp`: the precision where the caller
         holds it apart from the layout, as the planner's problem does). bf16 stays on FSDP2,
-        whose bf16 blocks beat DDP under autocast on CPU (docs/benchmarks.md, run F). The
+        whose bf16 blocks beat DDP under autocast on CPU (docs/results/history.md, run F). The
         planner prices the reducer's all-reduce with its own in-situ fit where one was calibrated."""
         return self.plain_replication and (mp or self.mp) == "fp32" and not self.offload and not moe
 

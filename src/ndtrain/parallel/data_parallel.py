@@ -17,7 +17,7 @@ paper's sense (Rajbhandari et al. 2020) over the shard group dp_shard x cp:
   one blocking all-reduce per block after its backward (on CPU its streams are no-ops), so this
   layout uses torch's DDP reducer instead, through the composable `replicate` (no wrapper module:
   parameter names, checkpoints and HF export are unchanged): gradients land in 25 MB buckets
-  whose all-reduces run while the backward goes on (docs/benchmarks.md, run F). fp32 only: DDP
+  whose all-reduces run while the backward goes on (docs/results/history.md, run F). fp32 only: DDP
   would run bf16 under autocast (bf16 matmuls, fp32 everywhere else), which cost more here than
   the reducer saves (4,060 vs 4,400 tokens/s), where FSDP2's policy runs whole blocks in bf16. fp8,
   CPU offload and MoE models (experts a step may leave without gradient) keep FSDP2 too.
@@ -72,7 +72,7 @@ def overlap_on_gloo(blocks: list[nn.Module], model: nn.Module) -> None:
     while this block computes (the backward already prefetches the previous block, now also
     asynchronously); one block more stays gathered at a time. The gradient reduce-scatter goes
     through torch's all-to-all (gloo_reduce_scatter.py). GPUs keep FSDP2's stream-based defaults.
-    Measured side by side on the peers' model (docs/benchmarks.md, run I)."""
+    Measured side by side on the peers' model (docs/results/history.md, run I)."""
     # Both hooks are private torch, looked up here, on the CPU path only (a GPU run never imports
     # them); where a torch lacks one, FSDP2's own blocking all-gather or Gloo's reduce-scatter stays.
     set_unshard_async(model)  # every FSDP module under it

@@ -5,7 +5,7 @@ clone of the input, a full all-reduce of it (a ring all-reduce sends 2(k-1)/k of
 copy of this rank's chunk out. A reduce-scatter needs only (k-1)/k: every rank sends each peer the
 chunk that peer owns, and sums the k chunks it receives for its own. torch's all-to-all does
 exactly that exchange; the sum is one local op. At world 2 on the 2-core host of
-docs/benchmarks.md (benchmarks/gloo_collectives.py) it took 1.0-3.4 ms where Gloo's took 2.0-6.2 ms
+docs/results/history.md (benchmarks/gloo_collectives.py) it took 1.0-3.4 ms where Gloo's took 2.0-6.2 ms
 (1-3.4 MB, up to a decoder block's gradients) and 17.5-26.7 vs 30.6-35.0 ms at 25 MB.
 
 It is installed through FSDP2's own hook (`FSDPModule.set_custom_reduce_scatter`), so the

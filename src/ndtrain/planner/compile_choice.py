@@ -3,7 +3,7 @@ behind `[parallel] compile_auto`.
 
 Compiled blocks train faster per step (fused elementwise kernels, fewer host calls) but the
 first step pays a cold compile: ~18 s per kind of block on the 2-core CPU host of
-docs/benchmarks.md, estimated at ~60 s on a GPU host (hardware.py: compile_s). Compile pays
+docs/results/benchmarks.md, estimated at ~60 s on a GPU host (hardware.py: compile_s). Compile pays
 when the run's steps times the per-step saving the planner predicts exceed that cost:
 
     compile  <=>  steps x (eager step - compiled step) > kinds of block x compile_s

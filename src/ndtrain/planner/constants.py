@@ -3,8 +3,8 @@
 A constant belongs to a GPU generation (GEMM and attention kernel efficiency) or to every GPU
 (elementwise traffic of eager and of fused kernels, which a stack picks; how well an overlap hides
 its traffic; link efficiencies, latencies, allocator behaviour). None belongs to a published
-run: the fitted ones were fitted on the rows docs/planner.md lists as "fitted", and checked on the
-"validation" rows they never saw (planner/published.py).
+run: the fitted ones were fitted on the rows docs/results/planner-validation.md lists as
+"fitted", and checked on the "validation" rows they never saw (planner/published.py).
 
 `resolve(generation)` gives the nominal values a problem uses; `ranges(...)` their ranges,
 which planner/uncertainty.py samples to put an interval on every prediction.
@@ -35,8 +35,8 @@ class Constant:
 
 # Fitted values (published.fit_* redo each fit; tests check these are their optimum).
 AMPERE_GEMM_EFF = 0.665
-HOPPER_GEMM_EFF = 0.615  # 0.61 before issue 30's mechanisms (refitted on the same two rows)
-HOPPER_FP8_GEMM_EFF = 0.505  # 0.50 before issue 30's mechanisms (refitted on the same row)
+HOPPER_GEMM_EFF = 0.615  # refitted on the same two rows once power, launch and kernel size were priced apart
+HOPPER_FP8_GEMM_EFF = 0.505  # refitted on the same row once power, launch and kernel size were priced apart
 EAGER_KAPPA = 4.0
 
 CONSTANTS: tuple[Constant, ...] = (
@@ -104,7 +104,7 @@ CONSTANTS: tuple[Constant, ...] = (
     Constant("contention", "all", 0.08, 0.0, 0.20, "of hidden comm time",
              "compute slowdown from collectives running beside it (SMs and HBM taken by NCCL kernels)",
              "assumed: NCCL uses 8-32 SMs of 108-132 while it runs"),
-    # --- power, launch, kernel size (issue 30's mechanisms) ------------------------------------
+    # --- power, launch, kernel size: what a GEMM sustains short of its ceiling ----------------
     Constant("static_power", "all", 0.25, 0.15, 0.35, "of TDP",
              "board power that does not scale with the SM clock (leakage, HBM, VRM losses) under a GEMM load",
              "assumed: idle-to-TDP ratios of 10-20% plus HBM and regulator losses that persist at lower clocks"),

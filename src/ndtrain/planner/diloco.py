@@ -16,7 +16,7 @@ and costs what the planner predicts for one replica alone (world/R devices, glob
                  steps where it fits.
 
 DiLoCo "pays" below the bandwidth where it is at least PAYS_MARGIN faster per step than per-step
-sync: it needs some more tokens for the same loss (docs/benchmarks.md measures how many).
+sync: it needs some more tokens for the same loss (docs/results/benchmarks.md measures how many).
 """
 
 from __future__ import annotations

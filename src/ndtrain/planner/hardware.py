@@ -295,7 +295,7 @@ def this_machine(profile: str | os.PathLike | None = None) -> Hardware:
 
 # What a tensor-parallel micro-batch costs CPU ranks beyond their share of compute (DTensor
 # dispatch of every op, Gloo collectives of activations), where `ndtrain calibrate` measured
-# nothing: the figures it measured on the 2-core host of docs/benchmarks.md (world 2, tp 2,
+# nothing: the figures it measured on the 2-core host of docs/results/benchmarks.md (world 2, tp 2,
 # 2026-11-30). Without them the planner priced TP as bare all-reduces and chose tp=2 for the
 # peers' model in bf16, which trained at ~0.7x DDP's speed there.
 UNMEASURED_TP_HOST = {"2": {"2": {"layer": {"alpha": 18.7e-3, "per_byte": 17.7e-9},
@@ -303,7 +303,7 @@ UNMEASURED_TP_HOST = {"2": {"2": {"layer": {"alpha": 18.7e-3, "per_byte": 17.7e-
 
 
 # `ndtrain calibrate` does not measure pipelines yet: the figure fitted on the 2-core host of
-# docs/benchmarks.md (peers' model, world 2, pp 2, 4 micro-batches: 1F1B, Interleaved1F1B v=3 and
+# docs/results/benchmarks.md (peers' model, world 2, pp 2, 4 micro-batches: 1F1B, Interleaved1F1B v=3 and
 # InterleavedZeroBubble v=3 took 0.742, 0.724 and 0.746 s/step where the model without this term
 # said 0.753, 0.655 and 0.630: the extra actions of the interleaved and split-backward
 # schedules cost ~4 ms each, and without it the planner chose pp=2 over a faster DDP).
@@ -311,13 +311,13 @@ UNMEASURED_PP_ACTION_S = 4e-3
 
 # Where calibration did not time torch's DDP reducer (fp32 plain replication: bucketed all-reduces
 # on Gloo's thread behind the backward), the share of FSDP2's blocking all-reduce it leaves exposed,
-# as fitted in situ on the 2-core host of docs/benchmarks.md (2026-11-30, world 2: alpha 0.21 vs
+# as fitted in situ on the 2-core host of docs/results/benchmarks.md (2026-11-30, world 2: alpha 0.21 vs
 # 1.08 ms, 0.89 vs 0.46 GB/s). Pricing it as the blocking all-reduce ranked ZeRO-1 (one all-to-all
 # reduce-scatter and one all-gather) above DDP, which trained 11% faster there (run I).
 UNMEASURED_DDP_EXPOSED = {"alpha": 0.195, "beta": 1.95}
 
 # `ndtrain calibrate` does not compile: what compiled blocks measured on the 2-core host of
-# docs/benchmarks.md (benchmarks/step_options.py, the peers' model, one thread, fresh inductor
+# docs/results/benchmarks.md (benchmarks/step_options.py, the peers' model, one thread, fresh inductor
 # cache; 2026-11-30 and 2026-12-01): a cold compile of 15.4-17.7 s (fp32) and 18.0-27.8 s
 # (bf16), and 8.9% (fp32, against the eager oneDNN linears) and 13.5-15.0% (bf16) of the model's
 # forward + backward saved, of which the blocks are ~92%: so ~10% and ~14% of a layer. Applied only to a
@@ -342,7 +342,7 @@ def from_profile(data: dict, source: str = "") -> Hardware:
     fp32, probe_only = matmul.get("fp32_1thread", 20e9), bool(data.get("host_probe"))
     bf16, calibrated = matmul.get("bf16_1thread", fp32 / 4), bool(data) and not probe_only
     # A Gloo collective inside training (cores busy with compute, FSDP's copies in and out) reached
-    # 0.24-0.33 GB/s on the 2-core host of docs/benchmarks.md, against 0.6-1.35 GB/s in an idle
+    # 0.24-0.33 GB/s on the 2-core host of docs/results/benchmarks.md, against 0.6-1.35 GB/s in an idle
     # loop: the default is the in-situ figure, as pessimistic as the compute default.
     default_fit = {"alpha": 100e-6, "beta": 0.3e9}
     names = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")

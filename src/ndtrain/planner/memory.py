@@ -36,7 +36,7 @@ DDP_BUCKETS = 2 * 25e6 * 4  # two 25 MB-element gradient buckets in flight
 
 # CPU ranks (Gloo). Measured per rank with benchmarks/memory_peak.py (peak resident set) and
 # torch.profiler's memory events (live tensor bytes), tiny preset at 8 and 24 layers, world 2
-# and 4, fp32 and bf16 (docs/benchmarks.md, "Peak resident memory per rank"). On this runtime
+# and 4, fp32 and bf16 (docs/results/benchmarks.md, "Peak resident memory per rank"). On this runtime
 # there are no separate 25 MB buckets: fp32 DDP runs on torch's reducer with
 # gradient_as_bucket_view (the buckets are the gradients, already counted), every other data
 # parallel layout on FSDP2, which moves one FSDP group at a time. Its largest group is the root

@@ -11,7 +11,7 @@ Constants the search never reads for this problem (fp8 constants in a bf16 run, 
 a dense model, fused-kernel traffic under an eager stack) are listed as not used: it is recorded
 which constants the nominal search reads, so this is exact, not a guess.
 
-    python -m ndtrain.planner.sensitivity        # the 16,384-GPU Llama 3 405B plan of docs/planner.md
+    python -m ndtrain.planner.sensitivity        # the 16,384-GPU Llama 3 405B plan (docs/results/)
 """
 
 from __future__ import annotations
@@ -139,7 +139,8 @@ def markdown(rows: list[dict], base: str) -> str:
 
 
 def llama3_405b_problem() -> Problem:
-    """The docs/planner.md example: Llama 3 405B, 16,384 H100, 16M-token batches of 8K, Meta's network."""
+    """The example of docs/results/planner-validation.md: Llama 3 405B, 16,384 H100, 16M-token
+    batches of 8K, Meta's network."""
     return make_problem(preset("llama3-405b"), 8192, 2048, 16384, "h100",
                         network={"pod_gpus": 3072, "oversubscription": 7.0})
 

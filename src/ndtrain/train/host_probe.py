@@ -45,7 +45,7 @@ def _best(fn, min_time: float = MIN_TIME, cap: float = 0.3) -> float:
     """CPU seconds of fn's fastest call after one warm-up. CPU time of this thread (one thread:
     torch runs the kernels on it), not wall time: on a host shared with other work the wall time
     of a call stretches by however long the thread waited for a core (2x and more on the 2-core
-    host of docs/benchmarks.md with other tenants), its CPU time far less. `cap`: stop once this
+    host of docs/results/benchmarks.md with other tenants), its CPU time far less. `cap`: stop once this
     much time was spent, after one timed call: a kernel that slow (bf16 with oneDNN capped at
     AVX2 ran a linear at 2.7 GFLOP/s against fp32's 67) needs no precise figure."""
     fn()

@@ -42,10 +42,10 @@ def on_cpu(cfg: JobConfig) -> bool:
     return cfg.train.device == "cpu" or not torch.cuda.is_available()
 
 
-# How far an uncalibrated CPU plan's step time may be off the measured one, as seen (issue 29):
+# How far an uncalibrated CPU plan's step time may be off the measured one, as measured:
 # 5.2x with the old defaults on an AMX host; with the probe's rates (CPU time, so a busy host does
 # not slow them), 1.84 s predicted against 1.6 s of CPU and 3.4-4.7 s of wall time per step on the
-# AMD host of docs/benchmarks.md, whose other tenants took most of its two cores.
+# AMD host of docs/results/benchmarks.md, whose other tenants took most of its two cores.
 UNCALIBRATED_ERROR = "off by up to ~2x, more on a host busy with other work"
 
 
@@ -70,7 +70,7 @@ def uncalibrated(cfg: JobConfig, hardware_profile=None) -> str:
 FP8_WARNED_ENV = "NDTRAIN_FP8_WARNED"
 
 # bf16 by default only where the planner predicts at least this speed-up over fp32: below it the
-# exactness of fp32 is worth more than the time (issue 29; docs/benchmarks.md has the figures).
+# exactness of fp32 is worth more than the time (docs/results/benchmarks.md has the figures).
 BF16_SPEEDUP = 1.5
 
 
@@ -175,7 +175,7 @@ def dp_choice(cfg: JobConfig, world_size: int, hardware_profile=None) -> dict | 
     """The defaults' data-parallel flavour: the planner's fastest of DDP, HSDP and ZeRO-1/2/3 over
     the ranks tp x cp leave, every other knob (degrees, micro-batch, recompute, precision) as
     configured. For a model that fits, on few ranks, fewer collectives win (DDP here, measured in
-    docs/benchmarks.md); on a large model only ZeRO-3 fits and is chosen. None (the static
+    docs/results/benchmarks.md); on a large model only ZeRO-3 fits and is chosen. None (the static
     default, ZeRO-3 over every rank) where there is nothing to choose or the planner cannot price
     the layout: one rank, a pipeline (its schedule owns the reduction), a degree left at -1, a
     recompute policy the planner does not model, or no layout that fits its memory model."""

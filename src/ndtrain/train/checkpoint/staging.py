@@ -5,7 +5,7 @@ speed, and shared memory is what a process-based writer reads without another co
 non-blocking copies on a side stream from a background thread. The step then pays for almost
 nothing at the save; the copy overlaps the next forward and backward, and the trainer waits for
 it (Checkpointer.wait_for_staging) only before the optimizer next writes the weights. Unpinned
-blocking staging stalled every save for seconds at 8B (issue #28 item 10).
+blocking staging stalled every save for seconds at 8B.
 
 Elsewhere (CPU ranks on Gloo): plain blocking copies, which is what is known to work there:
 pinning needs CUDA, non-blocking copies need an accelerator, and a staging thread would compete
