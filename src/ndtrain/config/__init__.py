@@ -99,7 +99,7 @@ class ParallelConfig(_LayoutKeys):
     auto_hardware: str = ""
     # DiLoCo's outer SGD (replicate_sync = "diloco"): lr 1 without momentum averages the replicas
     # every H steps. The paper's lr 0.7, Nesterov 0.9 suits long rounds (H ~ 500); at H <= 32 here
-    # it lost 25-40% (docs/benchmarks.md). Checked in validate(), not by the layout rules.
+    # it lost 25-40% (docs/results/benchmarks.md). Checked in validate(), not by the layout rules.
     diloco_outer_lr: float = 1.0
     diloco_outer_momentum: float = 0.0  # Nesterov momentum
     # Uneven data-parallel shares (layout/batch_shares.py; docs/heterogeneous.md): one weight per
