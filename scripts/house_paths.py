@@ -39,7 +39,6 @@ HOPS = [
     ("ndtrain.train.step:loss_sum", "ndtrain.model.llama:Transformer.forward", "model(...): nn.Module.__call__"),
     ("ndtrain.model.llama:Transformer.forward", "ndtrain.model.llama:Block.forward",
      "layer(...) over self.layers, an nn.ModuleDict of Blocks"),
-    ("ndtrain.train.step:next_batch", "ndtrain.data.loader:StatefulLoader.next_batch", "state.loader, typed object"),
     ("ndtrain.train.job:_loop", "ndtrain.train.metrics:MetricsLogger.log", "log = make_logger(...)"),
     ("ndtrain.layout.rules:problems", "ndtrain.layout.rules:tensor_parallel", "for rule in RULES: rule(ctx)"),
 ]
@@ -158,6 +157,8 @@ class Graph:
                 ann = ast.parse(ann.value, mode="eval").body
             except SyntaxError:
                 return None
+        if isinstance(ann, ast.BinOp) and isinstance(ann.op, ast.BitOr):  # `Pipeline | None`
+            return self._annotation_class(mod, ann.left) or self._annotation_class(mod, ann.right)
         if isinstance(ann, ast.Name):
             target = self.names(mod).get(ann.id)
             return target if target in self.classes else None

@@ -69,8 +69,8 @@ TREE = {
         from ndtrain.train.helpers import Clip
 
 
-        def next_batch(state):
-            return state
+        def next_batch(state, clip: Clip | None = None):
+            return clip.apply(state)
 
 
         def train_step(state):
@@ -133,6 +133,8 @@ def test_the_step_path_follows_the_dispatch_imports_classes_and_submodules_not_r
     assert m["spine"]["body_lines"] == 1 + 3 + 5 + 5
     assert m["body_lines"] == 14 + 2 + 2 + 1 + 1 + 1 + 1
     assert m["files"] == 6 and "train/errors.py" not in m["by_file"]
+    # An annotated parameter (`Clip | None`) says what its methods are.
+    assert "ndtrain.train.helpers:Clip.apply" in g.fns["ndtrain.train.step:next_batch"].calls
 
 
 def test_the_key_path_is_the_chain_to_its_module_and_the_key_declared(tmp_path, monkeypatch):
