@@ -40,6 +40,8 @@ HOPS = [
     ("ndtrain.model.llama:Transformer.forward", "ndtrain.model.llama:Block.forward",
      "layer(...) over self.layers, an nn.ModuleDict of Blocks"),
     ("ndtrain.train.job:_loop", "ndtrain.train.metrics:MetricsLogger.log", "log = make_logger(...)"),
+    ("ndtrain.train.step:next_batch", "ndtrain.data.loader:StatefulLoader.next_batch",
+     "state.loader, where TrainState leaves the field untyped (the data stage of any tree)"),
     ("ndtrain.layout.rules:problems", "ndtrain.layout.rules:tensor_parallel", "for rule in RULES: rule(ctx)"),
 ]
 
