@@ -285,7 +285,7 @@ def test_calibrate_measures_nccl_memory_before_the_parent_holds_cuda_memory(monk
     for name in ("measure_gemm", "measure_attention", "measure_hbm"):
         monkeypatch.setattr(cal, name, lambda *a, **k: order.append("parent allocates") or {})
     monkeypatch.setattr(cal, "measure_collectives", lambda *a, **k: order.append("spawn") or
-                        {"rows": {}, "overhead_bytes": 3 * GiB})
+                        {"samples": [], "overhead_bytes": 3 * GiB})
     monkeypatch.setattr(cal, "measure_memory", lambda *a, **k: order.append("parent allocates") or
                         {"overhead_bytes": 1 * GiB})
     hw, measured = cal.calibrate_gpu(quick=True)

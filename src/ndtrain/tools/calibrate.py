@@ -16,19 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import tempfile
 import time
-from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 from ndtrain.errors import NdtrainError
 from ndtrain.paths import check_output_file
 from ndtrain.tools.calibrate_host import (SHAPES, dp_host, fit_dp, fit_tp, optimizer_seconds_per_param, plain_host,
                                             tp_host, typical)
+from ndtrain.tools.calibrate_measure import KINDS, measure_attention, measure_collectives
 from ndtrain.planner.hardware import DEFAULT_PROFILE
-
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 
 def _hops_share(kind: str, k: int) -> tuple[float, float]:
@@ -55,119 +52,36 @@ def fit_alpha_beta(kind: str, samples: list[tuple[int, float, float]]) -> dict:
     return {"alpha": alpha, "beta": 1.0 / inv_beta}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _collective_worker(rank: int, world: int, port: int, sizes: list[int], reps: int, out: str,
-                       tp_degrees: tuple = ()) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    from ndtrain.parallel.gloo_reduce_scatter import AllToAllReduceScatter
-
-    # The reduce-scatter as the runtime's FSDP issues it on Gloo (Gloo's own is a full all-reduce).
-    reduce_scatter = AllToAllReduceScatter()
+def _in_situ(rank: int, world: int, reps: int, tp_degrees: tuple = ()) -> list:
+    """On the collectives' ranks: ("tp_host", world, tp, {shape: [per layer, per micro-batch]})
+    from calibrate_host.tp_host, and the runtime's data parallelism, ("dp_host", world, mode, ...)."""
     results = []
-    for n in sizes:
-        elems = max(world, n // 4 // world * world)
-        full = torch.ones(elems)
-        part = torch.ones(elems // world)
-        ops = {
-            "all_reduce": lambda: dist.all_reduce(full),
-            "all_gather": lambda: ag(full, part),
-            "reduce_scatter": lambda: reduce_scatter(part, full, dist.group.WORLD, dist.ReduceOp.SUM),
-            "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(full), full),
-            "p2p": (lambda: dist.send(full, 1)) if rank == 0 else (lambda: dist.recv(full, 0)) if rank == 1 else None,
-        }
-        for kind in KINDS:
-            op = ops[kind]
-            dist.barrier()
-            if op is not None:
-                op()  # warm-up: connections, buffers
-                times = []
-                for _ in range(reps):
-                    start = time.perf_counter()
-                    op()
-                    times.append(time.perf_counter() - start)
-                if rank == 0:
-                    results.append((kind, world, elems * 4, typical(times)))
     for tp in tp_degrees:
         if world % tp == 0 and tp <= world:
             measured = tp_host(world, tp, max(3, 3 * reps // 2))
             if rank == 0:
                 results.append(("tp_host", world, tp, measured))
-    if tp_degrees:  # the same ranks measure the runtime's data parallelism in situ
+    if tp_degrees:
         for mode in ("zero3", "ddp", "replicate") + (("zero3_tp",) if 2 in tp_degrees and world >= 4 else ()):
             measured = dp_host(world, mode, max(3, 3 * reps // 2))
             if rank == 0:
                 results.append(("dp_host", world, mode, measured))
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank == 0:
-        Path(out).write_text(json.dumps(results))
+    return results
 
 
-def measure_attention(dtype_name: str, seqs=(256, 1024), min_time: float = 0.15, bf16_attends_in: str = "fp32") -> dict:
-    """Causal attention forward + backward at head dim 64 through the model's own `causal_sdpa`
-    (bf16 inputs attend in the dtype the host probe chose), in FLOP/s as the time model counts them
-    (3 x 4 b s^2 h d x 1/2: the causal half), keyed by sequence length."""
+def attention_rates(dtype_name: str, seqs=(256, 1024), min_time: float = 0.15, bf16_attends_in: str = "fp32") -> dict:
+    """Causal attention forward + backward at head dim 64 on one thread, in FLOP/s as the time
+    model counts them (3 x 4 b s^2 h d x 1/2: the causal half), keyed by sequence length."""
     import torch
 
-    from ndtrain.model.llama import causal_sdpa
-
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     old = torch.get_num_threads()
     torch.set_num_threads(1)
-    rates = {}
     try:
-        for seq in seqs:
-            b, h, d = max(1, 1024 // seq), 8, 64
-            q, k, v = (torch.randn(b, h, seq, d, dtype=dtype, requires_grad=True) for _ in range(3))
-
-            def step():
-                causal_sdpa(q, k, v, bf16_attends_in=bf16_attends_in).sum().backward()
-
-            step()
-            times, begin = [], time.perf_counter()
-            while time.perf_counter() - begin < min_time or len(times) < 3:
-                start = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - start)
-            rates[str(seq)] = 3 * 4 * b * seq * seq * h * d * 0.5 / typical(times)
+        rows = measure_attention("cpu", dtype_name, seqs, heads=8, head_dim=64, tokens=1024, reps=3,
+                                 min_time=min_time, bf16_attends_in=bf16_attends_in)
     finally:
         torch.set_num_threads(old)
-    return rates
-
-
-def measure_collectives(worlds=(2, 4), sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), reps: int = 8,
-                        tp_degrees: tuple = ()) -> list:
-    """(kind, world, bytes, seconds) per collective and size; with tp_degrees also
-    ("tp_host", world, tp, {shape: [per layer, per micro-batch]}) from calibrate_host.tp_host."""
-    import torch.multiprocessing as mp
-
-    samples = []
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the forked ranks
-    try:
-        for world in worlds:
-            with tempfile.TemporaryDirectory() as tmp:
-                out = os.path.join(tmp, "result.json")
-                mp.start_processes(_collective_worker, args=(world, _free_port(), list(sizes), reps, out, tp_degrees),
-                                   nprocs=world, start_method="fork")
-                samples += [tuple(r) for r in json.loads(Path(out).read_text())]
-    finally:
-        if old is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
-    return samples
+    return {str(s): 3 * 4 * b * s * s * h * d * 0.5 / seconds for b, h, s, d, seconds in rows}
 
 
 def measure_matmul(dtype_name: str, threads: int, sizes=(256, 512, 1024), min_time: float = 0.15) -> float:
@@ -270,10 +184,10 @@ def calibrate(worlds=(2, 4, 8), sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), reps
 
     probe = ensure(refresh=True)  # the host probe is refreshed with the calibration, and cached with it
     matmul = {f"{d}_{t}thread": measure_matmul(d, t, matmul_sizes, min_time) for d in ("fp32", "bf16") for t in (1, 2)}
-    # bf16 attention as a run on this host attends (measure_attention's head dim is 64)
+    # bf16 attention as a run on this host attends (attention_rates' head dim is 64)
     attend_in = bf16_attention(probe["decisions"], 64)
-    attention = {d: measure_attention(d, attention_seqs, min_time, attend_in) for d in ("fp32", "bf16")}
-    samples = measure_collectives(worlds, sizes, reps, tp_degrees)
+    attention = {d: attention_rates(d, attention_seqs, min_time, attend_in) for d in ("fp32", "bf16")}
+    samples = measure_collectives("cpu", worlds, sizes, reps, partial(_in_situ, tp_degrees=tuple(tp_degrees)))["samples"]
     cores = _cores()
     plain = plain_host(overhead_reps)
     plain_bf16 = plain_host(overhead_reps, "bf16")

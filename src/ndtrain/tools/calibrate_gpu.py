@@ -22,15 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import statistics
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 from ndtrain.compat.torch import find, require
 from ndtrain.errors import NdtrainError
+from ndtrain.tools.calibrate_measure import KINDS, measure_attention, measure_collectives, seconds_per_call
 
 DEFAULT_GPU_PROFILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ndtrain" / "gpu.json"
 GEMM_SHAPES = [(m, n, k) for m in (1024, 4096, 16384) for n in (1024, 4096, 8192) for k in (512, 2048, 8192)] + \
@@ -38,21 +35,9 @@ GEMM_SHAPES = [(m, n, k) for m in (1024, 4096, 16384) for n in (1024, 4096, 8192
 COLLECTIVE_SIZES = [1 << p for p in range(12, 29, 2)]  # 4 KiB .. 256 MiB
 
 
-def _time_cuda(fn, reps: int = 10, warmup: int = 3) -> float:
-    """Median seconds of `fn` on the current CUDA stream."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+def _seconds(fn, reps: int) -> float:
+    """Median seconds of `fn` on the current CUDA stream, after three calls of warm-up."""
+    return seconds_per_call(fn, "cuda", reps, warmup=3)
 
 
 def measure_gemm(shapes, reps: int, fp8: bool) -> list:
@@ -63,32 +48,14 @@ def measure_gemm(shapes, reps: int, fp8: bool) -> list:
     for m, n, k in shapes:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-        out.append([m, n, k, "bf16", _time_cuda(lambda: a @ b, reps)])
+        out.append([m, n, k, "bf16", _seconds(lambda: a @ b, reps)])
         if fp8 and m % 16 == 0 and n % 16 == 0 and k % 16 == 0:
             a8 = a.to(torch.float8_e4m3fn)
             b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major second operand
             one = torch.ones((), device="cuda")
-            out.append([m, n, k, "fp8", _time_cuda(
+            out.append([m, n, k, "fp8", _seconds(
                 lambda: scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), reps)])
         del a, b
-    return out
-
-
-def measure_attention(seqs=(2048, 8192), heads: int = 32, head_dim: int = 128, tokens: int = 16384, reps: int = 5) -> list:
-    import torch
-    import torch.nn.functional as F
-
-    out = []
-    for s in seqs:
-        b = max(1, tokens // s)
-        q, k, v = (torch.randn(b, heads, s, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
-        grad = torch.randn(b, heads, s, head_dim, device="cuda", dtype=torch.bfloat16)
-
-        def step():
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
-
-        out.append([b, heads, s, head_dim, _time_cuda(step, reps)])
     return out
 
 
@@ -97,7 +64,7 @@ def measure_hbm(gib: float = 1.0, reps: int = 10) -> dict:
 
     n = int(gib * 2**30) // 4
     src, dst = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
-    seconds = _time_cuda(lambda: dst.copy_(src), reps)
+    seconds = _seconds(lambda: dst.copy_(src), reps)
     return {"copy_bw": 2 * n * 4 / seconds}
 
 
@@ -125,56 +92,14 @@ def measure_memory(layers: int = 16, micro_batches: int = 4, mib: int = 64) -> d
             "peak_allocated": peak_alloc, "peak_reserved": peak_reserved}
 
 
-def _collective_worker(rank: int, world: int, port: int, sizes: list, reps: int, out: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    rows = {k: [] for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}
-    probe = torch.ones(1 << 20, device="cuda")
-    dist.all_reduce(probe)  # NCCL's communicator and buffers now exist
-    torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    overhead = total - free - torch.cuda.memory_reserved()
-    for n in sizes:
-        elems = max(world, n // 2 // world * world)
-        full = torch.ones(elems, dtype=torch.bfloat16, device="cuda")
-        part = torch.ones(elems // world, dtype=torch.bfloat16, device="cuda")
-        ops = {
-            "all_reduce": lambda: dist.all_reduce(full),
-            "all_gather": lambda: dist.all_gather_into_tensor(full, part),
-            "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
-            "all_to_all": lambda: dist.all_to_all_single(full, full.clone()),
-        }
-        for kind, op in ops.items():
-            rows[kind].append([world, 2 * elems, _time_cuda(op, reps)])
-        peer = rank ^ 1
-        if peer < world:
-            def p2p():
-                if rank % 2 == 0:
-                    dist.send(full, peer)
-                else:
-                    dist.recv(full, peer)
-            rows["p2p"].append([2, 2 * elems, _time_cuda(p2p, reps)])
-        dist.barrier()
-    if rank == 0:
-        Path(out).write_text(json.dumps({"rows": rows, "overhead_bytes": overhead}))
-    dist.destroy_process_group()
-
-
-def measure_collectives(world: int, sizes=COLLECTIVE_SIZES, reps: int = 10) -> dict:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "rows.json")
-        mp.start_processes(_collective_worker, args=(world, port, list(sizes), reps, out), nprocs=world,
-                           start_method="spawn")
-        return json.loads(Path(out).read_text())
+def gpu_collectives(world: int, sizes=COLLECTIVE_SIZES, reps: int = 10) -> dict:
+    """NCCL's collectives over this node's `world` GPUs: {"rows": {kind: [[world, bytes, seconds],
+    ...]}, "overhead_bytes"} as planner/profile_fit reads them (a p2p row is one pair's: world 2)."""
+    got = measure_collectives("cuda", [world], sizes, reps)
+    rows: dict = {kind: [] for kind in KINDS}
+    for kind, w, nbytes, seconds in got["samples"]:
+        rows[kind].append([2 if kind == "p2p" else w, nbytes, seconds])
+    return {"rows": rows, "overhead_bytes": got["overhead_bytes"]}
 
 
 def _init_context() -> None:
@@ -205,12 +130,13 @@ def calibrate_gpu(quick: bool = False):
         # memory less its own reserved bytes, so this process's context and cached blocks (the
         # GEMM and HBM buffers) were counted as NCCL's. Spawned children start without them.
         torch.cuda.empty_cache()  # a no-op unless a caller already used CUDA in this process
-        got = measure_collectives(world, COLLECTIVE_SIZES[::2] if quick else COLLECTIVE_SIZES, reps)
+        got = gpu_collectives(world, COLLECTIVE_SIZES[::2] if quick else COLLECTIVE_SIZES, reps)
     _init_context()
     measured = {"device_name": props.name, "gpus": world,
                 "calibrated": time.strftime("%Y-%m-%d"), "memory": measure_memory(layers=4 if quick else 16)}
     measured["gemm"] = measure_gemm(shapes, reps, fp8=bool(hw.peak_fp8) and find("scaled_mm") is not None)
-    measured["attention"] = measure_attention(seqs=(2048,) if quick else (2048, 8192), reps=reps)
+    measured["attention"] = measure_attention("cuda", "bf16", (2048,) if quick else (2048, 8192), heads=32,
+                                              head_dim=128, tokens=16384, reps=reps, warmup=3)
     measured["hbm"] = measure_hbm(0.25 if quick else 1.0, reps)
     if got is not None:
         measured["collectives"] = got["rows"]
