@@ -117,7 +117,9 @@ def test_a_frozen_node_is_named_within_the_step_deadline(make_cluster, guard, pa
         started.kill()
     print(f"node2 frozen at step {_last_step(run_dir)}; node1 exit (code, s after the freeze): {exits}")
     assert "node1" in exits and exits["node1"][0] != 0, started.all_logs()
-    # The watchdog's one line comes from the rank that waited (rank 0, on node1): it names the
-    # step and the deadline, not the frozen node, which can say nothing.
+    # The watchdog's one line comes from the rank that waited (rank 0, on node1); the frozen node
+    # can say nothing, so the line names it: its rank stopped beating in the group's store.
     said = [ln for ln in started.log("node1").splitlines() if ln.startswith("ndtrain watchdog: rank 0 ")]
     assert len(said) == 1 and f"exceeded train.step_deadline_s={deadline_s}" in said[0], started.all_logs()
+    print(said[0])
+    assert "waiting on rank 1 on host node2, which stopped answering" in said[0], said[0]

@@ -17,6 +17,7 @@ import statistics
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -24,7 +25,8 @@ import torch.distributed as dist
 
 from ndtrain.errors import NdtrainError
 from ndtrain.train import resilience
-from ndtrain.train.distributed import restart_count, run_id
+from ndtrain.train.distributed import broadcast_object, gather_objects, restart_count, run_id
+from ndtrain.train.heartbeat import Heartbeat
 from ndtrain.train.metrics import busy_timer, peak_memory_mb
 from ndtrain.train.signals import Preemption
 
@@ -46,10 +48,11 @@ class Watchdog:
     """Aborts this process when a step runs past its deadline, so a hang (a lost peer inside a
     collective that never times out, a stuck device) becomes a crash that torchrun restarts."""
 
-    def __init__(self, deadline_s: float, rank: int, on_expire=None):
+    def __init__(self, deadline_s: float, rank: int, on_expire=None, diagnose=None):
         self.deadline_s = deadline_s
         self.rank = rank
         self.on_expire = on_expire or (lambda: os._exit(EXIT_HANG))
+        self.diagnose = diagnose  # () -> a clause naming the rank this one waits on (heartbeat.Heartbeat.silent)
         self._armed: tuple[int, float] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ndtrain-watchdog", daemon=True)
@@ -66,8 +69,9 @@ class Watchdog:
         while not self._stop.wait(poll):
             armed = self._armed
             if armed is not None and time.monotonic() - armed[1] > self.deadline_s:
+                why = f", {self.diagnose()}" if self.diagnose is not None else ""
                 print(f"ndtrain watchdog: rank {self.rank} step {armed[0]} exceeded train.step_deadline_s="
-                      f"{self.deadline_s:g} s; aborting so the launcher restarts from the last checkpoint. "
+                      f"{self.deadline_s:g} s{why}; aborting so the launcher restarts from the last checkpoint. "
                       f"Stacks:", file=sys.stderr, flush=True)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()
@@ -160,9 +164,17 @@ class Recovery:
         tc = cfg.train
         if run_dir is not None and cfg.resilience.on_failure == "exclude":
             resilience.mark_alive(run_dir, rt.rank)  # before Exclusion.start's gather: its successor's ledger
-        self.watchdog = Watchdog(tc.step_deadline_s, rt.rank, self._hung) if tc.step_deadline_s > 0 else None
+        self.heartbeat = None
+        if tc.step_deadline_s > 0 and rt.world_size > 1:  # every rank alike: the attempt id is a collective
+            self.heartbeat = Heartbeat.from_env(rt.rank, rt.world_size, resilience.host_id(),
+                                                broadcast_object(uuid.uuid4().hex),
+                                                min(1.0, max(0.05, tc.step_deadline_s / 10)))
+        self.watchdog = (Watchdog(tc.step_deadline_s, rt.rank, self._hung, self.heartbeat and self.heartbeat.silent)
+                         if tc.step_deadline_s > 0 else None)
         self.guard = NonFiniteGuard(tc.nonfinite_skip)
+        self._unjudged: list = []  # (result, samples consumed before, after) of steps not yet read
         self.stragglers = StragglerMonitor.from_config(cfg)
+        self._host_names: list[str] | None = None
         self.leave: resilience.Leave | None = None  # set when a host is taken out (resilience.py)
         self.exclusion = resilience.Exclusion.start(cfg, self.stragglers.persist)
         if self.exclusion is not None:  # a host excluded before, or failing too often, leaves before any step
@@ -187,28 +199,42 @@ class Recovery:
         self._consumed_before = consumed
         if self.watchdog:
             self.watchdog.arm(self.progress.step + 1)
+        if self.heartbeat:
+            self.heartbeat.step = self.progress.step + 1
         self.busy.start()
 
-    def after_step(self, result) -> str:
-        """'ok', 'rollback' (the trainer was rolled back: continue the loop) or 'stop' (preempted)."""
+    def after_step(self, result, read: bool = True) -> str:
+        """'ok', 'rollback' (the trainer was rolled back: continue the loop) or 'stop' (preempted).
+        The non-finite guard needs each step's skip flag, a device value: it judges the steps
+        since the last `read` (the job's logging steps and checkpoints; step_values.py), in order,
+        and before a leave or stop ends the loop."""
         busy = self.busy.stop()
         if self.watchdog:
             self.watchdog.disarm()
-        action, window = self.guard.observe(result.skipped, self._consumed_before, self.loader.consumed_samples)
-        if action != "ok":
-            self._event({"event": "nonfinite", "bad_loss": _num(result.loss), "bad_grad_norm": _num(result.grad_norm)},
-                        f"step {result.step}: non-finite loss {result.loss} or grad norm {result.grad_norm}; "
-                        f"update skipped ({self.guard.bad if action == 'skip' else self.guard.limit} in a row)")
-        if action == "rollback":
-            self.rollback(window)
+        self._unjudged.append((result, self._consumed_before, self.loader.consumed_samples))
+        if read and self._judge():
             return "rollback"
         if self.stragglers.add(busy):
             self._report_stragglers(result.step)
         elif result.step == self.cfg.train.steps:  # a run shorter than its straggler window still
             self._report_memory(result.step)  # shows every rank's peak memory
-        if self.leave is not None:
-            return "leave"
-        return "stop" if self.preemption.agreed(self.rt.device) else "ok"
+        action = "leave" if self.leave is not None else "stop" if self.preemption.agreed(self.rt.device) else "ok"
+        return "rollback" if action != "ok" and self._judge() else action
+
+    def _judge(self) -> bool:
+        """The non-finite guard over the steps not judged yet; True when it rolled back."""
+        judged, self._unjudged = self._unjudged, []
+        for result, before, after in judged:
+            action, window = self.guard.observe(result.skipped, before, after)
+            if action != "ok":
+                self._event({"event": "nonfinite", "step": result.step, "bad_loss": _num(result.loss),
+                             "bad_grad_norm": _num(result.grad_norm)},
+                            f"step {result.step}: non-finite loss {result.loss} or grad norm {result.grad_norm}; "
+                            f"update skipped ({self.guard.bad if action == 'skip' else self.guard.limit} in a row)")
+            if action == "rollback":  # the steps after it are undone with it
+                self.rollback(window)
+                return True
+        return False
 
     def rollback(self, window: list[int]) -> None:
         self.rollbacks += 1
@@ -238,13 +264,22 @@ class Recovery:
         per_rank, memory = vec.cpu().tolist()
         self.logger.log({"step": step, "rank_busy_s": per_rank, "rank_peak_memory_mb": memory})
         named = self.stragglers.judge(per_rank)
+        hosts = self._hosts() if named else []
         for r, ratio in named:
-            self._event({"event": "straggler", "rank": r, "ratio": ratio},
-                        f"straggler: rank {r} is {ratio:.2f}x the median busy time per step "
+            self._event({"event": "straggler", "rank": r, "host": hosts[r], "ratio": ratio},
+                        f"straggler: rank {r} on host {hosts[r]} is {ratio:.2f}x the median busy time per step "
                         f"({per_rank[r]:.3f} s vs {statistics.median(per_rank):.3f} s) for "
                         f"{self.stragglers.strikes[r]} windows of {self.stragglers.window} steps")
         if named and self.exclusion is not None and self.leave is None:
             self.leave = self.exclusion.decide(step, named, rank, world, self.layout, self._event)
+
+    def _hosts(self) -> list[str]:
+        """Every rank's host, gathered the first time a straggler is named (every rank names the
+        same ones from the same all-reduced numbers, so every rank joins the gather)."""
+        if self._host_names is None:
+            self._host_names = (self.exclusion.hosts if self.exclusion is not None
+                                else gather_objects(resilience.host_id()))
+        return self._host_names
 
     def _report_memory(self, step: int) -> None:
         """Every rank's peak memory, as the straggler windows' rows carry it (every rank reaches the
@@ -267,6 +302,8 @@ class Recovery:
             resilience.mark_ended(self.run_dir)
         if self.watchdog:
             self.watchdog.close()
+        if self.heartbeat:
+            self.heartbeat.close()
         self.preemption.close()
         self.busy.close()
 
