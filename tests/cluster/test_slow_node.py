@@ -1,0 +1,59 @@
+"""A slow node (slow): node2's processes get half the CPU a process of this host gets now (a cgroup
+CPU quota), while a 2-node run trains. The straggler monitor compares each rank's busy time per
+step (its training thread's CPU time plus its wait for a CPU: a throttled node does the same work
+in the same CPU time, so CPU time alone would not see it) and names rank 1 on host node2, never
+rank 0; with resilience.on_straggler=log (the default) the run goes on to the end.
+
+The quota is half of the share of one CPU a busy process gets on this host at the test's start
+(measured): on a loaded shared host a fixed 50% of a CPU may be more than a process gets anyway,
+and would slow nothing."""
+
+from __future__ import annotations
+
+import pytest
+import scenario
+
+STEPS = 10
+WINDOW = 2
+
+
+def _share_of_a_cpu() -> float:
+    """The fraction of the time a busy thread of this host runs now (its CPU time over its CPU time
+    plus its wait for a CPU), from a fixed amount of work."""
+    import time
+
+    from ndtrain.train.metrics import thread_demand_s
+
+    d0, c0 = thread_demand_s(), time.thread_time()
+    x = 0
+    for i in range(3_000_000):
+        x += i
+    return min(1.0, (time.thread_time() - c0) / max(1e-9, thread_demand_s() - d0))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_node_at_half_the_cpu_is_named_the_straggler_with_its_host(make_cluster, guard, parity_base):
+    from ndtrain.config import load_config, to_toml
+
+    c = make_cluster(2)
+    share = _share_of_a_cpu()
+    c.nodes[1].cpu_quota(0.5 * share)
+    base = scenario.with_data(parity_base, c.shared / "data")
+    config = c.shared / "train.toml"
+    config.write_text(to_toml(load_config(None, base)))
+    run_dir = c.shared / "run"
+    codes, started = scenario.train_across(
+        c, config, run_dir, 1, guard(240),
+        extra=[f"--train.steps={STEPS}", f"--train.straggler_window={WINDOW}", "--resilience.straggler_windows=2"])
+    assert codes == {"node1": 0, "node2": 0}, started.all_logs()
+    rows = scenario.metric_rows(run_dir)
+    busy = [(r["step"], [round(b, 3) for b in r["rank_busy_s"]]) for r in rows if "rank_busy_s" in r]
+    named = [r for r in rows if r.get("event") == "straggler"]
+    print(f"share of a CPU measured {share:.2f}, node2 quota {0.5 * share:.2f} of a CPU; busy s/step per window "
+          f"(rank 0, rank 1): {busy}; named: {[(r['step'], r['rank'], r['host'], round(r['ratio'], 2)) for r in named]}")
+    assert len(busy) == STEPS // WINDOW, busy
+    # Two windows running name a rank: windows 2..5 each name it again while it stays slow.
+    assert named and {(r["rank"], r["host"]) for r in named} == {(1, "node2")}, (busy, named)
+    lines = [ln for ln in started.log("node1").splitlines() if "straggler: rank" in ln]
+    assert lines and all("straggler: rank 1 on host node2 is " in ln for ln in lines), started.all_logs()
