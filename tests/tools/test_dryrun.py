@@ -54,8 +54,9 @@ def test_zero3_at_world_64_counts_local_shards_only():
     gather = colls["all_gather"]["dp_shard"]
     assert gather["bytes"] == 64 * gather["input_bytes"]
     assert out["flops"] > 0 and out["operators"]["forward"] > 0 and out["operators"]["backward"] > 0
-    # The step's reads of device values on the host (each a sync on a GPU), where they are.
-    assert out["host_reads"] and all(r.startswith("ndtrain/train/") for r in out["host_reads"])
+    # The step reads no device value on the host (each a sync on a GPU); the logging interval's
+    # one read is counted apart (tests/tools/test_dryrun_syncs.py).
+    assert out["host_reads"] == [] and out["host_syncs"] == 1
 
 
 def test_rank_all_reports_each_role_and_the_worst():

@@ -10,8 +10,6 @@ shards (S = product of its Shard mesh dims), each held by (world/pp)/S ranks.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
@@ -45,11 +43,10 @@ def shard_count(p, t=None) -> int:
     return shards
 
 
-def local_grad_sq(params, ranks_per_stage: int) -> torch.Tensor:
-    """This rank's weighted share of the squared gradient norm. `ranks_per_stage` counts the ranks
+def local_grad_sq(params, ranks_per_stage: int, device: torch.device) -> torch.Tensor:
+    """This rank's weighted share of the squared gradient norm, a float64 scalar on `device`,
+    never read on the host here (a read is a sync on a GPU). `ranks_per_stage` counts the ranks
     the final sum runs over per pipeline stage (the world / pp; one replica / pp under DiLoCo)."""
-    # Accumulate per device and copy to the host once per device: a .cpu() per parameter would
-    # be a device sync per parameter on GPUs.
     per_device: dict[torch.device, torch.Tensor] = {}
     for p in params:
         g = p.grad
@@ -62,29 +59,41 @@ def local_grad_sq(params, ranks_per_stage: int) -> torch.Tensor:
         # summed, took 22 ms a step for 6.2M parameters here; this takes 6).
         sq = torch.linalg.vector_norm(g.detach(), dtype=torch.float64).square() * (shards / ranks_per_stage)
         per_device[sq.device] = per_device[sq.device] + sq if sq.device in per_device else sq
-    total = torch.zeros((), dtype=torch.float64)
-    for value in per_device.values():
-        total += value.cpu()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for value in per_device.values():  # one copy per device (offloaded gradients live on the host)
+        total += value.to(device, non_blocking=True)
     return total
 
 
-def scale_grads(params, coef: float) -> None:
+def scale_grads(params, coef: torch.Tensor) -> None:
+    """Multiplies every gradient by `coef`, a scalar tensor on the gradients' device (no host read)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
             g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            g.mul_(coef)
+            by_device.setdefault(g.device, []).append(g)
+    for device, grads in by_device.items():
+        torch._foreach_mul_(grads, coef.to(device, non_blocking=True))
 
 
-def clip_coefficient(total_norm: float, max_norm: float) -> float:
-    if max_norm <= 0 or not math.isfinite(total_norm):
-        return 1.0
-    return min(1.0, max_norm / (total_norm + 1e-6))
+def clip_scale(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor gradients are multiplied by to clip `total_norm` (a device scalar) to
+    `max_norm`, computed on the device like torch's clip_grad_norm_: min(1, max / (norm + 1e-6)),
+    and 1 for a non-finite norm (that step's update is skipped anyway)."""
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    return torch.where(torch.isfinite(total_norm), coef, torch.ones_like(coef))
+
+
+def all_reduce_tensor(values: list, device: torch.device, group=None) -> torch.Tensor:
+    """One collective for several scalars (loss sum, grad square-norm, ...; device scalars or
+    host numbers), over the world or over `group` (one DiLoCo replica: its inner steps never talk
+    to the other replicas). The float64 sums stay on `device`: nothing is read here."""
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return t
 
 
 def all_reduce_sum(values: list[float], device: torch.device, group=None) -> list[float]:
-    """One collective for several scalars (loss sum, grad square-norm, ...), over the world or
-    over `group` (one DiLoCo replica: its inner steps never talk to the other replicas)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, group=group)
-    return t.tolist()
+    """all_reduce_tensor's sums read on the host (validation, start-up figures: off the step's path)."""
+    return all_reduce_tensor(values, device, group).tolist()

@@ -72,10 +72,12 @@ def resolved(cfg, world: int):
     return cfg, pdims.resolve(cfg.parallel, world, cfg.model, cfg.data.seq_len, cfg.train, cfg.data)
 
 
-def run_rank(cfg, world: int, rank: int) -> dict:
-    """Builds rank `rank` of `world` and trains one step; what it measured."""
+def run_rank(cfg, world: int, rank: int, steps: int = 1) -> dict:
+    """Builds rank `rank` of `world` and trains one step; what it measured. `steps` > 1: that many
+    steps make one logging interval whose host syncs are counted (dryrun_syncs.py)."""
     from ndtrain.compat.fake import (count_cpu_attention_flops, dtensor_shape_inference, fake_tensor_mode,
                                      init_fake_group, op_watcher)
+    from ndtrain.tools.dryrun_syncs import HostReads, answer_host_probes, finish_interval
     from ndtrain.tools.dryrun_watch import Watch, enter_shadow, leave_shadow, watching_resize
     from ndtrain.parallel.dims import build_mesh
     from ndtrain.train.build import build
@@ -87,6 +89,7 @@ def run_rank(cfg, world: int, rank: int) -> dict:
     mesh = build_mesh(layout, "cpu")
     names = mesh_groups(mesh, layout)  # every view made now, while its rank tables can be computed
     watch = Watch()
+    answer_host_probes()
     shadow = dtensor_shape_inference(lambda: enter_shadow(watch), lambda: leave_shadow(watch))
     with fake_tensor_mode(), op_watcher(watch.on_op), watching_resize(watch), shadow:
         state = build(cfg, layout, train_set=SyntheticTokens(cfg.model.vocab_size, 0), mesh=mesh)
@@ -105,7 +108,9 @@ def run_rank(cfg, world: int, rank: int) -> dict:
         batch, _ = next_batch(state)
         watch.phase = "forward"
         watch.step_started()
-        train_step(state, batch)
+        reads = HostReads(lambda: len(watch.host_reads))  # a read the watch answered was of a device value
+        with reads:
+            train_step(state, batch)
         watch.finish()
         optim = watch.serials(_local_states(state.optimizer))
         memory = watch.categories(params, grads, optim)
@@ -114,11 +119,14 @@ def run_rank(cfg, world: int, rank: int) -> dict:
         optim_bytes = sum(t.untyped_storage().nbytes() for t in _local_states(state.optimizer))
         first_peak = sum(memory.values())
         memory["optimizer_state"] = max(memory["optimizer_state"], optim_bytes)
-    return {"rank": rank, "world": world, "layout": layout.describe(), "mesh_coordinates": coordinates(state),
-            "peak_memory_bytes": sum(memory.values()), "memory_bytes": memory, "peak_phase": watch.peak_phase,
-            "first_step_peak_memory_bytes": first_peak,
-            "flops": watch.flops, "operators": dict(watch.ops), "collective_bytes": watch.collective_table(names),
-            "host_reads": watch.host_reads, "config": cfg, "layout_obj": layout}
+        out = {"rank": rank, "world": world, "layout": layout.describe(), "mesh_coordinates": coordinates(state),
+               "peak_memory_bytes": sum(memory.values()), "memory_bytes": memory, "peak_phase": watch.peak_phase,
+               "first_step_peak_memory_bytes": first_peak,
+               "flops": watch.flops, "operators": dict(watch.ops), "collective_bytes": watch.collective_table(names),
+               "host_reads": list(watch.host_reads), "config": cfg, "layout_obj": layout}
+        # The first step's figures are taken: the interval's other steps and its read are counted only.
+        out.update(finish_interval(state, reads, steps, lambda: train_step(state, next_batch(state)[0])))
+    return out
 
 
 def _local_states(optimizer) -> list:
@@ -172,9 +180,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--world", type=int, required=True, help="number of ranks of the job")
     p.add_argument("--rank", default="0", help="the rank to build and step, or 'all': each distinct role")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--steps", type=int, default=1,
+                   help="steps of one logging interval whose host syncs are counted (the first is measured)")
     args, rest = p.parse_known_args(argv)
     if args.world < 1:
         raise UsageError(f"--world must be >= 1, got {args.world}")
+    if args.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {args.steps}")
     cfg = load_config(args.config, rest)
     from ndtrain.tools.dryrun_report import compare, text
 
@@ -190,7 +202,7 @@ def main(argv: list[str]) -> int:
             raise UsageError(f"--rank must be an integer or 'all', got {args.rank!r}") from None
         if not 0 <= rank < args.world:
             raise UsageError(f"--rank must be in 0..{args.world - 1}, got {rank}")
-        out = compare(run_rank(cfg, args.world, rank))
+        out = compare(run_rank(cfg, args.world, rank, args.steps))
     print(json.dumps(out) if args.json else text(out))
     return 0
 

@@ -73,6 +73,9 @@ def text(out: dict) -> str:
     reads = out["host_reads"]
     lines.append(f"  host reads of device values in the step: {len(reads)}")
     lines += [f"    {r}" for r in reads]
+    from ndtrain.tools.dryrun_syncs import text as sync_lines
+
+    lines += sync_lines(out)
     if "roles" in out:
         lines.append(f"  roles: {[r['rank'] for r in out['roles']]}; the worst is rank {out['worst_rank']}")
     return "\n".join(lines)

@@ -139,13 +139,16 @@ def _loop(plan, run_dir: Path, reached: dict) -> dict:
             reached["step"] = progress.step
             if trace:
                 steps.save_pipeline_trace(state, run_dir)
-            action = guard.after_step(result)
+            last = result.step == cfg.train.steps
+            logged = result.step % cfg.train.log_interval == 0 or last
+            # The step's loss, norm and skip flag stay on the device until a logging step or a
+            # checkpoint reads every unread step at once (step_values.py): one sync per interval.
+            action = guard.after_step(result, read=logged or ckpt.due(result.step))
             if action == "rollback":
                 continue
             job_hooks.after_step(result)
             step_times.append(result.seconds)
-            last = result.step == cfg.train.steps
-            if result.step % cfg.train.log_interval == 0 or last:
+            if logged:
                 log.log({**steps.metrics_row(result, peaks, progress.tokens_seen, rt.device), "last": last,
                          "time": time.time()})
             if cfg.train.val_interval and (result.step % cfg.train.val_interval == 0 or last):

@@ -62,7 +62,10 @@ class TrainState:
     before_update: Callable | None = None
     val_data: list | None = None  # the fixed validation batches, built on first use
     noise: NoiseScale | None = None  # under batch_ramp = "auto", built on first use
-    first_micro_sq: float | None = None  # the first micro-batch's squared gradient norm, this step
+    # The first micro-batch's squared gradient norm this step, a device scalar
+    first_micro_sq: torch.Tensor | None = None
+    # Steps whose loss and norm are still on the device, oldest first (step_values.read_steps)
+    unread: list = field(default_factory=list)
 
     @property
     def model(self):

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,25 +23,13 @@ from ndtrain.errors import ConfigError
 from ndtrain.layout.flops import flops_per_token
 from ndtrain.model.moe import end_step as moe_end_step, set_aux_scale
 from ndtrain.parallel.data_parallel import accumulation, reshard
-from ndtrain.parallel.grad_norm import all_reduce_sum, clip_coefficient, local_grad_sq, reduce_partial_grads, scale_grads
+from ndtrain.parallel.grad_norm import (all_reduce_sum, all_reduce_tensor, clip_scale, local_grad_sq,
+                                        reduce_partial_grads, scale_grads)
 from ndtrain.train.metrics import mfu, peak_memory_mb, raise_peak, reset_peak_memory, run_peaks
 from ndtrain.train.noise_scale import NoiseScale, small_batch, unsupported
 from ndtrain.train.optim import batch_lr_scale, extend_schedule, lr_at, set_lr
 from ndtrain.train.state import TrainState
-
-
-@dataclass
-class StepResult:
-    step: int
-    loss: float
-    grad_norm: float
-    lr: float
-    tokens: int
-    seconds: float
-    skipped: bool = False
-    extra: dict = field(default_factory=dict)
-    sample_ids: torch.Tensor | None = None  # the global sample numbers this rank trained on
-    rows: list = field(default_factory=list)  # DiLoCo's outer-step rows, for metrics.jsonl
+from ndtrain.train.step_values import APPLIED, GRAD_NORM, GRAD_SQ, SMALL_SQ, StepResult, read_steps  # noqa: F401
 
 
 def split_micro(n: int, micro: int) -> list[tuple[int, int]]:
@@ -118,8 +105,9 @@ def refresh_fp8_scales(state: TrainState) -> None:
 
 
 def forward_backward(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor, micro: int,
-                     docs: dict | None = None) -> float:
-    """Runs all micro-batches of this rank's share; returns the summed (unnormalised) loss."""
+                     docs: dict | None = None) -> torch.Tensor | float:
+    """Runs all micro-batches of this rank's share; returns the summed (unnormalised) loss, on
+    the device (a pipeline's schedule returns it read)."""
     refresh_fp8_scales(state)
     if state.pipeline is not None:
         # The schedule runs the micro-batches; its loss normalises exactly as below and the sum
@@ -129,7 +117,7 @@ def forward_backward(state: TrainState, inputs: torch.Tensor, targets: torch.Ten
     tokens_here = targets.numel()
     split = None if isinstance(micro, int) else micro  # uneven batch shares (layout/batch_shares.py)
     norm = tokens_here if split is None else tokens_here * split.norm_scale
-    total = None  # summed on the device; read once per step (a read per micro-batch syncs the host)
+    total = None  # summed on the device, never read here (step_values.py: read once per log interval)
     slices = split_micro(inputs.shape[0], micro) if split is None else split.slices()
     for i, (a, b) in enumerate(slices):
         # The ZeRO stage decides: reduce after every micro-batch (2, 3) or accumulate whole
@@ -144,10 +132,12 @@ def forward_backward(state: TrainState, inputs: torch.Tensor, targets: torch.Ten
         if i == 0 and state.noise is not None and len(slices) > 1:
             # Its gradient is (its tokens / the step's) times its own mean gradient: undo that.
             rescale = (tokens_here / targets[a:b].numel()) ** 2
-            state.first_micro_sq = float(local_grad_sq(state.params, state.rt.world_size)) * rescale
+            state.first_micro_sq = local_grad_sq(state.params, state.rt.world_size, state.rt.device) * rescale
         loss = loss.detach()
         total = loss if total is None else total + loss
-    return _value(total) if total is not None else 0.0
+    if total is None:
+        return 0.0
+    return total.full_tensor() if hasattr(total, "full_tensor") else total
 
 
 # ---- one optimizer step ----------------------------------------------------------------------
@@ -194,45 +184,87 @@ def train_step(state: TrainState, batch, data_wait_s: float = 0.0) -> StepResult
     replicas = state.layout.dp_replicate if state.diloco else 1  # DiLoCo: each replica on its own
     ranks_per_stage = rt.world_size // replicas // state.layout.pp
     probe = state.first_micro_sq is not None
-    loss_total, grad_sq, *small = all_reduce_sum(
-        [total_loss if contributes else 0.0, float(local_grad_sq(state.params, ranks_per_stage))]
+    sums = all_reduce_tensor(
+        [total_loss if contributes else 0.0, local_grad_sq(state.params, ranks_per_stage, rt.device)]
         + ([state.first_micro_sq] if probe else []), rt.device, state.scalar_group)
     global_tokens = gb * cfg.data.seq_len
-    loss = loss_total / (global_tokens // replicas)
-    grad_norm = math.sqrt(grad_sq) if grad_sq >= 0 else float("nan")
-    skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
-    agreed = state.diloco.agree_start(skipped, rt.device) if state.diloco else None
+    result = StepResult(progress.step + 1, lr=lr, tokens=global_tokens, sample_ids=batch.global_ids)
+    values = step_vector(sums, global_tokens // replicas, probe)
+    result.defer(values, state.unread, _noise_update(state, batch, gb) if probe else None)
+    # DiLoCo's replicas agree on the skip on the host, and an optimizer without a device-side
+    # skip decides on it: both read the step's values now (a sync per step on a GPU).
+    read_now = state.diloco is not None or not getattr(state.optimizer, "_step_supports_amp_scaling", False)
+    agreed = state.diloco.agree_start(result.skipped, rt.device) if state.diloco else None
     if state.before_update is not None:
         state.before_update()
-    if not skipped:
-        coef = clip_coefficient(grad_norm, cfg.optimizer.grad_clip)
-        if coef < 1.0:
-            scale_grads(state.params, coef)
-        state.optimizer.step()
+    update(state, values, result, read_now)
     state.optimizer.zero_grad(set_to_none=True)
-    # After the step, from the step's global load: aux-loss-free bias update and MoE metrics.
+    # After the step, from the step's global load: aux-loss-free bias update and MoE metrics
+    # (MoE reads its statistics, and so whether the update was applied, once a step).
     reduce = (lambda t: torch.distributed.all_reduce(t, group=state.moe_group)) if state.moe_group else None
-    extra = {**moe_end_step(state.moe, reduce, update_bias=not skipped), "data_wait_s": data_wait_s,
-             # CPU seconds this process spent on the step (all its threads): the work done,
-             # which a shared host's load stretches far less than the wall time.
-             "step_cpu_s": time.process_time() - cpu0, "global_batch": gb}
-    if probe and not skipped:
-        b_small = small_batch(state.layout, min(cfg.train.micro_batch, batch.inputs.shape[0]))
-        noise = state.noise.update(small[0], b_small, grad_sq, gb)
-        progress.noise_ema = state.noise.state
-        if noise is not None:
-            extra["grad_noise_scale"] = noise
+    moe = moe_end_step(state.moe, reduce, update_bias=not result.skipped) if state.moe else {}
+    result.extra.update({**moe, "data_wait_s": data_wait_s,
+                         # CPU seconds this process spent on the step (all its threads): the work
+                         # done, which a shared host's load stretches far less than the wall time.
+                         "step_cpu_s": time.process_time() - cpu0, "global_batch": gb})
     progress.step += 1
     progress.tokens_seen += global_tokens
-    rows = []
     if state.diloco:
         # Replicas skip their own non-finite steps; skip and rollback counts use "any replica".
-        skipped = state.diloco.agree_finish(agreed)
-        state.diloco.after_inner_step(progress.step, loss)
-        extra["cross_replica_bytes"] = state.diloco.take_step_bytes()
-        rows = state.diloco.take_rows()  # outer steps
-    return StepResult(progress.step, loss, grad_norm, lr, global_tokens, time.perf_counter() - t0 + data_wait_s,
-                      skipped, extra, batch.global_ids, rows)
+        result.override_skipped(state.diloco.agree_finish(agreed))
+        state.diloco.after_inner_step(progress.step, result.loss)
+        result.extra["cross_replica_bytes"] = state.diloco.take_step_bytes()
+        result.rows = state.diloco.take_rows()  # outer steps
+    result.finished(time.perf_counter() - t0 + data_wait_s)
+    return result
+
+
+def step_vector(sums: torch.Tensor, tokens: int, probe: bool) -> torch.Tensor:
+    """The step's report on the device (step_values.py's layout) from its all-reduced sums
+    [loss sum, squared gradient norm(, first micro-batch's squared norm)]."""
+    loss, grad_sq = sums[0] / tokens, sums[1]
+    norm = grad_sq.sqrt()  # NaN for a negative sum
+    applied = (torch.isfinite(loss) & torch.isfinite(norm)).to(torch.float64)  # the skip rule, on the device
+    small = sums[2] if probe else torch.full((), float("nan"), dtype=torch.float64, device=sums.device)
+    return torch.stack([loss, norm, applied, small, grad_sq])
+
+
+def update(state: TrainState, values: torch.Tensor, result: StepResult, read_now: bool) -> None:
+    """Clips the gradients and applies the optimizer's update unless the step is non-finite.
+    Clipping scales by a factor computed on the device (like torch's clip_grad_norm_), so it
+    reads nothing. The skip: fused AdamW takes torch's GradScaler door (`found_inf`, a device
+    flag: its kernel leaves weights, moments and step counts alone), so the decision never
+    reaches the host; with `read_now` (foreach and for-loop AdamW have no such door, DiLoCo
+    agrees on the host) it is decided on the host from the step's values, read now."""
+    if read_now and result.skipped:
+        return
+    grad_clip, optimizer = state.cfg.optimizer.grad_clip, state.optimizer
+    if grad_clip > 0:
+        scale_grads(state.params, clip_scale(values[GRAD_NORM], grad_clip))
+    if read_now:
+        optimizer.step()
+        return
+    optimizer.found_inf = (1.0 - values[APPLIED]).to(torch.float32)
+    try:
+        optimizer.step()
+    finally:
+        optimizer.found_inf = None
+
+
+def _noise_update(state: TrainState, batch, gb: int):
+    """The gradient-noise-scale EMAs' update from the step's norms, run when the step is read
+    (in step order, skipped steps left out); it sets the logging row's grad_noise_scale."""
+    b_small = small_batch(state.layout, min(state.cfg.train.micro_batch, batch.inputs.shape[0]))
+
+    def on_read(result: StepResult, row: list[float]) -> None:
+        if result.skipped:
+            return
+        noise = state.noise.update(row[SMALL_SQ], b_small, row[GRAD_SQ], gb)
+        state.progress.noise_ema = state.noise.state
+        if noise is not None:
+            result.extra["grad_noise_scale"] = noise
+
+    return on_read
 
 
 @torch.no_grad()

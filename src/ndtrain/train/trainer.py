@@ -56,8 +56,12 @@ class Trainer:
         return checkpointer(self.state, run_dir, cfg, info=self.logger.info, record=self.logger.log)
 
     def train_step(self) -> StepResult:
+        """One step, its values read at once: a caller driving steps one by one reads each (the
+        job loop reads once per logging interval instead: step_values.py)."""
         batch, wait = steps.next_batch(self.state)
-        return steps.train_step(self.state, batch, wait)
+        result = steps.train_step(self.state, batch, wait)
+        steps.read_steps(self.state.unread)
+        return result
 
     def validate(self) -> float:
         return steps.validate(self.state)

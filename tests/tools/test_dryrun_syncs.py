@@ -1,0 +1,129 @@
+"""The training step reads device values on the host at most once per logging interval.
+
+Each such read (`.item()`, `.tolist()`, `float(t)`, `if t`) is a sync on a GPU. The dry run
+proves it on the real step at any scale (fake tensors: a read they cannot answer is a device
+value); the CPU tests count the reads of a few real steps of the debug model, check the values
+read late are the values read at once, and that the non-finite guard judges late steps as it
+judged them one by one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ndtrain.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 3  # one logging interval of three steps
+ONE_READ = ["ndtrain/train/step_values.py"]  # where the interval's one read is
+
+
+def _dryrun(*args: str) -> dict:
+    done = subprocess.run([sys.executable, "-m", "ndtrain", "dryrun", "--world", "8", "--train.global_batch=16",
+                           "--steps", str(STEPS), "--json", *args], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("args, layout", [((), "dp_shard=8"), (("--parallel.tp=2",), "dp_shard=4 x tp=2")])
+def test_dry_run_reads_once_per_logging_interval(args, layout):
+    out = _dryrun(*args)
+    assert out["layout"] == layout
+    assert out["host_sync_steps"] == STEPS
+    assert out["host_syncs"] <= 1 and out["host_syncs_per_step"] <= 1 / STEPS, out["host_sync_lines"]
+    # The one read is the interval's, not the step's: the step itself reads no device value.
+    assert [line.split(":")[0] for line in out["host_sync_lines"]] == ONE_READ
+    assert out["host_reads"] == []
+
+
+def _trainer(corpus_dir, **optimizer):
+    from ndtrain.train.trainer import Trainer
+
+    cfg = load_config(None, {"model": {"preset": "debug"}, "data": {"path": str(corpus_dir), "seq_len": 32},
+                             "optimizer": {"grad_clip": 0.05, **optimizer},  # the clip acts on every step
+                             "train": {"global_batch": 4, "micro_batch": 2, "seed": 3},
+                             "logging": {"tensorboard": False, "progress": "off"}})
+    return Trainer(cfg, run_dir=None, log=False)
+
+
+def _interval(trainer, steps: int):
+    """`steps` steps as the job loop runs them between logging steps, then its read, counted."""
+    from ndtrain.tools.dryrun_syncs import HostReads
+    from ndtrain.train import step as step_module
+
+    state = trainer.state
+    with HostReads() as reads:
+        results = [step_module.train_step(state, *step_module.next_batch(state)) for _ in range(steps)]
+        step_module.read_steps(state.unread)
+    return reads, results
+
+
+@pytest.mark.timeout(300)
+def test_cpu_steps_read_once_and_late_values_equal_prompt_ones(corpus_dir):
+    late, prompt = _trainer(corpus_dir), _trainer(corpus_dir)
+    try:
+        reads, results = _interval(late, STEPS)
+        assert reads.count == 1 and reads.where[0].startswith(ONE_READ[0]), reads.where
+        per_step = [prompt.train_step() for _ in range(STEPS)]  # the Trainer API reads each at once
+        for a, b in zip(results, per_step):
+            assert (a.loss, a.grad_norm, a.skipped) == (b.loss, b.grad_norm, b.skipped)
+            assert a.grad_norm > 0.05  # clipped: the device-side clip factor was below 1
+        for p, q in zip(late.state.params, prompt.state.params):
+            assert torch.equal(p.detach(), q.detach())
+    finally:
+        late.close()
+        prompt.close()
+
+
+@pytest.mark.timeout(300)
+def test_an_optimizer_without_a_device_skip_reads_every_step(corpus_dir):
+    """foreach AdamW cannot skip an update on a device flag: its steps read at once (the counter
+    sees them, so the test above could fail)."""
+    trainer = _trainer(corpus_dir, implementation="foreach")
+    try:
+        reads, _ = _interval(trainer, STEPS)
+        assert reads.count == STEPS, reads.where
+    finally:
+        trainer.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_nonfinite_step_is_skipped_on_the_device(corpus_dir):
+    from ndtrain.train import step as step_module
+
+    trainer = _trainer(corpus_dir)
+    try:
+        trainer.train_step()
+        state = trainer.state
+        before = [p.detach().clone() for p in state.params]
+        moments = [s["exp_avg"].clone() for s in state.optimizer.state.values()]
+        original = step_module.forward_backward
+
+        def poisoned(*args):
+            total = original(*args)
+            state.params[0].grad.fill_(float("nan"))
+            return total
+
+        step_module.forward_backward = poisoned
+        try:
+            result = step_module.train_step(state, *step_module.next_batch(state))
+        finally:
+            step_module.forward_backward = original
+        assert result.unread  # decided without a read
+        assert result.skipped and result.grad_norm != result.grad_norm
+        assert all(torch.equal(a, p.detach()) for a, p in zip(before, state.params))
+        assert all(torch.equal(m, s["exp_avg"]) for m, s in zip(moments, state.optimizer.state.values()))
+        assert {int(s["step"]) for s in state.optimizer.state.values()} == {1}
+        assert not trainer.train_step().skipped  # and the next step updates
+        assert {int(s["step"]) for s in state.optimizer.state.values()} == {2}
+    finally:
+        trainer.close()

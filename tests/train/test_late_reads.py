@@ -1,0 +1,66 @@
+"""The job loop reads the steps' values once per logging interval (train/step_values.py): what
+needs every step's value judges the steps late, in order, with the same outcome."""
+
+from __future__ import annotations
+
+import pytest
+from ckpt_helpers import cfg_of, job, metrics
+
+from ndtrain.data.loader import StatefulLoader
+from ndtrain.train import step as step_mod, step_values
+from ndtrain.train.trainer import train
+
+
+def _poison(monkeypatch, poisoned: set[int], seen: list):
+    """Steps whose batch holds a poisoned sample id get NaN gradients and loss."""
+    original_next, original_fb = StatefulLoader.next_batch, step_mod.forward_backward
+
+    def next_batch(self, global_batch):
+        batch = original_next(self, global_batch)
+        self._last_ids = set(batch.global_ids.tolist())
+        return batch
+
+    def forward_backward(state, inputs, targets, micro):
+        total = original_fb(state, inputs, targets, micro)
+        seen.append(state.loader._last_ids)
+        if state.loader._last_ids & poisoned:
+            for p in state.params:
+                p.grad.mul_(float("nan"))
+            return float("nan")
+        return total
+
+    monkeypatch.setattr(StatefulLoader, "next_batch", next_batch)
+    monkeypatch.setattr(step_mod, "forward_backward", forward_backward)
+
+
+@pytest.mark.timeout(120)
+def test_nonfinite_steps_judged_at_the_logging_read_roll_back_the_same_window(parity_base, tmp_path, monkeypatch):
+    # gb 4: step k takes samples [4(k-1), 4k). Steps 5 and 6 are poisoned; with log_interval and
+    # checkpoints every 4 steps nothing reads them before step 8, where the guard judges 5-8 in
+    # order: 5 skipped, 6 the second in a row -> back to step 4's checkpoint, [16, 24) skipped.
+    seen: list[set[int]] = []
+    _poison(monkeypatch, {17, 22}, seen)
+    run = tmp_path / "run"
+    reads = []
+    real = step_values.read_steps
+
+    def counted(queue):
+        if queue:
+            reads.append([r.step for r in queue])
+        return real(queue)
+
+    monkeypatch.setattr(step_values, "read_steps", counted)
+    summary = train(cfg_of(job(parity_base, run, train={"steps": 8, "global_batch": 4, "nonfinite_skip": 2,
+                                                       "log_interval": 4},
+                               checkpoint={"interval_steps": 4})))
+    assert summary["steps"] == 8
+    events = [r for r in metrics(run) if "event" in r][1:-1]  # less each attempt's start and end rows
+    assert [e["event"] for e in events] == ["nonfinite", "nonfinite", "rollback", "skip_window"]
+    assert [e["step"] for e in events[:2]] == [5, 6]  # the bad steps' own numbers, judged at step 8
+    assert events[2]["skip_window"] == [16, 24]
+    # Read once per interval: steps 1-4, 5-8 (rolled back from 6), the replayed 5-8.
+    assert reads == [[1, 2, 3, 4], [5, 6, 7, 8], [5, 6, 7, 8]]
+    replayed = seen[-4:]
+    assert sorted(i for ids in replayed for i in ids) == list(range(24, 40))
+    rows = [r for r in metrics(run) if "loss" in r]
+    assert [r["step"] for r in rows] == [4, 8] and rows[-1]["loss"] == rows[-1]["loss"]
