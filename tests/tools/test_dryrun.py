@@ -67,6 +67,31 @@ def test_rank_all_reports_each_role_and_the_worst():
     assert out["worst_rank"] == 0 and out["peak_memory_bytes"] == max(r["peak_memory_bytes"] for r in out["roles"])
 
 
+def run_json(*args: str) -> dict:
+    done = dryrun(*args, "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def model_bytes(**overrides) -> int:
+    """The whole model's parameters in fp32, as every DDP rank holds them."""
+    return local_param_bytes(1, 0, **overrides)
+
+
+def test_ddp_runs_on_the_ddp_reducer():
+    """dp_replicate alone: torch's DDP reducer (the composable `replicate`), as a real run of this
+    layout takes it; every rank holds the whole model and all-reduces whole gradients."""
+    out = run_json("--world", "4", "--train.global_batch=8", "--parallel.dp_shard=1", "--parallel.dp_replicate=4")
+    assert out["layout"] == "dp_replicate=4"
+    mem, whole = out["memory_bytes"], model_bytes()
+    assert mem["parameters"] == whole and mem["gradients"] == whole  # gradients: views of the reducer's buckets
+    colls = out["collective_bytes"]
+    assert set(colls) == {"all_reduce", "broadcast"}  # no FSDP gather or reduce-scatter
+    # The buckets' gradients, plus the step's few fp32 scalars (loss and norm: under 64 bytes).
+    assert 0 <= colls["all_reduce"]["dp_replicate"]["input_bytes"] - whole < 64
+    assert colls["broadcast"]["dp_replicate"]["input_bytes"] == whole  # DDP's start: rank 0's values
+
+
 @pytest.mark.parametrize("args, says", [
     (["--world", "4", "--rank", "4"], "--rank must be in 0..3"),
     (["--world", "4", "--rank", "first"], "--rank must be an integer or 'all'"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import weakref
 
 from ndtrain.compat.torch import PRIVATE, require
 
@@ -39,7 +40,8 @@ def op_watcher(on_op):
 
     class OpWatcher(base):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return on_op(func, args, kwargs or {})
+            out = on_op(func, args, kwargs or {})
+            return _with_result(out) if func.namespace == "c10d" else out
 
     return OpWatcher()
 
@@ -98,3 +100,61 @@ def count_cpu_attention_flops() -> None:
     if backward not in flop_registry:
         register_flop_formula(backward)(
             lambda grad, q, k, v, *_, out_shape=None, **__: sdpa_backward_flop_count(grad, q, k, v))
+
+
+@contextlib.contextmanager
+def swappable_fake_parameters():
+    """Module.to_empty swaps a fake parameter for its materialised one in place (torch swaps
+    whenever a parameter is fake), so that what holds the parameter object (DDP's reducer, set
+    up before materialising as a real run sets it up) holds the materialised one. The swap
+    refuses a tensor that has a weak reference, and the fake mode's memo of converted tensors
+    keeps one to each parameter. Only for the swap, the two tensors leave that memo: it serves
+    converting the same real tensor twice, which no parameter is."""
+    import torch.utils
+
+    require("fake_tensor_memo")
+    swap = torch.utils.swap_tensors
+
+    def swap_tensors(t1, t2):
+        for t in (t1, t2):
+            mode = getattr(t, "fake_mode", None)
+            if mode is None:
+                continue
+            memo = mode.fake_tensor_converter.tensor_memo
+            for key in [r.key for r in weakref.getweakrefs(t) if isinstance(r, weakref.KeyedRef)]:
+                memo.pop(key, None)
+        return swap(t1, t2)
+
+    torch.utils.swap_tensors = swap_tensors
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = swap
+
+
+def _with_result(out):
+    """A c10d collective's (outputs, work) with a work whose future holds the outputs, as a real
+    backend's does. The fake backend's future holds nothing, and DDP's reducer reads the reduced
+    bucket from it (torch asserts a tensor there)."""
+    import torch
+
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.ScriptObject)):
+        return out
+    done = torch.futures.Future()
+    done.set_result(out[0])
+    return out[0], require("work_from_future")(done).boxed()
+
+
+@contextlib.contextmanager
+def ddp_without_shape_check():
+    """DDP checks at its start that every rank holds parameters of the same shapes: a C++ gather
+    of the shapes written into a tensor's data, which a fake tensor has none of. One process
+    holds the only rank there is to compare, so the check is left out for the dry run."""
+    key = "ddp_verify_shapes"
+    check = require(key)
+    owner = importlib.import_module(PRIVATE[key].module)
+    setattr(owner, PRIVATE[key].attr, lambda *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        setattr(owner, PRIVATE[key].attr, check)

@@ -129,7 +129,12 @@ PRIVATE: dict[str, Private] = {
                                  ("fake_tensor", "torch._subclasses.fake_tensor", "FakeTensor"),
                                  ("dtensor_shape_inference", "torch.distributed.tensor._sharding_prop",
                                   "ShardingPropagator._propagate_tensor_meta_non_cached"),
-                                 ("unset_fake", "torch._subclasses.fake_tensor", "unset_fake_temporarily"))},
+                                 ("unset_fake", "torch._subclasses.fake_tensor", "unset_fake_temporarily"),
+                                 ("fake_tensor_memo", "torch._subclasses.fake_tensor",
+                                  "FakeTensorConverter.tensor_memo"),
+                                 ("work_from_future", "torch._C._distributed_c10d", "_create_work_from_future"),
+                                 ("ddp_verify_shapes", "torch.nn.parallel.distributed",
+                                  "_verify_param_shape_across_processes"))},
     "flex_validate_device": _p("torch.nn.attention.flex_attention", "_validate_device",
                                "tests only: running flex attention's backward on CPU", "the tests that use it fail"),
 }

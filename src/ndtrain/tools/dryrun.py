@@ -76,7 +76,8 @@ def run_rank(cfg, world: int, rank: int, steps: int = 1) -> dict:
     """Builds rank `rank` of `world` and trains one step; what it measured. `steps` > 1: that many
     steps make one logging interval whose host syncs are counted (dryrun_syncs.py)."""
     from ndtrain.compat.fake import (count_cpu_attention_flops, dtensor_shape_inference, fake_tensor_mode,
-                                     init_fake_group, op_watcher)
+                                     ddp_without_shape_check, init_fake_group, op_watcher,
+                                     swappable_fake_parameters)
     from ndtrain.tools.dryrun_syncs import HostReads, answer_host_probes, finish_interval
     from ndtrain.tools.dryrun_watch import Watch, enter_shadow, leave_shadow, watching_resize
     from ndtrain.parallel.dims import build_mesh
@@ -91,7 +92,8 @@ def run_rank(cfg, world: int, rank: int, steps: int = 1) -> dict:
     watch = Watch()
     answer_host_probes()
     shadow = dtensor_shape_inference(lambda: enter_shadow(watch), lambda: leave_shadow(watch))
-    with fake_tensor_mode(), op_watcher(watch.on_op), watching_resize(watch), shadow:
+    with fake_tensor_mode(), op_watcher(watch.on_op), watching_resize(watch), shadow, \
+            swappable_fake_parameters(), ddp_without_shape_check():
         state = build(cfg, layout, train_set=SyntheticTokens(cfg.model.vocab_size, 0), mesh=mesh)
         params = watch.serials(state.params)
         grads: set = set()
