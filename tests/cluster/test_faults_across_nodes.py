@@ -123,3 +123,28 @@ def test_a_frozen_node_is_named_within_the_step_deadline(make_cluster, guard, pa
     assert len(said) == 1 and f"exceeded train.step_deadline_s={deadline_s}" in said[0], started.all_logs()
     print(said[0])
     assert "waiting on rank 1 on host node2, which stopped answering" in said[0], said[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_frozen_rendezvous_node_is_named_by_the_other(make_cluster, guard, parity_base):
+    """node1 holds rank 0 and the group's store: frozen, nobody can read a heartbeat. Rank 1's
+    watchdog still fires (its reads of the store are bounded: a frozen process's kernel accepts
+    the connection and never answers) and names node1. node2's agent is not waited for: its
+    rendezvous store is on node1 too (torchrun's own wait, as with a cut link)."""
+    c = make_cluster(2)
+    deadline_s = 20
+    started, run_dir = _start(c, parity_base, ["--train.steps=100000", f"--train.step_deadline_s={deadline_s}",
+                                               "--train.timeout_s=300"])
+    try:
+        _until_step(run_dir, 3, started, guard(120))
+        c.nodes[0].freeze()
+        said_s = _until_said(started, "node2", "ndtrain watchdog: rank 1 ", guard(deadline_s + 60))
+    finally:
+        c.nodes[0].thaw()
+        started.kill()
+    said = [ln for ln in started.log("node2").splitlines() if ln.startswith("ndtrain watchdog: rank 1 ")]
+    print(f"node1 frozen; node2's watchdog line {said_s} s after the freeze: {said}")
+    assert said_s is not None and len(said) == 1, started.all_logs()
+    assert f"exceeded train.step_deadline_s={deadline_s} s, the group's store at node1:" in said[0], said[0]
+    assert "rank 0's node (node1) stopped answering" in said[0], said[0]
