@@ -2,8 +2,9 @@
 timeout, one that outlasts it, and a frozen node. Each test prints the seconds from the fault
 to each node's exit (the figures of docs/launch.md's checklist come from these runs).
 
-Not here yet: a node killed whole (shrink, grow back, every sample once), a node at 50% CPU
-(the named straggler) and rate-limited links against the planner; the harness has each fault."""
+A node killed whole and back: test_node_lost_and_back.py; a slow node: test_slow_node.py; a
+preemption: test_preemption_across_nodes.py. Not here yet: rate-limited links against the
+planner (the harness has the fault)."""
 
 from __future__ import annotations
 
