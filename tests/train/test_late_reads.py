@@ -64,3 +64,47 @@ def test_nonfinite_steps_judged_at_the_logging_read_roll_back_the_same_window(pa
     assert sorted(i for ids in replayed for i in ids) == list(range(24, 40))
     rows = [r for r in metrics(run) if "loss" in r]
     assert [r["step"] for r in rows] == [4, 8] and rows[-1]["loss"] == rows[-1]["loss"]
+
+
+class _Event:
+    """A CUDA event stand-in on a host clock: record() stamps it, synchronize() is counted."""
+
+    now = 0.0
+    syncs = 0
+
+    def record(self):
+        self.at = _Event.now
+
+    def synchronize(self):
+        _Event.syncs += 1
+
+    def elapsed_time(self, end) -> float:
+        return (end.at - self.at) * 1e3  # ms, as CUDA's
+
+
+def test_cuda_busy_times_are_read_once_a_straggler_window():
+    """The straggler monitor's CUDA clock reads its events (a sync) when the window's mean is
+    taken, not at every step's end."""
+    import torch.nn as nn
+
+    from ndtrain.train.metrics import CudaBusyTimer
+    from ndtrain.train.recovery import StragglerMonitor
+
+    class Block(nn.Module):
+        seconds = 0.0  # what its forward takes on the stand-in clock
+
+        def forward(self, x):
+            _Event.now += self.seconds
+            return x
+
+    block = Block()
+    timer, monitor = CudaBusyTimer([block], event=_Event), StragglerMonitor(0.2, window=3)
+    _Event.syncs, full = 0, []
+    for busy in (0.5, 0.25, 0.75):
+        timer.start()
+        _Event.now += 1.0  # outside the block (a collective's wait): not busy
+        block.seconds = busy
+        block(None)
+        full.append(monitor.add(timer.stop(lazy=True)))
+    assert _Event.syncs == 0 and full == [False, False, True]
+    assert monitor.take_mean() == 0.5 and _Event.syncs == 3  # (0.5 + 0.25 + 0.75) / 3

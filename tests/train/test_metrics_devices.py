@@ -261,7 +261,8 @@ def test_cuda_stragglers_are_named_by_compute_not_wall_time(monkeypatch, parity_
             assert guard.after_step(types.SimpleNamespace(step=1, skipped=False, loss=1.0, grad_norm=1.0)) == "ok"
         finally:
             guard.close()
-        busy.append(guard.stragglers.samples[-1])  # a window of 2: the step is still in it
+        sample = guard.stragglers.samples[-1]  # a window of 2: the step is still in it,
+        busy.append(sample())  # its events read when the window ends (here, now)
     assert busy == pytest.approx([0.4, 0.4, 0.64, 0.4])
     monitor = recovery.StragglerMonitor(threshold=0.25, window=1, persist=1)
     assert monitor.judge(busy) == [(2, pytest.approx(1.6))]

@@ -160,8 +160,8 @@ class CpuBusyTimer:
     def start(self) -> None:
         self._t0 = thread_demand_s()
 
-    def stop(self) -> float:
-        return thread_demand_s() - self._t0
+    def stop(self, lazy: bool = False) -> float:
+        return thread_demand_s() - self._t0  # the CPU's clock: read at once, lazy or not
 
     def close(self) -> None:
         pass
@@ -174,8 +174,9 @@ class CudaBusyTimer:
     slowest peer in the step's collectives and so are the same on every rank; inside a block the
     stream runs only that rank's kernels (FSDP2's pre-forward hook, prepended to ours, has already
     made the stream wait for its all-gather before the start event). Collectives inside a block
-    (TP, CP's ring, EP's all-to-alls) are timed with it. Events are read at `stop`, after the
-    step's own host-device sync: no extra sync per block."""
+    (TP, CP's ring, EP's all-to-alls) are timed with it. The step itself never waits for the
+    device (train/step_values.py), so reading the events is a sync: `stop(lazy=True)` leaves it
+    to the caller, who reads a whole straggler window's steps at once."""
 
     def __init__(self, modules, event=None):
         self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
@@ -205,11 +206,16 @@ class CudaBusyTimer:
     def start(self) -> None:
         self._pairs, self._open = [], {}
 
-    def stop(self) -> float:
+    def stop(self, lazy: bool = False):
+        """The step's busy seconds; `lazy`: a callable that reads them when called."""
         pairs, self._pairs = self._pairs or [], None
-        if pairs:
-            pairs[-1][1].synchronize()  # done already: the step read its loss back
-        return sum(a.elapsed_time(b) for a, b in pairs) / 1e3  # elapsed_time is in ms
+
+        def busy() -> float:
+            if pairs:
+                pairs[-1][1].synchronize()  # the host waits for the step's last block
+            return sum(a.elapsed_time(b) for a, b in pairs) / 1e3  # elapsed_time is in ms
+
+        return busy if lazy else busy()
 
     def close(self) -> None:
         for h in self._hooks:

@@ -125,12 +125,14 @@ class StragglerMonitor:
         """K, the windows running that name a rank, is resilience.straggler_windows."""
         return cls(cfg.train.straggler_threshold, cfg.train.straggler_window, cfg.resilience.straggler_windows)
 
-    def add(self, busy_s: float) -> bool:
+    def add(self, busy_s) -> bool:
+        """`busy_s`: seconds, or a callable that reads them (a CUDA timer's events, read at the
+        window's end: one sync a window, not one a step)."""
         self.samples.append(busy_s)
         return len(self.samples) >= self.window
 
     def take_mean(self) -> float:
-        mean = sum(self.samples) / len(self.samples)
+        mean = sum(s() if callable(s) else s for s in self.samples) / len(self.samples)
         self.samples.clear()
         return mean
 
@@ -208,7 +210,7 @@ class Recovery:
         The non-finite guard needs each step's skip flag, a device value: it judges the steps
         since the last `read` (the job's logging steps and checkpoints; step_values.py), in order,
         and before a leave or stop ends the loop."""
-        busy = self.busy.stop()
+        busy = self.busy.stop(lazy=True)
         if self.watchdog:
             self.watchdog.disarm()
         self._unjudged.append((result, self._consumed_before, self.loader.consumed_samples))
