@@ -10,8 +10,10 @@ and the step's whole one (B_big = the global batch). With |G_B|^2 their squared 
 
 are unbiased; each is smoothed by its own EMA and B_noise = EMA(S) / EMA(|G|^2) (the ratio of
 EMAs, not the EMA of the noisy ratio). Cost: one more squared-norm pass over the gradients after
-the first micro-batch (the same work as the clipping norm), its scalar in the step's existing
-all-reduce, and on a GPU one more device-to-host read per step.
+the first micro-batch (the same work as the clipping norm) and its scalar in the step's existing
+all-reduce. No read of its own: both norms ride in the step's device vector, and the EMAs take
+each step's in order when the job loop reads them (train/step_values.py), once per logging
+interval and before every checkpoint save, so the checkpoint's EMAs are current.
 
 A decision changes the batch only at a checkpoint boundary and is recorded as a ramp point
 [tokens_seen, global_batch] in the checkpoint (progress.batch_points), which config

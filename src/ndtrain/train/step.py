@@ -2,7 +2,13 @@
 metrics row, a pipeline trace. `train_step(state, batch) -> StepResult` branches on the layout
 only where a dimension adds work: pipeline (pp > 1: the schedule runs the micro-batches),
 context parallel (cp > 1: a share of each sequence), tensor parallel (tp > 1: the vocab-parallel
-loss), FSDP (gradient sync per micro-batch) and fp8; and on the data for document masking."""
+loss), FSDP (gradient sync per micro-batch) and fp8; and on the data for document masking.
+
+The step reads no device value on the host: on a GPU each read (`float(t)`, `.item()`,
+`.tolist()`, `if t`) waits for every kernel queued before it and leaves the device idle while the
+host catches up. Its loss, gradient norm and skip flag stay on the device (step_values.py) until
+the job loop reads them, once per logging interval; clipping and the non-finite skip act on the
+device (`update`)."""
 
 from __future__ import annotations
 
@@ -153,7 +159,8 @@ def start_noise_scale(state: TrainState) -> NoiseScale:
 
 def train_step(state: TrainState, batch, data_wait_s: float = 0.0) -> StepResult:
     """One optimizer step on `batch` (next_batch's; `data_wait_s`: what fetching it took, counted
-    in the step's time). Advances state.progress; a non-finite step skips its update."""
+    in the step's time). Advances state.progress; a non-finite step skips its update. Returns
+    with its values unread (StepResult reads them when asked), its work possibly still queued."""
     cfg, rt, progress = state.cfg, state.rt, state.progress
     t0, cpu0 = time.perf_counter(), time.process_time()
     reset_peak_memory(rt.device)  # each step's row reports that step's peak
