@@ -45,6 +45,14 @@ def test_dry_run_reads_once_per_logging_interval(args, layout):
     assert out["host_reads"] == []
 
 
+def test_steps_below_one_is_one_line_and_exit_2():
+    done = subprocess.run([sys.executable, "-m", "ndtrain", "dryrun", "--world", "4", "--steps", "0"],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
+                          timeout=300)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == ["ndtrain dryrun: error: --steps must be >= 1, got 0"], done.stderr
+
+
 def _trainer(corpus_dir, **optimizer):
     from ndtrain.train.trainer import Trainer
 
