@@ -157,7 +157,12 @@ def test_a_checkpoints_shares_for_another_layout_are_dropped_with_a_line():
     assert progress.batch_shares is None and loader.shares == ([3.0, 1.0], 4)
     progress.batch_shares = [0.25, 0.75]  # a rollback to a checkpoint that recorded a re-balance
     assert bal.sync() is None and loader.shares == ([0.25, 0.75], 4)
-    assert TrainProgress().load_state_dict(progress.state_dict()) is None
+    resumed = TrainProgress()
+    resumed.load_state_dict(progress.state_dict())  # the checkpoint keeps the decided shares
+    assert resumed.batch_shares == [0.25, 0.75]
+    older = {k: v for k, v in progress.state_dict().items() if k != "batch_shares"}
+    resumed.load_state_dict(older)  # a checkpoint from before the key: the config's shares
+    assert resumed.batch_shares is None
 
 
 # ---- balance = "plan" -------------------------------------------------------------------------
@@ -219,3 +224,17 @@ def test_shares_that_do_not_fit_the_world_stop_the_command_in_one_line(tmp_path,
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and "parallel.batch_shares" in lines[0] and "data-parallel degree is 1" in lines[0], err
     assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_config_check_and_the_launchers_resolve_refuse_shares_for_another_world():
+    from ndtrain.parallel.dims import resolve
+    from ndtrain.tools.config_check import check_config
+
+    cfg = load_config(None, {"parallel": {"batch_shares": [3, 1]}, "train": {"global_batch": 16, "micro_batch": 8}})
+    with pytest.raises(ConfigError, match="has 2 entries but the data-parallel degree is 4") as exc:
+        check_config(cfg, 4, build=False)
+    assert exc.value.key == "parallel.batch_shares"
+    with pytest.raises(ConfigError, match="data-parallel degree is 4"):
+        resolve(cfg.parallel, 4, cfg.model, cfg.data.seq_len, cfg.train)  # what `train --nproc 4` resolves first
+    assert resolve(cfg.parallel, 2, cfg.model, cfg.data.seq_len, cfg.train).dp == 2
+    check_config(cfg, 2, build=False)

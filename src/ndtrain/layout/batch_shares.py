@@ -94,6 +94,17 @@ def shares_problem(weights: list[float], dp: int, batches: list[int], micro_batc
     return None
 
 
+def check_shares(weights: list[float], dp: int, batches: list[int], micro_batch: int,
+                 key: str = "parallel.batch_shares") -> None:
+    """shares_problem as the one-line refusal naming `key` (the launcher, `config check --world`
+    and the run's start all call this)."""
+    why = shares_problem(weights, dp, batches, micro_batch)
+    if why:
+        from ndtrain.errors import ConfigError
+
+        raise ConfigError(key, why)
+
+
 def from_speeds(speeds: list[float]) -> list[float]:
     """Weights from per-rank speeds (rows per second), scaled to sum to 1 and rounded to 4
     places: stable in a checkpoint and in a printed line."""

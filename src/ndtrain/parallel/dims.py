@@ -25,7 +25,12 @@ def resolve(par, world_size: int, model: ModelConfig, seq_len: int = 0, train=No
     from ndtrain.config import layout_batches
 
     batches = layout_batches(train) if train is not None else None
-    return check_layout(lay, model, world_size, seq_len or None, batches)
+    lay = check_layout(lay, model, world_size, seq_len or None, batches)
+    if train is not None and getattr(par, "batch_shares", None):  # uneven shares need the dp degree
+        from ndtrain.layout.batch_shares import check_shares
+
+        check_shares(list(par.batch_shares), lay.dp, batches, train.micro_batch)
+    return lay
 
 
 VIEWS = {  # flattened dimensions, by the name callers use

@@ -37,6 +37,10 @@ def check_config(cfg: JobConfig, world: int, build: bool = True) -> tuple[Layout
         more = f" (and {len(found) - 1} more: {', '.join(sorted({p.key for p in found[1:]}))})" if len(found) > 1 else ""
         raise ConfigError(found[0].key, f"{found[0]}{more}")
     lay = resolve(lay, world)
+    if cfg.parallel.batch_shares:  # uneven shares need the data-parallel degree
+        from ndtrain.layout.batch_shares import check_shares
+
+        check_shares(list(cfg.parallel.batch_shares), lay.dp, layout_batches(cfg.train), cfg.train.micro_batch)
     ranks = stage_plan(cfg, lay)
     if build:
         for r in ranks:

@@ -27,7 +27,7 @@ import torch
 
 from ndtrain.config import global_batch_at, layout_batches
 from ndtrain.errors import ConfigError
-from ndtrain.layout.batch_shares import rebalance, share_rows, shares_problem
+from ndtrain.layout.batch_shares import check_shares, rebalance, share_rows, shares_problem
 
 
 def _pool_kinds(text: str) -> list[str]:
@@ -78,9 +78,7 @@ def initial_weights(cfg, layout, dp: int) -> list[float] | None:
         weights, key = list(p.batch_shares), "parallel.batch_shares"
     else:
         return None
-    why = shares_problem(weights, dp, layout_batches(cfg.train), cfg.train.micro_batch)
-    if why:
-        raise ConfigError(key, why)
+    check_shares(weights, dp, layout_batches(cfg.train), cfg.train.micro_batch, key)
     return weights
 
 
