@@ -230,8 +230,7 @@ def _local_batch(global_batch: int, dp_size: int) -> int:
 
 
 class StatefulLoader:
-    # (weights per dp rank, micro_batch) of uneven shares (set_shares); None: equal slices. A class
-    # default, so subclasses with their own __init__ (MixtureLoader) start equal too.
+    # set_shares' (weights per dp rank, micro_batch), None: equal slices (a class default: MixtureLoader too)
     shares: tuple[list[float], int] | None = None
 
     def __init__(self, dataset, seq_len: int, seed: int, dp_rank: int = 0, dp_size: int = 1):
@@ -283,10 +282,13 @@ class StatefulLoader:
         equal slices). Batches prefetched under the old shares are dropped."""
         new = None if weights is None else (list(weights), int(micro_batch))
         if new != self.shares:
-            for f in self._ahead.values():
-                f.cancel()
-            self._ahead.clear()
+            self._drop_ahead()
         self.shares = new
+
+    def _drop_ahead(self) -> None:
+        for f in self._ahead.values():
+            f.cancel()
+        self._ahead.clear()
 
     def batch_at(self, consumed: int, global_batch: int) -> Batch:
         """This rank's share of samples [consumed, consumed + global_batch): a pure function."""
@@ -358,9 +360,7 @@ class StatefulLoader:
             raise NdtrainError(f"checkpoint data loader has order {order!r}; this ndtrain knows orders "
                                f"{ORDER_PERMUTATION} and {ORDER_KEYED} (a newer ndtrain wrote it)")
         if order != self.order:
-            for f in self._ahead.values():  # prefetched in the other order
-                f.cancel()
-            self._ahead.clear()
+            self._drop_ahead()  # prefetched in the other order
         self.order = order
         self.consumed_samples = _check_int("consumed_samples", consumed, 0)
 
