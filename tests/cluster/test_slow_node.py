@@ -2,7 +2,8 @@
 CPU quota), while a 2-node run trains. The straggler monitor compares each rank's busy time per
 step (its training thread's CPU time plus its wait for a CPU: a throttled node does the same work
 in the same CPU time, so CPU time alone would not see it) and names rank 1 on host node2, never
-rank 0; with resilience.on_straggler=log (the default) the run goes on to the end.
+rank 0; then the policy: with resilience.on_straggler=log (the default) the run goes on to the
+end as it was, with exclude node2 is taken out and node1 finishes alone.
 
 The quota is half of the share of one CPU a busy process gets on this host at the test's start
 (measured): on a loaded shared host a fixed 50% of a CPU may be more than a process gets anyway,
@@ -33,7 +34,10 @@ def _share_of_a_cpu() -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_a_node_at_half_the_cpu_is_named_the_straggler_with_its_host(make_cluster, guard, parity_base):
+@pytest.mark.parametrize("policy", ["log", "exclude"])
+def test_a_node_at_half_the_cpu_is_named_the_straggler_with_its_host(make_cluster, guard, parity_base, policy):
+    """log: named, and the run goes on as it was. exclude (an elastic job, --nnodes=1:2 with
+    restarts): node2 is taken out at the step it is named, and node1 finishes alone."""
     from ndtrain.config import load_config, to_toml
 
     c = make_cluster(2)
@@ -43,17 +47,36 @@ def test_a_node_at_half_the_cpu_is_named_the_straggler_with_its_host(make_cluste
     config = c.shared / "train.toml"
     config.write_text(to_toml(load_config(None, base)))
     run_dir = c.shared / "run"
-    codes, started = scenario.train_across(
-        c, config, run_dir, 1, guard(240),
-        extra=[f"--train.steps={STEPS}", f"--train.straggler_window={WINDOW}", "--resilience.straggler_windows=2"])
-    assert codes == {"node1": 0, "node2": 0}, started.all_logs()
+    args = ["--config", str(config), f"--train.output_dir={run_dir}", "--logging.progress=off",
+            f"--train.steps={STEPS}", f"--train.straggler_window={WINDOW}", "--resilience.straggler_windows=2",
+            f"--resilience.on_straggler={policy}", "--resilience.min_world=1"]
+    elastic = {}
+    if policy == "exclude":
+        elastic = {"nnodes": "1:2", "max_restarts": 3, "launcher_args": [
+            "--monitor-interval=0.5", f"--rdzv-conf=last_call_timeout={guard(2):.0f},keep_alive_interval=1,"
+                                      f"keep_alive_max_attempt=3,join_timeout={guard(300):.0f}"]}
+    started = scenario.agents.start_agents(c, 1, args, **elastic)
+    try:
+        codes = started.wait(guard(300))
+    finally:
+        started.kill()
     rows = scenario.metric_rows(run_dir)
     busy = [(r["step"], [round(b, 3) for b in r["rank_busy_s"]]) for r in rows if "rank_busy_s" in r]
     named = [r for r in rows if r.get("event") == "straggler"]
-    print(f"share of a CPU measured {share:.2f}, node2 quota {0.5 * share:.2f} of a CPU; busy s/step per window "
-          f"(rank 0, rank 1): {busy}; named: {[(r['step'], r['rank'], r['host'], round(r['ratio'], 2)) for r in named]}")
-    assert len(busy) == STEPS // WINDOW, busy
-    # Two windows running name a rank: windows 2..5 each name it again while it stays slow.
-    assert named and {(r["rank"], r["host"]) for r in named} == {(1, "node2")}, (busy, named)
+    excluded = [(r["step"], r["host"], r["ranks"]) for r in rows if r.get("event") == "exclude"]
+    print(f"{policy}: share of a CPU measured {share:.2f}, node2 quota {0.5 * share:.2f} of a CPU; busy s/step per "
+          f"window (rank 0, rank 1): {busy}; named: {[(r['step'], r['rank'], r['host'], round(r['ratio'], 2)) for r in named]}; "
+          f"excluded: {excluded}; exit codes {codes}")
+    # Two windows running name a rank: every later window names it again while it stays slow.
+    assert named and {(r["rank"], r["host"]) for r in named} == {(1, "node2")}, (busy, named, started.all_logs())
     lines = [ln for ln in started.log("node1").splitlines() if "straggler: rank" in ln]
     assert lines and all("straggler: rank 1 on host node2 is " in ln for ln in lines), started.all_logs()
+    assert max(r["step"] for r in rows if "loss" in r) == STEPS
+    if policy == "log":
+        assert codes == {"node1": 0, "node2": 0}, started.all_logs()
+        assert len(busy) == STEPS // WINDOW and not excluded, (busy, excluded)
+    else:
+        assert codes["node1"] == 0 and codes["node2"] != 0, started.all_logs()  # its agent left on the signal
+        assert excluded == [(named[0]["step"], "node2", [1])], excluded
+        starts = [r["world"] for r in rows if r.get("event") in ("start", "restart")]
+        assert starts == [2, 1], starts
