@@ -166,18 +166,41 @@ def test_a_checkpoints_shares_for_another_layout_are_dropped_with_a_line():
 
 
 # ---- balance = "plan" -------------------------------------------------------------------------
+# Big enough per rank for the planner to see the kinds' peaks (the tiny model's step is overheads).
+PLANNED = {"model": {"preset": "llama3-1b"}, "data": {"seq_len": 2048}, "train": {"global_batch": 64, "micro_batch": 4}}
+
+
 def test_plan_weights_favour_the_faster_kind_in_rank_order():
     from ndtrain.layout import Layout
     from ndtrain.train.balance import plan_weights
 
-    cfg = load_config(None, {"model": {"preset": "tiny"}, "parallel": {"balance": "plan", "gpus": "1xa100-80,1xh100"}})
-    w = plan_weights(cfg, Layout(dp_replicate=2), dp=2)
-    assert w[1] == 1.0 and 0 < w[0] < 1  # the H100 (rank 1) is the fast one
+    cfg = load_config(None, {**PLANNED, "parallel": {"balance": "plan", "gpus": "1xa100-80,1xh100"}})
+    w = plan_weights(cfg, Layout(dp_replicate=2, mb=4), dp=2)
+    assert w[1] == 1.0 and 0.25 < w[0] < 0.5  # the H100 (rank 1) is the fast one
     with pytest.raises(ConfigError, match="names 2 data-parallel ranks but the data-parallel degree is 4"):
         plan_weights(cfg, Layout(dp_replicate=4), dp=4)
     bad = load_config(None, {"parallel": {"balance": "plan", "gpus": "1xh100,one a100"}})
     with pytest.raises(ConfigError, match="parallel.gpus.*bad item 'one a100'"):
         plan_weights(bad, Layout(dp_replicate=2), dp=2)
+
+
+def test_a_run_starts_with_the_shares_its_balance_mode_names():
+    from ndtrain.layout import Layout
+    from ndtrain.train.balance import initial_weights
+
+    lay = Layout(dp_replicate=2, mb=4)
+    assert initial_weights(load_config(None, {}), lay, 2) is None  # equal slices
+    given = load_config(None, {"parallel": {"batch_shares": [3, 1]}, "train": {"global_batch": 16, "micro_batch": 8}})
+    assert initial_weights(given, lay, 2) == [3.0, 1.0]
+    planned = load_config(None, {**PLANNED, "parallel": {"balance": "plan", "gpus": "1xh100,1xa100-80"}})
+    w = initial_weights(planned, lay, 2)
+    assert w[0] == 1.0 and 0.25 < w[1] < 0.5  # an A100 at about a third of an H100 (bf16 peaks 312 / 989)
+    # 4 rows at micro_batch 1: [3, 1], 3 micro-batches each, and the A100's rank has one row
+    tight = load_config(None, {**PLANNED, "train": {"global_batch": 4, "micro_batch": 1},
+                               "parallel": {"balance": "plan", "gpus": "1xh100,1xa100-80"}})
+    with pytest.raises(ConfigError, match="fewer than the 3 micro-batches") as exc:
+        initial_weights(tight, Layout(dp_replicate=2, mb=1), 2)
+    assert exc.value.key == "parallel.gpus"
 
 
 def test_the_planners_uneven_stage_split_is_what_the_runtime_partitions():
