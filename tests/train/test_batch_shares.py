@@ -141,6 +141,21 @@ def test_no_change_within_the_threshold_or_without_a_time():
     assert rebalance([16], [3.0], threshold=0.1) is None
 
 
+def test_the_straggler_monitor_compares_busy_time_at_the_mean_share():
+    """A rank given 12 of 16 rows is busy 1.5x the mean share's time by design: not a straggler."""
+    import torch
+    from types import SimpleNamespace
+
+    from ndtrain.train.balance import busy_at_mean_rows
+
+    fast = _loaders(None, 2, [3, 1])[0]
+    result = SimpleNamespace(sample_ids=torch.arange(12), extra={"global_batch": 16})
+    assert busy_at_mean_rows(1.5, fast, result) == pytest.approx(1.0)
+    assert busy_at_mean_rows(lambda: 3.0, fast, result)() == pytest.approx(2.0)  # a CUDA timer's lazy read
+    equal = _loaders(None, 2, None)[0]
+    assert busy_at_mean_rows(1.5, equal, SimpleNamespace(sample_ids=torch.arange(8), extra={"global_batch": 16})) == 1.5
+
+
 def test_a_checkpoints_shares_for_another_layout_are_dropped_with_a_line():
     from types import SimpleNamespace
 

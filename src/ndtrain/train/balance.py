@@ -82,6 +82,17 @@ def initial_weights(cfg, layout, dp: int) -> list[float] | None:
     return weights
 
 
+def busy_at_mean_rows(busy, loader, result):
+    """A rank's busy time (seconds, or a callable reading them) as if it had trained the mean
+    share's rows: with uneven shares a rank given more rows is busy longer by design, and the
+    straggler monitor must not name it for that. Unchanged with equal slices."""
+    ids = getattr(result, "sample_ids", None)  # tools and tests hand in results and loaders of their own
+    if getattr(loader, "shares", None) is None or ids is None or not len(ids):
+        return busy
+    scale = result.extra["global_batch"] / loader.dp_size / len(ids)
+    return (lambda: busy() * scale) if callable(busy) else busy * scale
+
+
 class ComputeClock:
     """Seconds spent inside `modules`' forwards while they train, summed until `take`."""
 

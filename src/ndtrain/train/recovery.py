@@ -27,6 +27,7 @@ from ndtrain.errors import NdtrainError
 from ndtrain.train import resilience
 from ndtrain.train.distributed import broadcast_object, gather_objects, restart_count, run_id
 from ndtrain.train.heartbeat import Heartbeat
+from ndtrain.train.balance import busy_at_mean_rows
 from ndtrain.train.metrics import busy_timer, peak_memory_mb
 from ndtrain.train.signals import Preemption
 
@@ -210,7 +211,7 @@ class Recovery:
         The non-finite guard needs each step's skip flag, a device value: it judges the steps
         since the last `read` (the job's logging steps and checkpoints; step_values.py), in order,
         and before a leave or stop ends the loop."""
-        busy = self.busy.stop(lazy=True)
+        busy = busy_at_mean_rows(self.busy.stop(lazy=True), self.loader, result)  # uneven shares: per mean share
         if self.watchdog:
             self.watchdog.disarm()
         self._unjudged.append((result, self._consumed_before, self.loader.consumed_samples))
