@@ -12,7 +12,8 @@
 
 Every floor may also use `errors`, and those that use torch (model, parallel, train) `compat`;
 train, data and config use `paths` (checks that an output path can be written, before work starts,
-and that a name is one path component).
+and that a name is one path component); train and parallel read the launcher's variables through
+`launch_env`, torch-free.
 Imports inside functions count like module-level ones, for the floors, for torch and for cycles
 between files: an import deferred into a function hides a cycle from Python, not from the reader.
 Each check is shown to fail on a small package with the violation in it.
@@ -31,9 +32,10 @@ ALLOWED = {
     "tools": None,  # anything
     "cli": None,  # dispatches by module name, imports nothing of the package at module level
     "__main__": None,
-    "train": {"train", "planner", "parallel", "model", "data", "layout", "config", "compat", "errors", "paths"},
+    "train": {"train", "planner", "parallel", "model", "data", "layout", "config", "compat", "errors", "paths",
+              "launch_env"},
     "planner": {"planner", "layout", "model", "errors"},
-    "parallel": {"parallel", "model", "layout", "config", "compat", "errors"},
+    "parallel": {"parallel", "model", "layout", "config", "compat", "errors", "launch_env"},
     "config": {"config", "model", "layout", "errors", "paths"},
     "data": {"data", "errors", "paths"},
     "layout": {"layout", "model", "errors"},
@@ -41,9 +43,10 @@ ALLOWED = {
     "compat": {"compat", "errors"},  # the one door to private torch (compat/torch.py), under every floor that uses torch
     "errors": {"errors"},
     "paths": {"paths", "errors"},  # up-front checks that a path can be written
+    "launch_env": {"launch_env", "errors"},  # the launcher's variables, read in one place
     "__init__": {"errors"},
 }
-TORCH_FREE = ("planner", "layout")  # nothing they reach, even inside a function, imports torch
+TORCH_FREE = ("planner", "layout", "launch_env")  # nothing they reach, even inside a function, imports torch
 
 
 def _module_name(path: Path, root: Path) -> str:

@@ -61,8 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         with _one_line_usage_errors():
             return int(getattr(module, func_name)(rest) or 0)
     except NdtrainError as exc:
-        # An error every rank agreed on is printed once, by rank 0.
-        if not (exc.all_ranks and os.environ.get("RANK", "0") != "0"):
+        # An error every rank agreed on is printed once, by rank 0 (a group formed: RANK is checked).
+        from ndtrain.launch_env import rank
+
+        if not exc.all_ranks or rank() == 0:
             print(f"ndtrain {name}: error: {_one_line(exc)}", file=sys.stderr)
         return exc.exit_code
     except OSError as exc:  # a path the checks up front could not foresee (a disk filling up, a race)

@@ -27,7 +27,7 @@ SAMPLE_LOG_ENV = "NDTRAIN_SAMPLE_LOG"
 
 
 def _attempt() -> int:
-    from ndtrain.train.distributed import restart_count
+    from ndtrain.launch_env import restart_count
 
     return restart_count()
 

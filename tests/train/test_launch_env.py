@@ -1,14 +1,20 @@
 """The launcher's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT): malformed, out of range, or left over in a shell without a launcher, each is one
 line naming the variable (exit 2), before torch is asked to form a group. The CLI side (one line,
-no traceback, nothing written) is in tests/cli/test_bad_input.py."""
+no traceback, nothing written) is in tests/cli/test_bad_input.py. Every other module asks
+ndtrain/launch_env.py for what it needs of them."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
+import ndtrain
+from ndtrain import launch_env as launch
 from ndtrain.errors import NdtrainError, UsageError
-from ndtrain.train.distributed import launch_env
+from ndtrain.launch_env import launch_env
 
 TORCHRUN = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x"}
@@ -19,6 +25,40 @@ def test_what_a_launcher_sets_is_read():
     got = launch_env(TORCHRUN)
     assert (got["WORLD_SIZE"], got["RANK"], got["LOCAL_RANK"], got["LOCAL_WORLD_SIZE"]) == (2, 1, 1, 2)
     assert launch_env({"WORLD_SIZE": "1", "RANK": "0"})["WORLD_SIZE"] == 1  # a harmless leftover
+
+
+def test_what_the_rest_of_ndtrain_asks_of_them():
+    agent = {**TORCHRUN, "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "3", "TORCHELASTIC_RESTART_COUNT": "2",
+             "TORCHELASTIC_MAX_RESTARTS": "5"}
+    asked = (launch.rank, launch.local_rank, launch.local_world_size, launch.given_a_rank, launch.under_launcher,
+             launch.group_rank, launch.agents, launch.restart_count, launch.restarts_left, launch.run_id,
+             launch.master_addr, launch.master_port)
+    assert [f(agent) for f in asked] == [1, 1, 2, True, True, 1, 3, 2, 3, "x", "127.0.0.1", 29500]
+    assert [f({}) for f in asked] == [0, 0, 1, False, False, 0, 1, 0, 0, "", "", None]  # one process, no launcher
+    assert launch.run_id({"TORCHELASTIC_RUN_ID": "none"}) == ""  # torchrun's word for no id
+    with pytest.raises(UsageError, match="RANK='x'"):
+        launch.rank({**TORCHRUN, "RANK": "x"})  # each variable in the form launch_env checks
+    stray = {"WORLD_SIZE": "4"}  # left in the shell of an `--nproc` launcher, whose workers never see it
+    assert launch.rank(stray) == 0 and launch.local_world_size(stray) == 1
+    with pytest.raises(UsageError, match="WORLD_SIZE=4 is set but RANK is not"):
+        launch_env(stray)  # only forming a group checks the variables against each other
+
+
+# Written by a launcher, read only by ndtrain/launch_env.py (parallel/launch.py, the test harness,
+# only sets them for its ranks).
+_NAME = r"""["'](RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|GROUP_RANK|GROUP_WORLD_SIZE|""" \
+    r"""TORCHELASTIC_\w+)["']"""
+LAUNCHER_VARIABLES = re.compile(rf"""\b(environ|env|getenv)(\.get\(|\[|\()\s*{_NAME}|{_NAME}\s+(not\s+)?in\s+(os\.)?environ""")
+
+
+def test_no_other_module_reads_the_launchers_variables():
+    for line in ("os.environ.get('RANK', '0')", '"RANK" not in os.environ', "env.get('MASTER_ADDR')",
+                 'os.getenv("LOCAL_RANK")', 'os.environ["TORCHELASTIC_RUN_ID"]'):
+        assert LAUNCHER_VARIABLES.search(line), line  # what the scan catches
+    src = Path(ndtrain.__file__).parent
+    readers = sorted(str(p.relative_to(src)) for p in src.rglob("*.py")
+                     if p != src / "launch_env.py" and LAUNCHER_VARIABLES.search(p.read_text()))
+    assert readers == [], readers
 
 
 @pytest.mark.parametrize("env, names", [

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import torch
 from torch import nn
 
 from ndtrain.compat.torch import dtensor_local, torch_logger
 from ndtrain.errors import ConfigError
+from ndtrain.launch_env import local_rank
 from ndtrain.layout.fp8 import converts
 from ndtrain.model.init import canonical_name
 from ndtrain.model.linear import Linear
@@ -79,7 +79,7 @@ def check_device(device: torch.device) -> None:
                       f"{capability[1]}: use 'bf16'")
     # Every rank of a node has the same GPUs, so each node's local rank 0 speaks for it (an error
     # marked all_ranks is printed by rank 0 only): one line per node, not one per GPU.
-    exc.all_ranks = os.environ.get("LOCAL_RANK", "0") != "0"
+    exc.all_ranks = local_rank() != 0
     raise exc
 
 

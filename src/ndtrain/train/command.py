@@ -13,16 +13,11 @@ import os
 import signal
 import sys
 
+from ndtrain import launch_env as launch
 from ndtrain.config import load_config
 from ndtrain.errors import UsageError
+from ndtrain.launch_env import under_launcher as _under_launcher
 from ndtrain.train.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, STOP_SIGNALS, TORCHRUN_KEEPS, LauncherSignals, hold
-
-
-def _under_launcher() -> bool:
-    # distributed.py imports torch: deferred, so `ndtrain train` with bad input fails before that cost.
-    from ndtrain.train.distributed import under_launcher
-
-    return under_launcher()
 
 
 def launch_local(nproc: int, max_restarts: int, argv: list[str]) -> int:
@@ -117,7 +112,7 @@ def _fit_to_data(cfg, overrides: list[str]):
     from ndtrain.train.rundir import LAUNCHER_ENV
 
     fitted, notes = fit_to_data(cfg, parse_overrides(overrides))
-    if os.environ.get("RANK", "0") == "0" and not os.environ.get(LAUNCHER_ENV):
+    if launch.rank() == 0 and not os.environ.get(LAUNCHER_ENV):
         for note in notes:
             print(f"ndtrain train: {note}", flush=True)
     return fitted
@@ -129,7 +124,7 @@ def _run(cfg) -> int:
     try:
         summary = train(cfg)  # resolves the plan for this world (train/plan.py), as the Python API does
     except KeyboardInterrupt as exc:  # Ctrl-C outside the loop's own handling (start-up, a failing collective)
-        if os.environ.get("RANK", "0") == "0":
+        if launch.rank() == 0:
             from ndtrain.train.checkpoint import list_checkpoints
             from ndtrain.train.rundir import checkpoint_root
 
@@ -141,7 +136,7 @@ def _run(cfg) -> int:
         if _under_launcher():
             os._exit(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
-    rank0 = os.environ.get("RANK", "0") == "0"
+    rank0 = launch.rank() == 0
     ckpt = summary.get("checkpoint")
     again = f"continue with --checkpoint.resume=auto --train.output_dir={summary['run_dir']}"
     if summary.get("interrupted"):
@@ -164,7 +159,7 @@ def _run(cfg) -> int:
     if summary.get("leave"):  # a host was taken out, its checkpoint saved: exit so the group re-forms
         from ndtrain.train.resilience import leave
 
-        leave(summary["leave"], int(os.environ.get("RANK", "0") or 0))
+        leave(summary["leave"], launch.rank())
     _destroy_groups()
     from ndtrain.train.job import closing_sample
 

@@ -17,7 +17,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ndtrain.errors import ConfigError, NdtrainError, UsageError
+from ndtrain.errors import ConfigError, NdtrainError
+# The launch environment's one reader; its names stay importable from here.
+from ndtrain.launch_env import launch_env, rank as env_rank, restart_count, run_id, under_launcher  # noqa: F401
 
 
 @dataclass
@@ -91,57 +93,10 @@ def default_allocator(environ=None) -> bool:
     return True
 
 
-def under_launcher() -> bool:
-    """This process is a worker that torchrun (or `ndtrain train --nproc`) started."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-
-
 def env_world_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return launch_env()["WORLD_SIZE"]
-
-
-_LAUNCH_INTS = {"WORLD_SIZE": 1, "RANK": 0, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1, "MASTER_PORT": 1}
-
-
-def launch_env(environ=None) -> dict[str, int]:
-    """The launcher's variables (torchrun's, or whoever sets them for env:// rendezvous), checked:
-    each an integer in range, RANK below WORLD_SIZE, LOCAL_RANK below LOCAL_WORLD_SIZE, and with
-    WORLD_SIZE > 1 the RANK, MASTER_ADDR and MASTER_PORT that forming the group needs. A variable
-    that is wrong, or left over in a shell without a launcher, is one line naming it (exit 2), not
-    torch's traceback or a wait for peers that never come. Returns the integers (defaults for
-    those unset: one process)."""
-    env = os.environ if environ is None else environ
-    how = ("torchrun sets it; to train in one process unset WORLD_SIZE, RANK, LOCAL_RANK and MASTER_*, "
-           "or start the ranks with torchrun or `ndtrain train --nproc N`")
-    out = {}
-    for name, low in _LAUNCH_INTS.items():
-        text = env.get(name)
-        if text is None or (text.strip() == "" and name != "WORLD_SIZE"):
-            continue
-        try:
-            value = int(text.strip())
-        except ValueError:
-            value = None
-        if value is None or value < low or (name == "MASTER_PORT" and value > 65535):
-            want = "a port number (1-65535)" if name == "MASTER_PORT" else f"an integer >= {low}"
-            raise UsageError(f"environment variable {name}={text!r} must be {want} ({how})")
-        out[name] = value
-    world = out.setdefault("WORLD_SIZE", 1)
-    rank = out.setdefault("RANK", 0)
-    if rank >= world:
-        raise UsageError(f"environment variable RANK={rank} must be below WORLD_SIZE={world} ({how})")
-    if out.get("LOCAL_RANK", 0) >= out.get("LOCAL_WORLD_SIZE", out.get("LOCAL_RANK", 0) + 1):
-        raise UsageError(f"environment variable LOCAL_RANK={out['LOCAL_RANK']} must be below "
-                         f"LOCAL_WORLD_SIZE={out['LOCAL_WORLD_SIZE']} ({how})")
-    if world > 1:
-        for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
-            if not (env.get(name) or "").strip():
-                raise UsageError(f"environment variable WORLD_SIZE={world} is set but {name} is not: the ranks "
-                                 f"cannot form a group ({how})")
-    out.setdefault("LOCAL_RANK", 0)
-    return out
 
 
 def setup(train_cfg) -> Runtime:
@@ -150,9 +105,9 @@ def setup(train_cfg) -> Runtime:
     (`device_id`): NCCL then forms its communicator at init rather than at the first collective,
     and `new_group` splits it instead of building each sub-group from scratch."""
     device_type, backend = choose_device(train_cfg.device, train_cfg.backend)
-    env = launch_env()
+    given = launch_env()
     world = env_world_size()
-    local_rank = env["LOCAL_RANK"]
+    local_rank = given["LOCAL_RANK"]
     if device_type == "cuda" and not torch.cuda.is_initialized():
         default_allocator()
     device = bind_device(device_type, local_rank)
@@ -162,7 +117,7 @@ def setup(train_cfg) -> Runtime:
         from ndtrain.train.host_address import choose_interface, group_failure_line
 
         # Before the group forms: a host whose name resolves to loopback would advertise it to peers.
-        said = choose_interface(world, env.get("LOCAL_WORLD_SIZE", world), backend)
+        said = choose_interface(world, given.get("LOCAL_WORLD_SIZE", world), backend)
         if said and local_rank == 0:
             print(said, file=sys.stderr, flush=True)
         started = time.monotonic()
@@ -171,13 +126,13 @@ def setup(train_cfg) -> Runtime:
         except (RuntimeError, ValueError) as exc:  # DistNetworkError / DistStoreError are RuntimeErrors
             from ndtrain.errors import RunError
 
-            raise RunError(group_failure_line(exc, env["RANK"], world, train_cfg.timeout_s,
+            raise RunError(group_failure_line(exc, given["RANK"], world, train_cfg.timeout_s,
                                               time.monotonic() - started)) from None
     rank = dist.get_rank() if dist.is_initialized() else 0
     if device.type == "cpu":
         if "OMP_NUM_THREADS" not in os.environ:
             # Ranks sharing a host share its cores; oversubscription is slower than 1 thread each.
-            local_world = env.get("LOCAL_WORLD_SIZE", world)
+            local_world = given.get("LOCAL_WORLD_SIZE", world)
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
         keep_freed_memory()
     return Runtime(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
@@ -242,7 +197,7 @@ def die_with_parent(expected_parent: int | None = None) -> None:
         gone = parent == 1 and in_child_pid_namespace() is False
     if gone:
         launcher = f"launcher (pid {expected_parent})" if expected_parent else "launcher"
-        print(f"ndtrain train: worker pid {os.getpid()} (rank {os.environ.get('RANK', '?')}): its {launcher} "
+        print(f"ndtrain train: worker pid {os.getpid()} (rank {env_rank()}): its {launcher} "
               f"exited before the worker could tie its life to it (its parent is now pid {parent}); "
               f"exiting rather than training without it", file=sys.stderr, flush=True)
         os._exit(1)
@@ -349,14 +304,4 @@ def peer_failure_message(exc: BaseException, peers: list[tuple[str, int]], rank:
     return (f"rank {rank}: lost a peer in a collective ({first}); another rank died or hung, see its log; "
             f"a restart resumes from the last checkpoint")
 
-
-# Here, not in recovery: resilience needs it too, and recovery imports resilience.
-def restart_count() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
-def run_id() -> str:
-    """torchrun's id of this job ('' when none): the same for every restart attempt."""
-    rid = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    return "" if rid == "none" else rid
 

@@ -19,6 +19,7 @@ import socket
 import struct
 
 from ndtrain.errors import UsageError
+from ndtrain.launch_env import master_addr, master_port
 
 _SIOCGIFFLAGS, _SIOCGIFADDR = 0x8913, 0x8915  # linux/sockios.h
 _IFF_UP, _IFF_LOOPBACK = 0x1, 0x8
@@ -91,7 +92,7 @@ def choose_interface(world: int, local_world: int, backend: str, environ=None) -
     if own and not is_loopback(own[0]):
         return None
     seen = own[0] if own else "nothing"
-    master = (env.get("MASTER_ADDR") or "").strip()
+    master = master_addr(env)
     master_addrs = [a for a in resolve(master) if not is_loopback(a)] if master else []
     ifaces = interfaces()
     if master_addrs:  # a peer node: the interface on the route to the master
@@ -129,7 +130,6 @@ def group_failure_line(exc: BaseException, rank: int, world: int, timeout_s: flo
     first line, and the likely cause."""
     import re
 
-    env = os.environ if environ is None else environ
     first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
     if elapsed_s >= 0.9 * timeout_s:
         when = f"within train.timeout_s={timeout_s:g}"
@@ -143,5 +143,5 @@ def group_failure_line(exc: BaseException, rank: int, world: int, timeout_s: flo
     else:
         hint = f"were all {world} ranks started (torchrun, or `ndtrain train --nproc N`)?"
     return (f"rank {rank} of WORLD_SIZE={world} could not form the process group at "
-            f"MASTER_ADDR={env.get('MASTER_ADDR')} MASTER_PORT={env.get('MASTER_PORT')} {when} "
+            f"MASTER_ADDR={master_addr(environ)} MASTER_PORT={master_port(environ)} {when} "
             f"({first[:200]}); {hint}")

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ndtrain.compat.torch import find
+from ndtrain.launch_env import local_world_size
 from ndtrain.planner import host_cache
 from ndtrain.planner.hardware import host_probe, probe_dir
 
@@ -227,7 +228,5 @@ def cpu_peak(dtype: torch.dtype) -> float | None:
     rate = probe["rates"]["bf16" if dtype in (torch.bfloat16, torch.float8_e4m3fn) else "fp32"]
     if dtype == torch.float8_e4m3fn:  # fp8 over bf16 at the probe's small shape
         rate *= probe["decisions"]["fp8_ratio"]
-    import os
-
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    local = local_world_size()
     return rate * min(torch.get_num_threads(), max(probe["key"]["cores"] / local, 1e-9))

@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 from dataclasses import dataclass
 
 from ndtrain.config import JobConfig
 from ndtrain.errors import ConfigError
+from ndtrain.launch_env import given_a_rank
 from ndtrain.layout import Layout
 from ndtrain.parallel import dims as pdims
 from ndtrain.train import plan_choices as choices
@@ -143,7 +143,7 @@ def _choose(cfg: JobConfig, world: int, hardware, measure_host: bool) -> tuple[J
                 setattr(getattr(work, section), key, list(value) if isinstance(value, tuple) else value)
 
     on_cpu = choices.on_cpu(cfg) and not cfg.parallel.auto_hardware
-    if measure_host and on_cpu and "RANK" not in os.environ:
+    if measure_host and on_cpu and not given_a_rank():  # a launcher's workers: their launcher probed
         from ndtrain.train.host_probe import ensure
 
         ensure()

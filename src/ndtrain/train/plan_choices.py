@@ -11,6 +11,7 @@ import sys
 
 from ndtrain.config import JobConfig
 from ndtrain.errors import NdtrainError
+from ndtrain.launch_env import rank
 
 
 def auto_hardware(cfg: JobConfig):
@@ -97,7 +98,7 @@ def host_choice(cfg: JobConfig, world_size: int, hardware_profile=None) -> dict 
         out["precision"] = _precision_choice(cfg, world_size, hardware_profile, found["native_bf16"], matmul)
         precision = out["precision"]["precision"]
         out["overrides"]["parallel"]["mixed_precision"] = precision
-    if precision == "fp8" and found["fp8_emulated"] and os.environ.get("RANK", "0") == "0" \
+    if precision == "fp8" and found["fp8_emulated"] and rank() == 0 \
             and not os.environ.get(FP8_WARNED_ENV):
         os.environ[FP8_WARNED_ENV] = "1"  # once: in this process, and in the workers a launcher starts
         print(f"warning: fp8 matmuls are emulated on this CPU (torch._scaled_mm at {100 * found['fp8_ratio']:.2g}% of "

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ndtrain.errors import NdtrainError
+from ndtrain.launch_env import agents, group_rank, local_rank, restarts_left, run_id
 from ndtrain.train.run_files import open_run_log, write_run_file
 
 EXIT_EXCLUDED = 73  # this rank's host was taken out: its agent leaves the rendezvous
@@ -57,21 +58,6 @@ def process_started() -> float | None:
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return None
-
-
-def group_rank() -> int:
-    """This worker's agent in the current rendezvous round (torchrun's GROUP_RANK)."""
-    return int(os.environ.get("GROUP_RANK", "0") or 0)
-
-
-def agents() -> int:
-    return int(os.environ.get("GROUP_WORLD_SIZE", "1") or 1)
-
-
-def restarts_left() -> int:
-    """Restarts the agents still have (torchrun sets TORCHELASTIC_MAX_RESTARTS for its workers)."""
-    total = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-    return total - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 @dataclass(frozen=True)
@@ -206,7 +192,7 @@ def _ledger(run_dir: Path) -> Path:
 
 
 def _marker(run_dir: Path) -> Path:
-    return _ledger(run_dir) / f"alive.{host_id()}.{int(os.environ.get('LOCAL_RANK', '0') or 0)}.json"
+    return _ledger(run_dir) / f"alive.{host_id()}.{local_rank()}.json"
 
 
 def strike(run_dir: Path, rank: int, why: str) -> None:
@@ -285,7 +271,7 @@ def leave(decision: Leave, rank: int) -> None:
     if decision.code == EXIT_EXCLUDED or rank == 0:
         print(f"ndtrain train: rank {rank}: {decision.reason}", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    if decision.code == EXIT_EXCLUDED and int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+    if decision.code == EXIT_EXCLUDED and local_rank() == 0:
         os.kill(os.getppid(), signal.SIGTERM)
         time.sleep(AGENT_GRACE_S)  # the agent stops its workers now; this exit is the fallback
     os._exit(decision.code)
@@ -295,8 +281,6 @@ def launch_id() -> str:
     """Who launched this attempt: torchrun's run id (the same for its restarts and re-rendezvous;
     `--standalone` draws a new one per launch), else a fresh id (a process with no agent is
     never restarted in place: each is a launch of its own). Each start row records it."""
-    from ndtrain.train.distributed import run_id
-
     return run_id() or f"process-{uuid.uuid4().hex[:12]}"
 
 

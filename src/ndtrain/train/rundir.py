@@ -22,6 +22,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from ndtrain import launch_env as launch
 from ndtrain.errors import ConfigError, NdtrainError
 from ndtrain.paths import check_creatable, component_problem
 from ndtrain.train.run_files import LOCK_NAME, RUN_ENTRIES, RUN_MARKER, check_entries, mark  # noqa: F401 (LOCK_NAME: read here by tests)
@@ -125,8 +126,7 @@ def check_derived(cfg, run_dir: Path) -> None:
     if component_problem(cfg.name):
         raise ConfigError("name", f"{component_problem(cfg.name)}: the run directory runs/<name>-<time> "
                                   f"would be {run_dir}, outside runs/")
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    raise NdtrainError(f"TORCHELASTIC_RUN_ID={run_id!r} would put the run directory at {run_dir}, outside "
+    raise NdtrainError(f"TORCHELASTIC_RUN_ID={launch.run_id()!r} would put the run directory at {run_dir}, outside "
                        f"runs/: give the launcher a plain run id (no '/'), or set --train.output_dir")
 
 
@@ -201,11 +201,9 @@ def default_run_dir(cfg) -> Path:
 def launcher_run_dir(cfg) -> Path | None:
     """runs/<name>-<rdzv id> under torchrun with a run id: the same directory on every restart
     attempt (a timestamp would give each attempt a new one, with no checkpoint to resume)."""
-    from ndtrain.train.distributed import run_id
-
-    if cfg.train.output_dir or not run_id():
+    if cfg.train.output_dir or not launch.run_id():
         return None
-    return Path("runs") / f"{cfg.name}-{run_id()}"
+    return Path("runs") / f"{cfg.name}-{launch.run_id()}"
 
 
 def group_run_dir(cfg) -> Path:

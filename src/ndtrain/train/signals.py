@@ -61,7 +61,7 @@ class Preemption:
         # A stopped worker exits next, with 143: a late signal must not turn that into -15. A
         # process that goes on (trainer.train called in-process) gets its handlers back; the CLI
         # holds them itself up to its exit (command._run).
-        from ndtrain.train.distributed import under_launcher
+        from ndtrain.launch_env import under_launcher
 
         if self.requested and under_launcher():
             return hold(self.SIGNALS)
