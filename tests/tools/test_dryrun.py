@@ -92,6 +92,37 @@ def test_ddp_runs_on_the_ddp_reducer():
     assert colls["broadcast"]["dp_replicate"]["input_bytes"] == whole  # DDP's start: rank 0's values
 
 
+PP = ("--world", "4", "--train.global_batch=8", "--parallel.pp=2", "--parallel.dp_shard=2", "--model.n_layers=4",
+      "--train.micro_batch=1", "--rank", "all")
+
+
+def check_pipeline_roles(out: dict) -> list[dict]:
+    """Each pipeline rank a role of its own (pp coordinates 0 and 1), the worst the largest peak;
+    activations go down the stages and gradients come back over pp."""
+    roles = out["roles"]
+    assert [r["rank"] for r in roles] == [0, 2] and [r["mesh_coordinates"]["pp"] for r in roles] == [0, 1]
+    assert out["peak_memory_bytes"] == max(r["peak_memory_bytes"] for r in roles)
+    assert out["rank"] == out["worst_rank"]
+    for r in roles:
+        colls = r["collective_bytes"]
+        assert colls["send"]["pp"]["calls"] >= 2 and colls["recv"]["pp"]["calls"] >= 2  # 4 micro-batches
+        assert r["operators"]["forward"] > 0 and r["operators"]["backward"] > 0
+    return roles
+
+
+def test_pipeline_1f1b_reports_each_stage():
+    roles = check_pipeline_roles(run_json(*PP, "--parallel.pp_schedule=1F1B"))
+    # 1F1B: the first stage holds more micro-batches' activations in flight than the last.
+    assert roles[0]["memory_bytes"]["activations"] > roles[1]["memory_bytes"]["activations"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, v", [("GPipe", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2),
+                                         ("ZBVZeroBubble", 2), ("DualPipeV", 2)])
+def test_every_pipeline_schedule_runs(schedule, v):
+    check_pipeline_roles(run_json(*PP, f"--parallel.pp_schedule={schedule}", f"--parallel.pp_virtual_stages={v}"))
+
+
 @pytest.mark.parametrize("args, says", [
     (["--world", "4", "--rank", "4"], "--rank must be in 0..3"),
     (["--world", "4", "--rank", "first"], "--rank must be an integer or 'all'"),

@@ -158,3 +158,42 @@ def ddp_without_shape_check():
         yield
     finally:
         setattr(owner, PRIVATE[key].attr, check)
+
+
+@contextlib.contextmanager
+def pipeline_neighbours(forward_metas):
+    """torch's pipeline stages learn their neighbours' tensors on the first step: a vote over the
+    pipeline ranks on how (every ndtrain stage is built without example tensors, so every vote is
+    for inferring them), then the activations' metadata sent down the stages and the gradients'
+    back up. On the fake group nothing arrives; the dry run answers for the neighbours:
+    - the vote: this rank's own stages' (each rank builds its stages the same way);
+    - a forward's input from the stage before: `forward_metas(stage)`, the dry run's;
+    - a backward's output gradients from the stage after: what torch derives from this stage's
+      own outputs (the next stage's input is this stage's output, its gradient of that meta).
+    What this rank would send is not sent (a few hundred bytes once; nothing would receive it)."""
+    from torch.distributed.pipelining import PipelineStage as stage_cls
+
+    keys = ("stage_recv_meta", "stage_send_meta", "stage_vote_result")
+    originals = {key: require(key) for key in keys}
+    forward_cls, backward_cls = require("stage_forward_meta"), require("stage_backward_meta")
+    derive, dynamic = require("stage_grad_metas"), require("stage_inference_mode")
+
+    def recv_meta(stage, src_stage: int):
+        if src_stage < stage.stage_index:
+            return forward_cls(forward_metas=forward_metas(stage))
+        return backward_cls(backward_metas=derive(stage._stage_meta.outputs))
+
+    def vote_result(stage, received_result=None):
+        import torch
+
+        return torch.tensor([0 if dynamic.needs_dynamic(stage._user_meta, True) else 1], dtype=torch.int32)
+
+    patches = {"stage_recv_meta": recv_meta, "stage_send_meta": lambda stage, meta, dst_stage: None,
+               "stage_vote_result": vote_result}
+    for key, fn in patches.items():
+        setattr(stage_cls, PRIVATE[key].attr.split(".")[-1], fn)
+    try:
+        yield
+    finally:
+        for key, fn in originals.items():
+            setattr(stage_cls, PRIVATE[key].attr.split(".")[-1], fn)

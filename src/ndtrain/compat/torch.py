@@ -55,6 +55,7 @@ def _p(path: str, attr: str, used_for: str, if_missing: str = REFUSED, **kwargs)
 
 _FSDP_API = "torch.distributed.fsdp._fully_shard._fsdp_api"
 _STAGE = "torch.distributed.pipelining.stage"
+_PP_UTILS = "torch.distributed.pipelining._utils"
 _SDPA = "the context-parallel ring's block attention kernels (parallel/block_attention.py)"
 _MARKERS = ("profiler ranges selective checkpointing ignores (parallel/activation.py)",
             "fallback: not ignored (torch may refuse a recompute inside an FSDP unit)")
@@ -134,7 +135,15 @@ PRIVATE: dict[str, Private] = {
                                   "FakeTensorConverter.tensor_memo"),
                                  ("work_from_future", "torch._C._distributed_c10d", "_create_work_from_future"),
                                  ("ddp_verify_shapes", "torch.nn.parallel.distributed",
-                                  "_verify_param_shape_across_processes"))},
+                                  "_verify_param_shape_across_processes"),
+                                 ("stage_recv_meta", _STAGE, "PipelineStage._recv_meta"),
+                                 ("stage_send_meta", _STAGE, "PipelineStage._send_meta"),
+                                 ("stage_vote_result", _STAGE, "PipelineStage._warmup_backward_result"),
+                                 ("stage_forward_meta", _PP_UTILS, "_StageForwardMeta"),
+                                 ("stage_backward_meta", _PP_UTILS, "_StageBackwardMeta"),
+                                 ("stage_grad_metas", _PP_UTILS, "_derive_grad_metas"),
+                                 ("stage_tensor_meta", _PP_UTILS, "extract_tensor_meta"),
+                                 ("stage_inference_mode", _PP_UTILS, "InferenceMode"))},
     "flex_validate_device": _p("torch.nn.attention.flex_attention", "_validate_device",
                                "tests only: running flex attention's backward on CPU", "the tests that use it fail"),
 }

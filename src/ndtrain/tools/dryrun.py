@@ -79,6 +79,7 @@ def run_rank(cfg, world: int, rank: int, steps: int = 1) -> dict:
                                      ddp_without_shape_check, init_fake_group, op_watcher,
                                      swappable_fake_parameters)
     from ndtrain.tools.dryrun_syncs import HostReads, answer_host_probes, finish_interval
+    from ndtrain.tools.dryrun_pipeline import neighbours_answered
     from ndtrain.tools.dryrun_watch import Watch, enter_shadow, leave_shadow, watching_resize
     from ndtrain.parallel.dims import build_mesh
     from ndtrain.train.build import build
@@ -111,7 +112,7 @@ def run_rank(cfg, world: int, rank: int, steps: int = 1) -> dict:
         watch.phase = "forward"
         watch.step_started()
         reads = HostReads(lambda: len(watch.host_reads))  # a read the watch answered was of a device value
-        with reads:
+        with reads, neighbours_answered(state, watch):
             train_step(state, batch)
         watch.finish()
         optim = watch.serials(_local_states(state.optimizer))

@@ -95,6 +95,8 @@ class Watch:
 
     def storage_resized(self, st, nbytes: int) -> None:
         """FSDP2 gathers a parameter into, and frees it from, a storage it resizes."""
+        if self.shadow:
+            return
         entry = self._entries.get(id(st))
         if entry is None:
             self._serial += 1
@@ -141,12 +143,12 @@ class Watch:
         if phase in ("forward", "backward"):
             phase = "backward" if recomputing() else "forward"
             self.phase = phase
-        if self.shadow:
-            return func(*args, **kwargs)
         kinds = _kinds(args, kwargs)
         if kinds == {"real"}:  # a device mesh's rank tables (real, made before the fake mode)
             with real_tensors():
                 return func(*args, **kwargs)
+        if self.shadow:  # uncounted; a read there (a stand-in's shard offsets) is no step's
+            return self._host_read(func, args, kwargs, False) if func is self._read else func(*args, **kwargs)
         if "wrapper" in kinds:  # a DTensor's operator: passed on, it comes back here as its shards' own
             return NotImplemented
         self.ops[phase] += 1
@@ -183,11 +185,12 @@ class Watch:
                 cell[k] += v
         return out
 
-    def _host_read(self, func, args, kwargs):
+    def _host_read(self, func, args, kwargs, record: bool = True):
         try:
             return func(*args, **kwargs)  # a value fake tensors know (a constant)
         except Exception:  # noqa: BLE001 - fake tensors refuse data-dependent reads in several ways
-            self.host_reads.append(_where())
+            if record:
+                self.host_reads.append(_where())
             return STAND_IN
 
     def _collective(self, func, args, kwargs) -> None:
