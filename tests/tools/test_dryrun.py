@@ -123,6 +123,16 @@ def test_every_pipeline_schedule_runs(schedule, v):
     check_pipeline_roles(run_json(*PP, f"--parallel.pp_schedule={schedule}", f"--parallel.pp_virtual_stages={v}"))
 
 
+def test_moe_with_expert_parallel_assumes_balanced_routing():
+    """The all-to-all's split sizes are read on the host; fake tensors have no router choices, so
+    the dry run answers them as balanced routing, and says so."""
+    out = run_json("--config", "configs/moe-ep.toml", "--world", "4", "--parallel.dp_shard=4", "--parallel.ep=2",
+                   "--parallel.mixed_precision=bf16")
+    assert out["routing"].startswith("balanced") and "ep=2" in out["layout"]
+    assert out["collective_bytes"]["all_to_all"]["ep"]["calls"] > 0
+    assert any(r.startswith("ndtrain/parallel/expert.py") for r in out["host_reads"])  # a sync on a GPU too
+
+
 @pytest.mark.parametrize("args, says", [
     (["--world", "4", "--rank", "4"], "--rank must be in 0..3"),
     (["--world", "4", "--rank", "first"], "--rank must be an integer or 'all'"),

@@ -79,6 +79,7 @@ def run_rank(cfg, world: int, rank: int, steps: int = 1) -> dict:
                                      ddp_without_shape_check, init_fake_group, op_watcher,
                                      swappable_fake_parameters)
     from ndtrain.tools.dryrun_syncs import HostReads, answer_host_probes, finish_interval
+    from ndtrain.tools.dryrun_experts import ROUTING, balanced_exchanges
     from ndtrain.tools.dryrun_pipeline import neighbours_answered
     from ndtrain.tools.dryrun_watch import Watch, enter_shadow, leave_shadow, watching_resize
     from ndtrain.parallel.dims import build_mesh
@@ -97,6 +98,7 @@ def run_rank(cfg, world: int, rank: int, steps: int = 1) -> dict:
             swappable_fake_parameters(), ddp_without_shape_check():
         state = build(cfg, layout, train_set=SyntheticTokens(cfg.model.vocab_size, 0), mesh=mesh)
         params = watch.serials(state.params)
+        expert_exchanges = balanced_exchanges(state.model_parts, watch)
         grads: set = set()
 
         def before_update(optimizer, *_):
@@ -127,6 +129,8 @@ def run_rank(cfg, world: int, rank: int, steps: int = 1) -> dict:
                "first_step_peak_memory_bytes": first_peak,
                "flops": watch.flops, "operators": dict(watch.ops), "collective_bytes": watch.collective_table(names),
                "host_reads": list(watch.host_reads), "config": cfg, "layout_obj": layout}
+        if expert_exchanges:
+            out["routing"] = ROUTING
         # The first step's figures are taken: the interval's other steps and its read are counted only.
         out.update(finish_interval(state, reads, steps, lambda: train_step(state, next_batch(state)[0])))
     return out

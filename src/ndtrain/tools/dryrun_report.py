@@ -70,6 +70,8 @@ def text(out: dict) -> str:
     for kind, dims in out["collective_bytes"].items():
         for dim, row in dims.items():
             lines.append(f"  {kind:<15} over {dim:<13} {row['calls']:>6} calls {row['input_bytes'] / GiB:>9.3f} GiB in")
+    if "routing" in out:
+        lines.append(f"  expert routing assumed: {out['routing']}")
     reads = out["host_reads"]
     lines.append(f"  host reads of device values in the step: {len(reads)}")
     lines += [f"    {r}" for r in reads]

@@ -49,6 +49,7 @@ class Watch:
         self.ops: Counter = Counter()  # phase -> operators launched
         self.collectives: dict = defaultdict(lambda: {"calls": 0, "input_bytes": 0, "bytes": 0})  # (kind, group)
         self.host_reads: list[str] = []
+        self.answer = None  # set: what a read fake tensors cannot answer returns instead of STAND_IN
         self._read = host_read_op()
         self._entries: dict[int, list] = {}  # id(storage) -> [serial, bytes, phase, comm, weakref]
         self._serial = 0
@@ -191,7 +192,7 @@ class Watch:
         except Exception:  # noqa: BLE001 - fake tensors refuse data-dependent reads in several ways
             if record:
                 self.host_reads.append(_where())
-            return STAND_IN
+            return STAND_IN if self.answer is None else self.answer()
 
     def _collective(self, func, args, kwargs) -> None:
         name, arg_names = op_schema(func)
