@@ -12,9 +12,10 @@ touches the process group, so it cannot hang the training thread.
 
 from __future__ import annotations
 
-import os
 import threading
 from datetime import timedelta
+
+from ndtrain.launch_env import master_addr, master_port
 
 KEY = "ndtrain-heartbeat"
 
@@ -44,11 +45,13 @@ class Heartbeat:
     @classmethod
     def from_env(cls, rank: int, world: int, hostname: str, attempt: str, interval_s: float) -> Heartbeat | None:
         """None for one process, or where the launcher named no store (the group formed otherwise)."""
-        host, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
-        if world <= 1 or not host or not port.isdigit():
+        if world <= 1:
+            return None
+        host, port = master_addr(), master_port()
+        if not host or port is None:
             return None
         try:
-            return cls(rank, world, host, int(port), hostname, attempt, interval_s)
+            return cls(rank, world, host, port, hostname, attempt, interval_s)
         except (RuntimeError, ValueError, OSError):  # no store to beat in: the watchdog's line says less
             return None
 
