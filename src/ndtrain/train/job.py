@@ -117,6 +117,7 @@ def _loop(plan, run_dir: Path, reached: dict) -> dict:
     ckpt = checkpointer(state, run_dir, info=log.info, record=log.log)
     _start(plan, run_dir, progress, rt, ckpt, log, peaks)
     step_times: list[float] = []
+    timing: list = []  # steps not read yet: their time is final once read (step_values.read_steps)
     last_val, preempted, interrupted, path = None, False, False, None
     job_hooks = hooks.load(rt.rank, run_dir)  # tests and drills: faults at the step and checkpoint points
     ckpt.set_fault_hook(lambda point, step: job_hooks.at_checkpoint(step, point))
@@ -145,9 +146,13 @@ def _loop(plan, run_dir: Path, reached: dict) -> dict:
             # checkpoint reads every unread step at once (step_values.py): one sync per interval.
             action = guard.after_step(result, read=logged or ckpt.due(result.step))
             if action == "rollback":
+                timing.clear()
                 continue
             job_hooks.after_step(result)
-            step_times.append(result.seconds)
+            timing.append(result)
+            if not result.unread:  # read, and every step before it
+                step_times += [r.seconds for r in timing]
+                timing.clear()
             if logged:
                 log.log({**steps.metrics_row(result, peaks, progress.tokens_seen, rt.device), "last": last,
                          "time": time.time()})
