@@ -255,6 +255,7 @@ def pytest_timeout_set_timer(item, settings):
 # ---- per-file time against its budget (tests/budgets.toml), printed at the end of a run ----------
 
 _SESSION_START = time.monotonic()  # conftest import: the start of collection
+DEFAULT_SELECTION = "not slow and not heavy"  # pyproject's addopts: what `make test` runs
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -291,8 +292,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     scale, probe = host_slowdown(config)
     files, default = table["files"], table["default"]
     tw = terminalreporter
-    # Budgets are the default suite's (`-m 'not slow'`, pyproject's addopts); other selections get the table only.
-    judge = (config.getoption("markexpr") or "").strip() == "not slow"
+    # Budgets are the default suite's (pyproject's addopts); other selections get the table only.
+    judge = (config.getoption("markexpr") or "").strip() == DEFAULT_SELECTION
     tw.write_sep("=", f"time per test file against its budget (tests/budgets.toml) x {scale:.2f} for this host")
     tw.write_line(f"host probe: {probe}" + ("" if judge else "; not the default suite, so no file is judged"))
     over = 0

@@ -23,7 +23,7 @@ PEERS = {"model": {"dim": 256, "n_layers": 6, "n_heads": 16, "n_kv_heads": 16, "
          "data": {"seq_len": 256}, "train": {"global_batch": 8, "micro_batch": 4}}
 
 
-@pytest.mark.parametrize("precision,chosen", [("fp32", "ddp"), ("bf16", "zero1")])
+@pytest.mark.parametrize("precision,chosen", [("fp32", "ddp"), pytest.param("bf16", "zero1", marks=pytest.mark.heavy)])
 def test_defaults_choose_what_was_fastest(precision, chosen, tmp_path, monkeypatch):
     """No data-parallel key: the planner picks the flavour. For the peers' model at world 2 on CPU
     ranks it picks what trained fastest there (docs/results/history.md, run I), with the uncalibrated
@@ -77,6 +77,7 @@ def test_dp_choice_survives_a_stored_config():
     assert again.parallel.dp_auto and (again.parallel.dp_replicate, again.parallel.dp_shard) == (2, 1)
 
 
+@pytest.mark.heavy
 def test_no_choice_where_the_planner_cannot_price_it(tmp_path, monkeypatch):
     import ndtrain.planner.hardware as hardware
 

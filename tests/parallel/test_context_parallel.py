@@ -253,6 +253,7 @@ def test_kv_traffic_is_unexpanded(cp_ranks, cp, mode):
         assert all(sent_expanded[k] == sent[k] * cfg.n_heads // cfg.n_kv_heads for k in sent), (sent_expanded, sent)
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_long_sequence_fits_budget_only_with_cp4(cp_ranks, corpus_dir):
     from activation_meter import ActivationBudgetExceeded

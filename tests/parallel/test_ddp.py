@@ -95,6 +95,7 @@ def _train(corpus, out, steps: int, *args) -> dict:
     return {row["step"]: row["loss"] for row in rows if "step_time_s" in row}
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_checkpoints_cross_between_the_ddp_reducer_and_zero3(corpus_dir, tmp_path):
     """Resume anywhere holds across the two runtime paths: DDP (the reducer) -> ZeRO-3 -> DDP

@@ -45,6 +45,7 @@ def test_expert_parallel_parity_aux_loss(parity_base):
     assert ref["losses"][-1] < ref["losses"][0]
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_expert_parallel_parity_capacity_and_aux_free(parity_base):
     """Capacity dropping with the aux-loss-free bias (the biases are buffers in the compared

@@ -54,6 +54,7 @@ def test_pp2_every_schedule(parity_base):
     _check(results, WORLD2)
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_pp4_schedules_and_pp_with_fsdp_hsdp_tp_clipping(parity_base):
     ref, results = verify(_base(parity_base, clip=True), WORLD4, steps=3, tol_loss=TOL, tol_weight=TOL)
@@ -88,6 +89,7 @@ def test_tied_embeddings_across_stages(parity_base):
     assert "output.weight" in ref["weights"] and "tok_embeddings.weight" in ref["weights"]
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_3d_pp_fsdp_tp_world8(parity_base):
     _, results = verify(_base(parity_base), WORLD8, steps=3, tol_loss=TOL, tol_weight=TOL)

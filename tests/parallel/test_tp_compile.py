@@ -100,6 +100,7 @@ def known_failures():
     return dict(zip(KNOWN, run_ranks(2, _compare, list(KNOWN.values()), "aot_eager")[0]))
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(240)
 def test_compiled_tp_moe_blocks(known_failures):
     """MoE blocks under TP compile too since model/moe.py's _local asks the weight's type for

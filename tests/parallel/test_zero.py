@@ -105,6 +105,7 @@ def _world2(cfgs: dict, roots: dict) -> dict:
             "tied_pp": _train(cfgs["tied_pp"], roots["tied"], save=True)}
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_zero_and_tied_pipeline_checkpoints_resume_anywhere(parity_base, tmp_path):
     """Saved at ZeRO-1 (2 ranks): resumed at ZeRO-2 and in one process. Saved from a tied

@@ -60,6 +60,7 @@ def test_planner_never_imports_torch():
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
 
+@pytest.mark.heavy
 def test_calibrate_writes_a_profile_the_catalog_loads(tmp_path, capsys):
     out = tmp_path / "hw.json"
     assert cli(["calibrate", "--quick", "--worlds", "2", "--out", str(out)]) == 0

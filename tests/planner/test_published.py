@@ -90,6 +90,7 @@ def test_megatron_formula_is_ndtrain_count_with_full_recompute():
     assert megatron_flops(cfg, B, s) == pytest.approx(paper, rel=1e-3)
 
 
+@pytest.mark.heavy
 def test_planner_beats_the_2021_layouts():
     """With what 2021 Megatron lacked (sequence parallelism, ZeRO, zero-bubble schedules), the
     search finds a faster layout than each published Table 1 row, and it fits."""

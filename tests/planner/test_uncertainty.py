@@ -101,6 +101,7 @@ def test_sampled_worlds_cost_a_tenth_of_the_search_at_16384_gpus(llama3_405b_on_
     assert calls["memory_breakdown"] + calls["step_breakdown"] < (res.sized + res.evaluated) / 10, (calls, res.sized)
 
 
+@pytest.mark.heavy
 def test_sensitivity_reports_the_first_move_that_changes_the_plan():
     from ndtrain.planner.sensitivity import constants_read, first_change, scan, sensitivity
 

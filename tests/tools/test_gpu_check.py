@@ -36,6 +36,7 @@ def _run(env_extra: dict, *args: str, timeout: int, hang_deadline) -> subprocess
                           env=env)
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(600)
 def test_dry_run_runs_every_stage_on_cpu(hang_deadline):
     proc = _run({"PY": sys.executable}, "--dry-run", timeout=590, hang_deadline=hang_deadline)
@@ -75,7 +76,7 @@ def test_a_crashing_stage_degrades_to_one_line(tmp_path, hang_deadline):
 
 
 def test_every_gpu_script_is_driven_by_the_check():
-    """A GPU script the check does not run (in its dry run, in the default suite) can rot unseen,
+    """A GPU script the check does not run in its dry run (which CI runs: make test-heavy) can rot unseen,
     as gpu_fp8_throughput.py did when flops_per_token moved."""
     driver = (ROOT / "benchmarks" / "gpu_check.py").read_text()
     scripts = sorted(p.name for p in (ROOT / "benchmarks").glob("gpu_*.py") if p.name != "gpu_check.py")

@@ -71,6 +71,7 @@ def _train_args(corpus_dir, out, **extra) -> list[str]:
     return [f"--{k}={v}" for k, v in args.items()]
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(240)
 def test_report_of_a_killed_and_restarted_run_overlaid_with_a_bf16_run(corpus_dir, tmp_path, monkeypatch, capsys):
     from ndtrain.cli import main as cli

@@ -44,6 +44,7 @@ def _trials(corpus_dir, tmp_path, reference, n: int, pick, hang_deadline) -> lis
     return results
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(400)
 def test_chaos_kill_mid_step_mid_save_and_hang(corpus_dir, tmp_path, reference, hang_deadline):
     [(seed, trial)] = _trials(corpus_dir, tmp_path, reference, 1, lambda rng: ["step", "save", "hang"], hang_deadline)

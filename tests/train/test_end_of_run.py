@@ -26,6 +26,7 @@ DELAY_S = 2 * TIMEOUT_S
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("where", ["sample",  # before the closing sample, after the teardown
                                    pytest.param("end", marks=pytest.mark.slow)])  # before the teardown
+@pytest.mark.heavy
 def test_slow_rank0_sample_does_not_time_out_the_group(corpus_dir, tmp_path, where):
     from fault_plan import FAULTS_ENV
 

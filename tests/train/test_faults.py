@@ -83,6 +83,7 @@ def test_sigkill_of_the_launcher_leaves_no_worker(corpus_dir, tmp_path, hang_dea
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(400)
 def test_ctrl_c_one_line_130_and_a_second_run_is_refused(corpus_dir, tmp_path, hang_deadline):
     out = tmp_path / "run"
@@ -149,6 +150,7 @@ def test_a_killed_rank_is_named_in_one_line(corpus_dir, tmp_path, hang_deadline)
     assert verify(out / "checkpoints" / step_name(2)) is None
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(400)
 def test_plain_torchrun_restart_continues_in_its_own_run_directory(corpus_dir, tmp_path, hang_deadline):
     """No ndtrain launcher: rank 0 locks the run; the restarted rank 0 (same run id) takes the

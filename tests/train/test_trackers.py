@@ -57,6 +57,7 @@ def _train(corpus_dir, out: Path, env_extra: dict) -> subprocess.CompletedProces
                           env=env, capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_wandb_offline_and_mlflow_file_store_continue_the_run_after_a_restart(corpus_dir, tmp_path):
     pytest.importorskip("wandb")
