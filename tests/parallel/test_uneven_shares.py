@@ -1,6 +1,7 @@
 """Uneven data-parallel batch shares train the same model as one process on the same global batch:
 3 AdamW steps of DDP, ZeRO-3 and ZeRO-1 with [3, 1] / [1, 3] shares (rows 6 and 2 of 8, in
-two micro-batches on every rank) against world 1, in one Gloo group of 2. The tolerance is
+two micro-batches on every rank), and the debug-moe model (its auxiliary loss a mean over
+sequences) under DDP, against world 1, in one Gloo group of 2. The tolerance is
 test_parity.py's fp32 one (conftest's parity_base says why 1e-5 is real)."""
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from ndtrain.parallel.launch import run_ranks
 from ndtrain.tools.verify import compare, layout_config, run_steps
 
 FP32_TOL = 1e-5
-LAYOUTS = [("dp_replicate=2", [3, 1]), ("dp_shard=2,zero=3", [3, 1]), ("dp_shard=2,zero=1", [1, 3])]
+LAYOUTS = [("dp_replicate=2", [3, 1], "debug"), ("dp_shard=2,zero=3", [3, 1], "debug"),
+           ("dp_shard=2,zero=1", [1, 3], "debug"), ("dp_replicate=2", [3, 1], "debug-moe")]
 
 
 def _run(cfgs, steps):
@@ -39,17 +41,18 @@ def _run(cfgs, steps):
 
 @pytest.mark.timeout(300)
 def test_uneven_shares_match_one_process(parity_base):
-    ref = run_steps(load_config(None, parity_base), 3)
+    bases = {preset: {**parity_base, "model": {"preset": preset}} for preset in ("debug", "debug-moe")}
+    refs = {preset: run_steps(load_config(None, base), 3) for preset, base in bases.items()}
     cfgs = []
-    for spec, shares in LAYOUTS:
-        cfg = layout_config(parity_base, spec)  # micro_batch 4: the 6-row share runs 2 micro-batches
+    for spec, shares, preset in LAYOUTS:
+        cfg = layout_config(bases[preset], spec)  # micro_batch 4: the 6-row share runs 2 micro-batches
         cfg.parallel.batch_shares = [float(w) for w in shares]
         cfgs.append(cfg)
     per_rank = run_ranks(2, _run, cfgs, 3)
-    for i, (spec, shares) in enumerate(LAYOUTS):
+    for i, (spec, shares, preset) in enumerate(LAYOUTS):
         expected_rows = [6 if w == 3 else 2 for w in shares]
         for rank, got in enumerate(r[i] for r in per_rank):
             assert got["rows"] == [[expected_rows[rank], 2]] * 3, spec
-            d_loss, d_weight, d_norm = compare(ref, got)
+            d_loss, d_weight, d_norm = compare(refs[preset], got)
             assert d_loss <= FP32_TOL and d_weight <= FP32_TOL and d_norm <= FP32_TOL, \
-                f"{spec} {shares} rank {rank}: Δloss {d_loss:.2e} Δweight {d_weight:.2e} grad-norm {d_norm:.1e}"
+                f"{preset} {spec} {shares} rank {rank}: Δloss {d_loss:.2e} Δweight {d_weight:.2e} grad-norm {d_norm:.1e}"
