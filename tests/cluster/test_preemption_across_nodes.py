@@ -8,7 +8,8 @@ and every sample of the global stream is trained exactly once across both launch
 
 What a launch script sees is torchrun's own exit code, not its workers': torchrun answers its
 SIGTERM by forwarding it, waiting for the workers (--shutdown-timeout), then raising its
-SignalException out of its main, so it exits 1 after printing that traceback. The workers' codes
+SignalException out of its main, so it exits 1 after printing that traceback. ndtrain's agent
+(`python -m ndtrain.train.agent`, torchrun's arguments) exits 143 there instead. The workers' codes
 are read here through a wrapper (`sh` ignoring the stop signals, recording the worker's code),
 since torchrun reports none of them on that path."""
 
@@ -61,7 +62,9 @@ def _samples(run_dir) -> dict[int, list[int]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_sigterm_on_every_node_saves_once_exits_143_and_resumes_on_one_node(make_cluster, guard, parity_base):
+@pytest.mark.parametrize("launcher", ["torchrun", "ndtrain.train.agent"])
+def test_sigterm_on_every_node_saves_once_exits_143_and_resumes_on_one_node(make_cluster, guard, parity_base,
+                                                                              launcher):
     from fault_plan import SAMPLE_LOG_ENV  # tests/train, on the suite's path: each rank's samples per step
 
     from ndtrain.config import load_config, to_toml
@@ -85,6 +88,8 @@ def test_sigterm_on_every_node_saves_once_exits_143_and_resumes_on_one_node(make
     argv = scenario.agents.torchrun_argv(2, 1, f"{n1.name}:{scenario.agents.RDZV_PORT}", "job1",
                                          [*args, "--train.steps=100000"])
     argv = argv[:argv.index("-m")] + ["--no-python", str(wrapper), *args, "--train.steps=100000"]
+    if launcher != "torchrun":
+        argv = [sys.executable, "-m", launcher, *argv[1:]]
     first = scenario.agents.Agents()
     for node in c.nodes:
         first.logs[node.name] = c.base / f"{node.name}-job1.log"
@@ -112,11 +117,13 @@ def test_sigterm_on_every_node_saves_once_exits_143_and_resumes_on_one_node(make
     logs = first.all_logs()
     worker_codes = {p.name: int(p.read_text()) for p in sorted(exits.iterdir())}
     stop = [ln for ln in logs.splitlines() if "ndtrain train: stopped by SIGTERM" in ln]
-    print(f"SIGTERM to {signalled} processes at step >= 3; agents' exit codes {agent_codes}, workers' "
+    print(f"{launcher}: SIGTERM to {signalled} processes at step >= 3; agents' exit codes {agent_codes}, workers' "
           f"{worker_codes}, all exited {took} s after the signal; checkpoints {_steps(cp_dir)}")
     assert worker_codes == {"rank0.attempt0": 143, "rank1.attempt0": 143}, logs
-    # torchrun's own code: its SignalException, raised out of its main (torch 2.13), is exit 1.
-    assert agent_codes == {"node1": 1, "node2": 1}, logs
+    # torchrun's own code: its SignalException, raised out of its main (torch 2.13), is exit 1;
+    # ndtrain's agent says what its workers did.
+    want = 1 if launcher == "torchrun" else 143
+    assert agent_codes == {"node1": want, "node2": want}, logs
     assert len(stop) == 1 and stop[0] in first.log("node1"), logs  # rank 0 says it, once
     saved = int(stop[0].split(" at step ")[1].split(";")[0])
     assert _steps(cp_dir) == [saved] and saved == _last_step(run_dir) >= 3, (saved, _steps(cp_dir), logs)

@@ -1,0 +1,43 @@
+"""`python -m ndtrain.train.agent <torchrun's arguments>`: torchrun, for a launch script that reads
+its exit code (a Kubernetes pod's failure policy, a Slurm script), with the stop signals handled as
+`ndtrain train --nproc` handles them (train/signals.py, LauncherSignals): the first SIGTERM,
+SIGUSR1, SIGINT or SIGHUP is forwarded to the workers, which save and exit 143; later copies are
+absorbed while they save; and this agent then exits 143 too (130 after Ctrl-C). Plain torchrun
+raises its SignalException out of its main after the same forwarding and exits 1 with a traceback,
+so the launch script cannot tell a preemption that saved from a failure.
+
+Everything else is torchrun's own: its arguments, its rendezvous, restarts and failure report.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ndtrain.train.signals import TORCHRUN_KEEPS, LauncherSignals
+
+
+def main(argv: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main as torchrun_main
+
+    # torchrun installs its own handlers for the signals it is told to handle, over ours: it keeps
+    # only those ndtrain leaves to it (an explicit --signals-to-handle later in argv wins).
+    args = [f"--signals-to-handle={','.join(s.name for s in TORCHRUN_KEEPS)}", *argv]
+    stops = LauncherSignals(SignalException)
+    try:
+        torchrun_main(args)
+    except SignalException as exc:
+        return LauncherSignals.exit_code(exc.sigval)
+    finally:
+        stops.restore()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code > 128:
+        os._exit(code)  # its handlers still absorbing: a late copy must not turn 143 into -15
+    sys.exit(code)
