@@ -82,7 +82,7 @@ def _loaders(state, dp, weights, micro=4):
     out = []
     for r in range(dp):
         loader = StatefulLoader(_Tokens(4 * 200 + 1), seq_len=4, seed=7, dp_rank=r, dp_size=dp)
-        loader.set_shares(weights, micro)
+        loader.set_shares(weights, micro, make_split)
         if state is not None:
             loader.load_state_dict(state)
         out.append(loader)
@@ -106,8 +106,8 @@ def _steps(loaders, gb, n, prefetch=False):
 def test_every_sample_once_and_in_order_across_a_resume_with_other_shares():
     first = _loaders(None, 2, [3, 1])
     seen = _steps(first, 8, 3, prefetch=True)
-    first[0].set_shares([1, 3], 4)  # a re-balance mid-run (prefetched batches are dropped)
-    first[1].set_shares([1, 3], 4)
+    first[0].set_shares([1, 3], 4, make_split)  # a re-balance mid-run (prefetched batches are dropped)
+    first[1].set_shares([1, 3], 4, make_split)
     seen += _steps(first, 8, 2)
     state = first[0].state_dict()
     for loader in first:

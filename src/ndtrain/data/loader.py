@@ -37,7 +37,6 @@ import torch
 
 from ndtrain.data.manifest import read_manifest, split_ranges
 from ndtrain.errors import NdtrainError
-from ndtrain.layout.batch_shares import BatchSplit, make_split
 
 _LOAD_CHECK_TOKENS = 4096  # ids checked at each end of every shard when a dataset opens
 
@@ -197,7 +196,7 @@ class Batch:
     global_ids: torch.Tensor  # [local_batch] position k of each sample in the global stream
     indices: torch.Tensor  # [local_batch] window index within the split (of its component, for a mixture)
     components: torch.Tensor | None = None  # [local_batch] mixture component of each sample
-    split: BatchSplit | None = None  # the step's uneven split (None: equal slices)
+    split: object | None = None  # the step's uneven split, a layout.batch_shares.BatchSplit (None: equal slices)
 
     @property
     def sample_ids(self) -> torch.Tensor:
@@ -232,6 +231,9 @@ def _local_batch(global_batch: int, dp_size: int) -> int:
 class StatefulLoader:
     # set_shares' (weights per dp rank, micro_batch), None: equal slices (a class default: MixtureLoader too)
     shares: tuple[list[float], int] | None = None
+    # set_shares' splitter: (global_batch, weights, dp_rank, micro_batch) -> a split with `.rows`
+    # per rank. Passed in (train/ passes layout.batch_shares.make_split): data/ sits below layout/.
+    _splitter = None
 
     def __init__(self, dataset, seq_len: int, seed: int, dp_rank: int = 0, dp_size: int = 1):
         self.dataset = dataset
@@ -276,14 +278,16 @@ class StatefulLoader:
         inputs, targets = self.dataset.windows(indices, self.seq_len)
         return Batch(inputs, targets, torch.from_numpy(global_ids), torch.from_numpy(indices))
 
-    def set_shares(self, weights: list[float] | None, micro_batch: int = 1) -> None:
+    def set_shares(self, weights: list[float] | None, micro_batch: int = 1, splitter=None) -> None:
         """Uneven shares from the next batch on: rank r's rows of each global batch in proportion to
         weights[r], in micro-batches of at most `micro_batch` rows on the largest share (None:
         equal slices). Batches prefetched under the old shares are dropped."""
         new = None if weights is None else (list(weights), int(micro_batch))
+        if new is not None and splitter is None:
+            raise NdtrainError("uneven batch shares need a splitter (layout.batch_shares.make_split)")
         if new != self.shares:
             self._drop_ahead()
-        self.shares = new
+        self.shares, self._splitter = new, splitter
 
     def _drop_ahead(self) -> None:
         for f in self._ahead.values():
@@ -297,7 +301,7 @@ class StatefulLoader:
             local = _local_batch(global_batch, self.dp_size)
             first = consumed + self.dp_rank * local
             return self._samples(np.arange(first, first + local, dtype=np.int64))
-        split = make_split(_check_int("global batch size", global_batch, 1), shares[0], self.dp_rank, shares[1])
+        split = self._splitter(_check_int("global batch size", global_batch, 1), shares[0], self.dp_rank, shares[1])
         first = consumed + sum(split.rows[:self.dp_rank])
         batch = self._samples(np.arange(first, first + split.rows[self.dp_rank], dtype=np.int64))
         batch.split = split

@@ -27,7 +27,7 @@ import torch
 
 from ndtrain.config import global_batch_at, layout_batches
 from ndtrain.errors import ConfigError
-from ndtrain.layout.batch_shares import check_shares, rebalance, share_rows, shares_problem
+from ndtrain.layout.batch_shares import check_shares, make_split, rebalance, share_rows, shares_problem
 
 
 def _pool_kinds(text: str) -> list[str]:
@@ -162,7 +162,7 @@ class Balancer:
                     f"ranks, this run has {st.dp_size}: starting again from {self.initial or 'equal shares'}")
         weights = saved if saved is not None else self.initial
         if (st.loader.shares or (None,))[0] != weights:
-            st.loader.set_shares(weights, st.cfg.train.micro_batch)
+            st.loader.set_shares(weights, st.cfg.train.micro_batch, make_split)
             self.clock.take()
             self.since = st.progress.step
         return None
@@ -188,7 +188,7 @@ class Balancer:
         if shares_problem(decision.weights, st.dp_size, layout_batches(cfg.train), cfg.train.micro_batch):
             return None  # so uneven that a rank would get fewer rows than micro-batches: keep the old
         st.progress.batch_shares = decision.weights
-        st.loader.set_shares(decision.weights, cfg.train.micro_batch)
+        st.loader.set_shares(decision.weights, cfg.train.micro_batch, make_split)
         new = share_rows(gb, decision.weights)
         row = {"step": st.progress.step, "event": "rebalance", "rank_compute_s": busy, "rows_before": rows,
                "rows_after": new, "batch_shares": decision.weights}

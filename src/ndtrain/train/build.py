@@ -18,6 +18,7 @@ from ndtrain.model.moe import moe_layers
 from ndtrain.parallel import dims as pdims
 from ndtrain.parallel.compose import parallelize
 from ndtrain.train import distributed
+from ndtrain.layout.batch_shares import make_split
 from ndtrain.train.balance import initial_weights
 from ndtrain.train.optim import build_optimizer
 from ndtrain.train.state import TrainState
@@ -36,7 +37,7 @@ def build(cfg: JobConfig, layout, *, host=None, train_set=None, mesh=None) -> Tr
     loader = make_loader(train_set, cfg.data.seq_len, cfg.train.seed, dp_rank, dp_size)
     # The next batches are built on a thread while this step computes (pinned for a GPU copy).
     loader.start_prefetch(cfg.data.prefetch, pin_memory=rt.device.type == "cuda")
-    loader.set_shares(initial_weights(cfg, layout, dp_size), cfg.train.micro_batch)  # uneven shares, if any
+    loader.set_shares(initial_weights(cfg, layout, dp_size), cfg.train.micro_batch, make_split)  # uneven shares, if any
     cp_rank = mesh.coordinate("cp")[0]
     positions = cp_positions(cfg, layout, cp_rank, rt.device)
     parts, pipeline = model_parts(cfg, layout, mesh, rt.device, positions, host)
