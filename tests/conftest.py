@@ -318,5 +318,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                   f"{getattr(config.option, 'numprocesses', None) or 1} worker(s)",
                   yellow=judge and wall > promise, bold=judge and wall > promise)
     if over:
-        tw.write_line(f"{over} file(s) over budget: split them or move their long tests to slow (make test-slow)",
+        tw.write_line(f"{over} file(s) over budget: split them, or move their long tests to heavy (make test-heavy, "
+                      "which CI runs) or slow (make test-slow)",
                       yellow=True)
