@@ -133,6 +133,39 @@ def test_moe_with_expert_parallel_assumes_balanced_routing():
     assert any(r.startswith("ndtrain/parallel/expert.py") for r in out["host_reads"])  # a sync on a GPU too
 
 
+SMALL = ("--world", "4", "--train.global_batch=8")
+
+
+def test_cpu_offload_moves_the_shards_state_to_host_memory():
+    plain, off = run_json(*SMALL), run_json(*SMALL, "--parallel.cpu_offload=true")
+    host = off["host_memory_bytes"]
+    for key in ("parameters", "gradients", "optimizer_state"):
+        assert off["memory_bytes"][key] == 0
+    assert host["parameters"] == plain["memory_bytes"]["parameters"] == local_param_bytes(4, 0)
+    assert off["peak_memory_bytes"] < plain["peak_memory_bytes"]
+
+
+@pytest.mark.slow
+def test_activation_checkpoint_modes():
+    """none / selective / full / every_n: full holds the fewest activations and recomputes the
+    most; a mode the planner does not model (every_n) still runs, its planner figures marked."""
+    runs = {ac: run_json(*SMALL, f"--parallel.activation_checkpoint={ac}")
+            for ac in ("none", "selective", "full", "every_n")}
+    acts = {ac: r["memory_bytes"]["activations"] for ac, r in runs.items()}
+    assert acts["full"] < acts["selective"] < acts["none"] and acts["full"] < acts["every_n"] < acts["none"]
+    assert runs["full"]["flops"] > runs["none"]["flops"]
+    assert runs["full"]["flops"] == pytest.approx(runs["full"]["planner"]["flops"], rel=0.10)
+    assert "unavailable" in runs["every_n"]["planner"]
+
+
+@pytest.mark.slow
+def test_fp8_counts_the_wrapped_fp32_shards_as_parameters():
+    """torchao's fp8 all-gather wraps each fp32 shard; the parameters are what it wraps."""
+    out = run_json(*SMALL, "--parallel.mixed_precision=fp8")
+    assert out["memory_bytes"]["parameters"] == local_param_bytes(4, 0)
+    assert out["memory_bytes"]["optimizer_state"] == pytest.approx(2 * local_param_bytes(4, 0), rel=0.01)
+
+
 @pytest.mark.parametrize("args, says", [
     (["--world", "4", "--rank", "4"], "--rank must be in 0..3"),
     (["--world", "4", "--rank", "first"], "--rank must be an integer or 'all'"),

@@ -124,11 +124,14 @@ def run_rank(cfg, world: int, rank: int, steps: int = 1) -> dict:
         optim_bytes = sum(t.untyped_storage().nbytes() for t in _local_states(state.optimizer))
         first_peak = sum(memory.values())
         memory["optimizer_state"] = max(memory["optimizer_state"], optim_bytes)
+        host = offloaded(memory) if layout.offload else {}
         out = {"rank": rank, "world": world, "layout": layout.describe(), "mesh_coordinates": coordinates(state),
                "peak_memory_bytes": sum(memory.values()), "memory_bytes": memory, "peak_phase": watch.peak_phase,
                "first_step_peak_memory_bytes": first_peak,
                "flops": watch.flops, "operators": dict(watch.ops), "collective_bytes": watch.collective_table(names),
                "host_reads": list(watch.host_reads), "config": cfg, "layout_obj": layout}
+        if host:
+            out["host_memory_bytes"] = host
         if expert_exchanges:
             out["routing"] = ROUTING
         # The first step's figures are taken: the interval's other steps and its read are counted only.
@@ -136,14 +139,22 @@ def run_rank(cfg, world: int, rank: int, steps: int = 1) -> dict:
     return out
 
 
+def offloaded(memory: dict) -> dict:
+    """CPU offload (FSDP2's): the parameter shards, their gradients and the optimizer's state
+    live in host memory, and the update runs there. A dry run holds everything on the CPU, so
+    those categories move out of the device's figures (into `host_memory_bytes`); the device
+    keeps what is gathered, the activations and the copies in flight."""
+    host = {k: memory[k] for k in ("parameters", "gradients", "optimizer_state")}
+    memory.update(dict.fromkeys(host, 0))
+    return host
+
+
 def _local_states(optimizer) -> list:
     """The optimizer's state tensors, as this rank's local shards."""
-    out = []
-    for per_param in optimizer.state.values():
-        for t in per_param.values():
-            if isinstance(t, torch.Tensor):
-                out.append(t.to_local() if hasattr(t, "to_local") else t)
-    return out
+    from ndtrain.tools.dryrun_watch import local_tensor
+
+    return [local_tensor(t) for per_param in optimizer.state.values() for t in per_param.values()
+            if isinstance(t, torch.Tensor)]
 
 
 def coordinates(state) -> dict:

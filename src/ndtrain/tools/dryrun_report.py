@@ -39,8 +39,13 @@ def planner_figures(cfg, layout, world: int, hardware: str = "h100") -> dict:
 def compare(result: dict) -> dict:
     """The dry run's result (tools/dryrun.run_rank) as the JSON object: its figures, the
     planner's, and their ratios."""
+    from ndtrain.errors import NdtrainError
+
     cfg, layout = result.pop("config"), result.pop("layout_obj")
-    planner = planner_figures(cfg, layout, result["world"])
+    try:
+        planner = planner_figures(cfg, layout, result["world"])
+    except NdtrainError as e:  # a layout the planner does not model: the dry run's figures alone
+        return {**result, "planner": {"unavailable": str(e)}, "dry_run_over_planner": {}}
     ratios = {"peak_memory": _ratio(result["peak_memory_bytes"], planner["peak_memory_bytes"]),
               "flops": _ratio(result["flops"], planner["flops"])}
     for k, v in result["memory_bytes"].items():
@@ -57,6 +62,9 @@ def text(out: dict) -> str:
     lines = [f"dry run: rank {out['rank']} of {out['world']} ({out['layout']}; "
              f"{', '.join(f'{k}={v}' for k, v in out['mesh_coordinates'].items()) or 'no mesh'})"]
     planner = out["planner"]
+    if "unavailable" in planner:
+        lines.append(f"  the planner does not model this layout: {planner['unavailable']}")
+        planner = {"memory_bytes": {}, "peak_memory_bytes": 0, "left_out_bytes": {}, "flops": 0}
     lines.append(f"  {'memory (GiB)':<24}{'dry run':>10}{'planner':>10}")
     for k, v in out["memory_bytes"].items():
         p = planner["memory_bytes"].get(k)

@@ -112,8 +112,7 @@ class Watch:
         for t in tensors:
             if t is None:
                 continue
-            t = t.to_local() if hasattr(t, "to_local") else t
-            entry = self._entries.get(id(t.untyped_storage()))
+            entry = self._entries.get(id(local_tensor(t).untyped_storage()))
             if entry is not None:
                 out.add(entry[0])
         return out
@@ -211,6 +210,14 @@ class Watch:
         row["calls"] += 1
         row["input_bytes"] += nbytes
         row["bytes"] += nbytes * size if name.startswith(_GATHERS) else nbytes
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding this rank's bytes: a DTensor's local shard, and inside torchao's fp8
+    all-gather weight wrapper (fp8 with FSDP) the fp32 tensor it wraps."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    inner = getattr(t, "_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
 
 
 def _kind(name: str) -> str:
