@@ -89,10 +89,10 @@ def doc_inputs(state: TrainState, inputs: torch.Tensor) -> dict | None:
     return {"positions": cp_shard(state, document_positions(doc)), "doc_ids": cp_shard(state, doc)}
 
 
-def _value(t: torch.Tensor) -> float:
-    if hasattr(t, "full_tensor"):
-        t = t.full_tensor()
-    return float(t.detach())
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (under TP, a DTensor), left on the device."""
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 # ---- forward and backward --------------------------------------------------------------------
@@ -141,9 +141,7 @@ def forward_backward(state: TrainState, inputs: torch.Tensor, targets: torch.Ten
             state.first_micro_sq = local_grad_sq(state.params, state.rt.world_size, state.rt.device) * rescale
         loss = loss.detach()
         total = loss if total is None else total + loss
-    if total is None:
-        return 0.0
-    return total.full_tensor() if hasattr(total, "full_tensor") else total
+    return 0.0 if total is None else _whole(total)
 
 
 # ---- one optimizer step ----------------------------------------------------------------------
@@ -289,7 +287,7 @@ def validate(state: TrainState) -> float:
         part.eval()
     refresh_fp8_scales(state)
     device, micro, pipeline = state.rt.device, cfg.train.micro_batch, state.pipeline
-    total, tokens = 0.0, 0
+    total, tokens = 0.0, 0  # total: summed in float64 on the device, read once by the all-reduce below
     for inputs, targets, docs in state.val_data:
         if pipeline is not None:  # forward-only schedule; the loss exists on the last stage
             with _loss_context(state), _autocast(state):
@@ -300,7 +298,7 @@ def validate(state: TrainState) -> float:
             with _loss_context(state):
                 mb_docs = None if docs is None else {k: _to_device(state, v[a:b]) for k, v in docs.items()}
                 loss = loss_sum(state, _to_device(state, inputs[a:b]), _to_device(state, targets[a:b]), mb_docs)
-            total += _value(loss)
+            total = total + _whole(loss).double()
             tokens += int((targets[a:b] != IGNORE).sum())
     for part in state.model_parts:
         part.train()
