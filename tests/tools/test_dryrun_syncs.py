@@ -36,7 +36,12 @@ def _dryrun(*args: str) -> dict:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("args, layout", [((), "dp_shard=4"), (("--parallel.tp=2",), "dp_shard=2 x tp=2")])
+@pytest.mark.parametrize("args, layout", [
+    ((), "dp_shard=4"), (("--parallel.tp=2",), "dp_shard=2 x tp=2"),
+    # the last stage, whose schedule returns the loss sum (the default suite has two already)
+    pytest.param(("--parallel.pp=2", "--model.n_layers=2", "--train.micro_batch=2", "--rank", "2"),
+                 "pp=2 x dp_shard=2", marks=pytest.mark.slow),
+])
 def test_dry_run_reads_once_per_logging_interval(args, layout):
     out = _dryrun(*args)
     assert out["layout"] == layout

@@ -143,7 +143,8 @@ class Pipeline:
         # micro-batches and averaged over data-parallel ranks this is the global token mean.
         return loss / self._tokens
 
-    def run(self, inputs: torch.Tensor, targets: torch.Tensor, micro_batch: int, train: bool = True) -> float:
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, micro_batch: int,
+            train: bool = True) -> torch.Tensor | float:
         m = self.microbatches(inputs.shape[0], micro_batch)
         sched = self._schedule(m)
         self._tokens = targets.numel()
@@ -175,8 +176,9 @@ class Pipeline:
         if not self.has_last:
             return 0.0
         # Metadata inference on a schedule's first step calls the loss once more: keep the last m.
-        # Summed on the device and read once: a read per micro-batch is a host sync each on a GPU.
-        return float(torch.stack([_full(t).reshape(()) for t in self._loss_sums[-m:]]).double().sum())
+        # Summed on the device and left there (the step reads it with the rest, once per logging
+        # interval: train/step_values.py); a read here would be a host sync each step on a GPU.
+        return torch.stack([_full(t).reshape(()) for t in self._loss_sums[-m:]]).double().sum()
 
     def _instrument(self, stage) -> None:
         """Wrap the stage's chunk methods (public PipelineStage methods, set on the instance) to
