@@ -7,6 +7,7 @@ compat/torch.py's PRIVATE, like every other private torch name; a torch without 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import weakref
 
@@ -55,7 +56,13 @@ def op_schema(func) -> tuple[str, list[str]]:
 def is_fake(t) -> bool:
     """A fake tensor itself (a DTensor of fake shards is not one: its operators reach the
     watcher twice, as the DTensor's and then as its shards')."""
-    return isinstance(t, require("fake_tensor"))
+    return isinstance(t, fake_tensor_class())
+
+
+@functools.cache
+def fake_tensor_class() -> type:
+    """Looked up once: the watch asks about every tensor of every operator."""
+    return require("fake_tensor")
 
 
 def real_tensors():

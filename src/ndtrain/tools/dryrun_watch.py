@@ -17,7 +17,9 @@ local shard, and fake: a storage with a size but no memory. The watch keeps:
 
 from __future__ import annotations
 
-import traceback
+import linecache
+import os
+import sys
 import weakref
 from collections import Counter, defaultdict
 from contextlib import contextmanager
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import flop_registry
 
-from ndtrain.compat.fake import host_read_op, is_fake, op_schema, real_tensors
+from ndtrain.compat.fake import fake_tensor_class, host_read_op, op_schema, real_tensors
 from ndtrain.compat.torch import recomputing
 
 # Input arguments of torch's collectives, by the names their schemas give them.
@@ -38,6 +40,7 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "communication_buffe
 # usual path (clipping, the optimizer) rather than skipping the update as non-finite.
 STAND_IN = 1.0
 _SRC = Path(__file__).resolve().parents[1]  # the ndtrain package: where a host read is reported
+_SRC_PREFIX = str(_SRC) + os.sep
 
 
 class Watch:
@@ -189,7 +192,7 @@ class Watch:
         try:
             return func(*args, **kwargs)  # a value fake tensors know (a constant)
         except Exception:  # noqa: BLE001 - fake tensors refuse data-dependent reads in several ways
-            if record:
+            if record and self._counting:  # the build's reads are no step's (and finding the line costs)
                 self.host_reads.append(_where())
             return STAND_IN if self.answer is None else self.answer()
 
@@ -232,7 +235,8 @@ def _kind(name: str) -> str:
 
 def _kinds(args, kwargs) -> set[str]:
     """What the operator's tensors are: fake, real, or a wrapper (DTensor) around others."""
-    return {"fake" if is_fake(t) else "real" if type(t) is torch.Tensor else "wrapper"
+    fake = fake_tensor_class()
+    return {"fake" if isinstance(t, fake) else "real" if type(t) is torch.Tensor else "wrapper"
             for t in _tensors((args, kwargs))}
 
 
@@ -248,11 +252,17 @@ def _tensors(obj):
 
 
 def _where() -> str:
-    """The innermost ndtrain line (outside the dry run's own tools) that read a device value."""
-    for frame in reversed(traceback.extract_stack()):
-        path = Path(frame.filename)
-        if _SRC in path.parents and not path.name.startswith("dryrun") and path.parent.name != "compat":
-            return f"{path.relative_to(_SRC.parent)}:{frame.lineno} {frame.line}"
+    """The innermost ndtrain line (outside the dry run's own tools) that read a device value.
+    Walks the frames itself: traceback.extract_stack formats every frame of a deep stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(_SRC_PREFIX):
+            rel = name[len(_SRC_PREFIX):]
+            if not os.path.basename(rel).startswith("dryrun") and os.path.dirname(rel) != "compat":
+                line = linecache.getline(name, frame.f_lineno).strip()
+                return f"{_SRC.name}/{rel}:{frame.f_lineno} {line}"
+        frame = frame.f_back
     return "outside ndtrain"
 
 
