@@ -213,6 +213,9 @@ def main(argv: list[str]) -> int:
         results = [_in_subprocess(argv, r) for r in roles(layout)]
         worst = max(results, key=lambda r: r["peak_memory_bytes"])
         out = {**worst, "roles": results, "worst_rank": worst["rank"]}
+        from ndtrain.tools.dryrun_syncs import most_syncs
+
+        out.update(most_syncs(results))
     else:
         try:
             rank = int(args.rank)

@@ -118,11 +118,20 @@ def finish_interval(state, reads: HostReads, steps: int, step: Callable[[], obje
             "host_sync_lines": sorted(set(reads.where))}
 
 
+def most_syncs(roles: list[dict]) -> dict:
+    """`--rank all`: the host-sync figures of the role that syncs most (a pipeline's last stage
+    reads what the others do not), whichever role peaks in memory."""
+    keys = ("host_syncs", "host_sync_steps", "host_syncs_per_step", "host_sync_lines")
+    most = max(roles, key=lambda r: r["host_syncs"])
+    return {k: most[k] for k in keys} | {"host_syncs_rank": most["rank"]}
+
+
 def text(out: dict) -> list[str]:
     """The report's lines on host syncs."""
     if "host_syncs" not in out:
         return []
     n = out["host_sync_steps"]
-    return [f"  host syncs over {n} step(s) and one logging read (train.log_interval = {n}): "
+    rank = f" on rank {out['host_syncs_rank']}, the role that syncs most" if "host_syncs_rank" in out else ""
+    return [f"  host syncs over {n} step(s) and one logging read (train.log_interval = {n}){rank}: "
             f"{out['host_syncs']} ({out['host_syncs_per_step']:.2f} per step)"] + [
         f"    {line}" for line in out["host_sync_lines"]]
