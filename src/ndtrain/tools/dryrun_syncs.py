@@ -19,6 +19,7 @@ Only the first step is measured (memory, FLOPs, operators, traffic); the others 
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,12 +33,19 @@ _SRC = Path(__file__).resolve().parents[1]  # the ndtrain package
 READS = frozenset({"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "__complex__", "cpu", "numpy"})
 
 
-def _ndtrain_line(frame) -> str | None:
-    """'train/step.py:123' when `frame` runs ndtrain code other than the counting tools'."""
-    path = Path(frame.f_code.co_filename)
+@functools.lru_cache(maxsize=None)
+def _ndtrain_file(filename: str) -> str | None:
+    """'ndtrain/train/step.py' for ndtrain's code other than the counting tools' (None else)."""
+    path = Path(filename)
     if _SRC not in path.parents or path.name.startswith("dryrun") or path.parent.name == "compat":
         return None
-    return f"{path.relative_to(_SRC.parent)}:{frame.f_lineno}"
+    return str(path.relative_to(_SRC.parent))
+
+
+def _ndtrain_line(frame) -> str | None:
+    """'ndtrain/train/step.py:123' when `frame` runs ndtrain code other than the counting tools'."""
+    name = _ndtrain_file(frame.f_code.co_filename)
+    return None if name is None else f"{name}:{frame.f_lineno}"
 
 
 class HostReads(TorchFunctionMode):
