@@ -193,3 +193,19 @@ def test_llama3_8b_on_8_ranks_whole_depth():
     # The planner, fragmentation and overhead left out, within 10% (docs/dryrun.md's table)
     assert out["peak_memory_bytes"] == pytest.approx(out["planner"]["peak_memory_bytes"], rel=0.10)
     assert out["flops"] == pytest.approx(out["planner"]["flops"], rel=0.10)
+
+
+def test_the_watch_counts_no_meta_tensor():
+    """The model is built on the meta device before it is materialised: those tensors hold no
+    memory (counted, a TP model's whole-size meta weights made the build the 70B rank's peak)."""
+    import torch
+
+    from ndtrain.compat.fake import fake_tensor_mode, op_watcher
+    from ndtrain.tools.dryrun_watch import Watch
+
+    watch = Watch()
+    with fake_tensor_mode(), op_watcher(watch.on_op):
+        meta = torch.empty(1024, 1024, device="meta")
+        here = torch.empty(256, dtype=torch.float32)
+        assert meta.shape == (1024, 1024)
+        assert watch.live == watch.peak == here.numel() * 4

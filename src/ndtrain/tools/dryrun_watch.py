@@ -64,6 +64,8 @@ class Watch:
 
     # ---- storages -----------------------------------------------------------------------------
     def _track(self, t: torch.Tensor, comm: bool = False) -> None:
+        if t.device.type == "meta":  # the model as built before it is materialised: no memory anywhere
+            return
         st = t.untyped_storage()
         entry = self._entries.get(id(st))
         if entry is None:
