@@ -110,6 +110,7 @@ def check_pipeline_roles(out: dict) -> list[dict]:
     return roles
 
 
+@pytest.mark.heavy  # three processes (the parent and one per stage)
 def test_pipeline_1f1b_reports_each_stage():
     roles = check_pipeline_roles(run_json(*PP, "--parallel.pp_schedule=1F1B"))
     # 1F1B: the first stage holds more micro-batches' activations in flight than the last.
@@ -136,6 +137,7 @@ def test_moe_with_expert_parallel_assumes_balanced_routing():
 SMALL = ("--world", "4", "--train.global_batch=8")
 
 
+@pytest.mark.heavy  # two dry runs
 def test_cpu_offload_moves_the_shards_state_to_host_memory():
     plain, off = run_json(*SMALL), run_json(*SMALL, "--parallel.cpu_offload=true")
     host = off["host_memory_bytes"]
