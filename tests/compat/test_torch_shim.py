@@ -53,6 +53,8 @@ def test_each_private_name_resolves_on_this_torch(key):
         from torch.distributed.checkpoint.staging import StagingOptions
 
         assert hasattr(obj(StagingOptions(False, False, False, False)), attr)
+    elif key == "amp_scaling_step":  # set in __init__ of a fused optimizer
+        assert getattr(obj([torch.nn.Parameter(torch.zeros(1))], fused=True), attr) is True
     elif p.instance:  # a slot (DTensor's): declared on the class
         assert attr in getattr(obj, "__slots__", ()) or attr in getattr(obj, "__annotations__", {})
 

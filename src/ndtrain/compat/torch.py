@@ -94,8 +94,12 @@ PRIVATE: dict[str, Private] = {
         ("efficient", "efficient_attention"), ("efficient_backward", "efficient_attention_backward"))},
     "scaled_mm": _p("torch", "_scaled_mm", "fp8 peak probes (train/metrics.py, host_probe.py, tools/calibrate_gpu.py)",
                     "fallback: the host probe reports no fp8; metrics and calibration refuse fp8"),
-    **{f"foreach_{op}": _p("torch", f"_foreach_{op}", "DiLoCo's outer Nesterov step (parallel/diloco.py)", _LOOP)
+    **{f"foreach_{op}": _p("torch", f"_foreach_{op}",
+                           "DiLoCo's outer Nesterov step (parallel/diloco.py), clipping (parallel/grad_norm.py)", _LOOP)
        for op in ("mul_", "add_", "add")},
+    "amp_scaling_step": _p("torch.optim", "AdamW._step_supports_amp_scaling",
+                           "skipping a non-finite step on the device, through GradScaler's `found_inf` (train/step.py)",
+                           "fallback: the step's values are read on the host every step", instance=True),
     "foreach_norm": _p("torch", "_foreach_norm", "calibration's optimizer timing (tools/calibrate_host.py)", _LOOP),
     "dcp_set_element": _p("torch.distributed.checkpoint._nested_dict", "set_element",
                           "loading non-tensor values with weights_only=True (train/checkpoint/store.py)"),
@@ -390,6 +394,23 @@ def foreach_add_(tensors, others, **alpha) -> None:
 
 def foreach_add(tensors, others, **alpha) -> list:
     return _foreach("foreach_add", lambda t, o, **a: t.add(o, **a))(tensors, others, **alpha)
+
+
+def skips_on_device(optimizer) -> bool:
+    """Whether `optimizer.step()` honours a `found_inf` device flag, the door torch's GradScaler
+    uses (fused AdamW sets the flag in __init__; foreach and for-loop AdamW do not)."""
+    attr = PRIVATE["amp_scaling_step"].attr.rsplit(".", 1)[-1]
+    return bool(getattr(optimizer, attr, False))
+
+
+def step_unless(optimizer, found_inf) -> None:
+    """One `optimizer.step()` that leaves weights, moments and step counts alone where the device
+    scalar `found_inf` is non-zero; only for an optimizer that `skips_on_device`."""
+    optimizer.found_inf = found_inf
+    try:
+        optimizer.step()
+    finally:
+        optimizer.found_inf = None
 
 
 def foreach_norm(tensors) -> list:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ndtrain.compat.torch import splits_tensor
+from ndtrain.compat.torch import foreach_mul_, splits_tensor
 
 
 def reduce_partial_grads(params) -> None:
@@ -73,7 +73,7 @@ def scale_grads(params, coef: torch.Tensor) -> None:
             g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             by_device.setdefault(g.device, []).append(g)
     for device, grads in by_device.items():
-        torch._foreach_mul_(grads, coef.to(device, non_blocking=True))
+        foreach_mul_(grads, coef.to(device, non_blocking=True))
 
 
 def clip_scale(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:

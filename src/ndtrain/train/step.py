@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ndtrain.compat.torch import skips_on_device, step_unless
 from ndtrain.config import global_batch_at
 from ndtrain.data.loader import IGNORE, validation_batches
 from ndtrain.data.mixture import open_dataset
@@ -198,7 +199,7 @@ def train_step(state: TrainState, batch, data_wait_s: float = 0.0) -> StepResult
     result.defer(values, state.unread, _noise_update(state, batch, gb) if probe else None)
     # DiLoCo's replicas agree on the skip on the host, and an optimizer without a device-side
     # skip decides on it: both read the step's values now (a sync per step on a GPU).
-    read_now = state.diloco is not None or not getattr(state.optimizer, "_step_supports_amp_scaling", False)
+    read_now = state.diloco is not None or not skips_on_device(state.optimizer)
     agreed = state.diloco.agree_start(result.skipped, rt.device) if state.diloco else None
     if state.before_update is not None:
         state.before_update()
@@ -249,11 +250,7 @@ def update(state: TrainState, values: torch.Tensor, result: StepResult, read_now
     if read_now:
         optimizer.step()
         return
-    optimizer.found_inf = (1.0 - values[APPLIED]).to(torch.float32)
-    try:
-        optimizer.step()
-    finally:
-        optimizer.found_inf = None
+    step_unless(optimizer, (1.0 - values[APPLIED]).to(torch.float32))
 
 
 def _noise_update(state: TrainState, batch, gb: int):
