@@ -9,9 +9,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import math
 import weakref
 
-from ndtrain.compat.torch import PRIVATE, require
+from ndtrain.compat.torch import PRIVATE, find, require
 
 
 def init_fake_group(rank: int, world: int) -> None:
@@ -107,6 +108,24 @@ def count_cpu_attention_flops() -> None:
     if backward not in flop_registry:
         register_flop_formula(backward)(
             lambda grad, q, k, v, *_, out_shape=None, **__: sdpa_backward_flop_count(grad, q, k, v))
+
+
+def count_grouped_mm_flops() -> None:
+    """torch's FLOP formulas have none for the grouped GEMM MoE experts run (model/moe.py): 2 x
+    output elements x the contraction, which for 2D x 2D (a weight gradient, grouped along the
+    contraction) is 2 x a x N x b over all groups together (once per process)."""
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+    op = find("grouped_mm_op")
+    if op is None or op in flop_registry:
+        return
+
+    def flops(a_shape, b_shape, *_, out_shape=None, **__) -> int:
+        if len(a_shape) == 2 and len(b_shape) == 2:
+            return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+        return 2 * math.prod(out_shape) * a_shape[-1]
+
+    register_flop_formula(op)(flops)
 
 
 @contextlib.contextmanager
