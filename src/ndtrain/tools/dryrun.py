@@ -75,7 +75,8 @@ def resolved(cfg, world: int):
 def run_rank(cfg, world: int, rank: int, steps: int = 1) -> dict:
     """Builds rank `rank` of `world` and trains one step; what it measured. `steps` > 1: that many
     steps make one logging interval whose host syncs are counted (dryrun_syncs.py)."""
-    from ndtrain.compat.fake import (count_cpu_attention_flops, dtensor_shape_inference, fake_tensor_mode,
+    from ndtrain.compat.fake import (count_cpu_attention_flops, count_grouped_mm_flops, dtensor_shape_inference,
+                                     fake_tensor_mode,
                                      ddp_without_shape_check, init_fake_group, op_watcher,
                                      swappable_fake_parameters)
     from ndtrain.tools.dryrun_syncs import HostReads, answer_host_probes, finish_interval
@@ -89,6 +90,7 @@ def run_rank(cfg, world: int, rank: int, steps: int = 1) -> dict:
     cfg, layout = resolved(dry_config(cfg), world)
     init_fake_group(rank, world)
     count_cpu_attention_flops()
+    count_grouped_mm_flops()
     mesh = build_mesh(layout, "cpu")
     names = mesh_groups(mesh, layout)  # every view made now, while its rank tables can be computed
     watch = Watch()
