@@ -239,3 +239,35 @@ def test_the_watch_counts_no_meta_tensor():
         here = torch.empty(256, dtype=torch.float32)
         assert meta.shape == (1024, 1024)
         assert watch.live == watch.peak == here.numel() * 4
+
+
+# The published set's rows that are not run above (docs/dryrun.md, "The published set"), at the
+# reduced depth the table gives: 405b's first pipeline stage, an MoE with EP, a long-context CP.
+PUBLISHED = {
+    "405b pp x tp": (("--config", "configs/llama3-70b-64gpu.toml", "--model.preset=llama3-405b", "--world", "512",
+                      "--parallel.tp=8", "--parallel.pp=8", "--parallel.dp_shard=8", "--model.n_layers=16",
+                      "--rank", "0"), "pp=8 x dp_shard=8 x tp=8"),
+    "mixtral ep": (("--config", "configs/llama3-8b-8gpu.toml", "--model.preset=mixtral-8x7b", "--world", "64",
+                    "--parallel.dp_shard=64", "--parallel.ep=8", "--model.n_layers=4", "--data.seq_len=4096",
+                    "--train.global_batch=128"), "dp_shard=64 x ep=8"),
+    "long context cp": (("--config", "configs/llama3-8b-8gpu.toml", "--world", "32", "--parallel.cp=8",
+                         "--parallel.dp_shard=4", "--model.n_layers=2", "--data.seq_len=65536",
+                         "--model.max_seq_len=65536", "--train.global_batch=4"), "dp_shard=4 x cp=8"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_the_published_set_runs_with_the_planner_beside_it(name):
+    args, layout = PUBLISHED[name]
+    out = run_json(*args)
+    assert out["layout"] == layout
+    assert out["planner"]["peak_memory_bytes"] > 0 and out["flops"] > 0
+    # The step's own reads: the interval's one, and under EP the all-to-all's split sizes.
+    assert {line.split(":")[0] for line in out["host_sync_lines"]} <= {"ndtrain/train/step_values.py",
+                                                                       "ndtrain/parallel/expert.py"}
+    if "ep" in layout:
+        # The dry run counts every FLOP the planner counts (the experts' grouped GEMMs included)
+        # and, under selective checkpointing, the experts' recompute the planner leaves out.
+        assert out["flops"] >= out["planner"]["flops"]
