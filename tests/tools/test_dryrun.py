@@ -201,6 +201,10 @@ def test_fp8_counts_the_wrapped_fp32_shards_as_parameters():
     (["--world", "4", "--rank", "first"], "--rank must be an integer or 'all'"),
     (["--world", "0"], "--world must be >= 1"),
     (["--world", "64"], "train.global_batch"),
+    # what fake tensors cannot run is refused before the build, not met as a traceback inside it
+    (["--world", "4", "--model.preset=debug-moe", "--parallel.mixed_precision=bf16", "--model.capacity_factor=1.0"],
+     "config key 'model.capacity_factor'"),
+    (["--world", "4", "--model.preset=debug-moe"], "config key 'parallel.mixed_precision'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, says):
     done = dryrun(*args)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ndtrain.config import load_config
-from ndtrain.errors import NdtrainError, UsageError
+from ndtrain.errors import ConfigError, NdtrainError, UsageError
 
 
 class SyntheticTokens:
@@ -60,6 +60,20 @@ def dry_config(cfg):
     cfg.data.prefetch = 0
     cfg.parallel.compile = False
     return cfg
+
+
+def refuse_unsupported(cfg) -> None:
+    """What fake tensors cannot run, refused in one line before the build, naming the key.
+    MoE capacity dropping gathers the kept assignments with nonzero, whose size is the router's
+    choice (no fake tensor has it); torch's grouped GEMM meta rule takes bf16 only."""
+    m, mp = cfg.model, cfg.parallel.mixed_precision
+    if m.n_experts and m.capacity_factor > 0:
+        raise ConfigError("model.capacity_factor", f"{m.capacity_factor}: the dry run cannot drop tokens (how many "
+                          f"is the router's choice); run it with --model.capacity_factor=0, every token "
+                          f"kept: an upper bound")
+    if m.n_experts and mp not in ("bf16", "fp8"):
+        raise ConfigError("parallel.mixed_precision", f"{mp!r}: the dry run of an MoE needs bf16 (torch's grouped GEMM "
+                          f"meta rule takes nothing else); run it with --parallel.mixed_precision=bf16, as a GPU does")
 
 
 def resolved(cfg, world: int):
@@ -208,6 +222,7 @@ def main(argv: list[str]) -> int:
     if args.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
     cfg = load_config(args.config, rest)
+    refuse_unsupported(cfg)
     from ndtrain.tools.dryrun_report import compare, text
 
     if args.rank == "all":
