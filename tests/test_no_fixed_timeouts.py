@@ -1,0 +1,80 @@
+"""No fixed number of seconds bounds a wait in a test: a hang guard is `hang_deadline(base_s)`
+(tests/conftest.py), which scales with this host's measured speed. A literal `timeout=60` on a
+subprocess, `.wait(5)` or `.join(timeout=5)` trips on a slow or loaded host for a reason the test
+is not about. PENDING lists the files that still hold such literals (counted), so the number can
+only go down; a new one anywhere fails here."""
+import ast
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+# Files still to migrate to hang_deadline, with how many fixed literals each holds. They are hang
+# guards on whole-run subprocesses (their pytest limits already scale); lower a count as you move
+# one, never raise it.
+PENDING = {
+    "cli/test_bad_input.py": 1, "cli/test_fast_refusal.py": 2, "compat/test_torch_shim.py": 1,
+    "model/test_linear.py": 1, "parallel/test_ddp.py": 1, "parallel/test_fp8.py": 1,
+    "test_config.py": 2, "tools/test_calibrate_from_run.py": 1, "tools/test_configs.py": 2,
+    "tools/test_dryrun.py": 1, "tools/test_dryrun_syncs.py": 1, "tools/test_report.py": 3,
+    "train/test_ckpt_integrity.py": 1, "train/test_ckpt_interop.py": 1,
+    "train/test_diloco_ckpt.py": 1, "train/test_end_of_run.py": 1,
+    "train/test_launch_container.py": 1, "train/test_run_dir.py": 1,
+    "train/test_trackers.py": 2, "train/test_trainer.py": 3,
+    # waits for an event the test makes happen (a watchdog firing): hang guards, to scale too
+    "train/test_ckpt_recovery_units.py": 1, "train/test_heartbeat.py": 1,
+}
+
+
+def _numeric(node: ast.AST) -> bool:
+    """A number, or arithmetic on numbers only (`2 * 60`)."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, (int, float)) and not isinstance(node.value, bool)
+    if isinstance(node, ast.BinOp):
+        return _numeric(node.left) and _numeric(node.right)
+    if isinstance(node, ast.UnaryOp):
+        return _numeric(node.operand)
+    return False
+
+
+def fixed_timeouts(source: str, name: str = "<test>") -> list[int]:
+    """Line numbers of calls bounded by a literal number of seconds: a `timeout=` keyword, or the
+    first positional argument of `.wait(...)` / `.join(...)`."""
+    lines = []
+    for node in ast.walk(ast.parse(source, name)):
+        if not isinstance(node, ast.Call):
+            continue
+        kws = {k.arg for k in node.keywords}
+        if "hang_deadline" in kws:  # a helper that scales the base seconds itself
+            continue
+        if any(k.arg == "timeout" and _numeric(k.value) for k in node.keywords):
+            lines.append(node.lineno)
+        elif (isinstance(node.func, ast.Attribute) and node.func.attr in ("wait", "join")
+              and node.args and _numeric(node.args[0])):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_new_fixed_timeouts():
+    found = {}
+    for path in sorted(TESTS.rglob("*.py")):
+        rel = path.relative_to(TESTS).as_posix()
+        hits = fixed_timeouts(path.read_text(), rel)
+        if hits:
+            found[rel] = hits
+    over = {f: hits for f, hits in found.items() if len(hits) > PENDING.get(f, 0)}
+    assert not over, f"fixed seconds as a bound (use hang_deadline): {over}"
+    # a file that was migrated must leave PENDING, so the allowance cannot be spent again
+    stale = {f: n for f, n in PENDING.items() if len(found.get(f, [])) < n}
+    assert not stale, f"lower these PENDING counts, they hold fewer now: {stale}"
+
+
+def test_the_scan_finds_each_planted_kind():
+    planted = ("import subprocess\n"
+               "subprocess.run(['x'], timeout=60)\n"
+               "p.wait(timeout=2 * 5)\n"
+               "t.join(5)\n"
+               "q.wait()\n"
+               "subprocess.run(['x'], timeout=hang_deadline(60))\n"
+               "_run(x, timeout=590, hang_deadline=hang_deadline)\n"
+               "s = 'last_call_timeout=2'\n")
+    assert fixed_timeouts(planted) == [2, 3, 4]
