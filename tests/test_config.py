@@ -114,13 +114,13 @@ def test_override_syntax_errors():
         load_config("configs/nope.toml")
 
 
-def test_cli_reports_one_line_and_exit_code_2():
+def test_cli_reports_one_line_and_exit_code_2(hang_deadline):
     proc = subprocess.run([sys.executable, "-m", "ndtrain", "config", "show", "--train.steps=x"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=hang_deadline(60))
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "train.steps" in proc.stderr
     ok = subprocess.run([sys.executable, "-m", "ndtrain", "config", "show", "--config", "configs/default.toml"],
-                        capture_output=True, text=True, timeout=60)
+                        capture_output=True, text=True, timeout=hang_deadline(60))
     assert ok.returncode == 0 and 'preset = "tiny"' in ok.stdout
 
 

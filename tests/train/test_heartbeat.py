@@ -85,12 +85,12 @@ def test_a_store_that_does_not_answer_names_its_node(store):
                     f"stopped answering"), said
 
 
-def test_the_watchdog_line_carries_the_diagnosis(capfd):
+def test_the_watchdog_line_carries_the_diagnosis(capfd, hang_deadline):
     fired = threading.Event()
     dog = recovery.Watchdog(0.05, 0, on_expire=fired.set, diagnose=lambda: "waiting on rank 1 on host node2")
     try:
         dog.arm(3)
-        assert fired.wait(60)
+        assert fired.wait(hang_deadline(60))
     finally:
         dog.close()
     line = next(ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("ndtrain watchdog:"))
