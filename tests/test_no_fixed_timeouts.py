@@ -20,8 +20,6 @@ PENDING = {
     "train/test_diloco_ckpt.py": 1, "train/test_end_of_run.py": 1,
     "train/test_launch_container.py": 1, "train/test_run_dir.py": 1,
     "train/test_trackers.py": 2, "train/test_trainer.py": 3,
-    # waits for an event the test makes happen (a watchdog firing): hang guards, to scale too
-    "train/test_ckpt_recovery_units.py": 1,
 }
 
 
