@@ -17,7 +17,7 @@ PENDING = {
     "tools/test_calibrate_from_run.py": 1, "tools/test_configs.py": 2,
     "tools/test_dryrun.py": 1, "tools/test_dryrun_syncs.py": 1, "tools/test_report.py": 3,
     "train/test_ckpt_integrity.py": 1, "train/test_ckpt_interop.py": 1,
-    "train/test_diloco_ckpt.py": 1, "train/test_end_of_run.py": 1,
+    "train/test_diloco_ckpt.py": 1,
     "train/test_launch_container.py": 1, "train/test_run_dir.py": 1,
     "train/test_trackers.py": 2, "train/test_trainer.py": 3,
 }
