@@ -54,9 +54,9 @@ def test_a_utf16_config_is_read_and_its_typo_refused_before_torch(tmp_path):
     assert found["rc"] == 2 and "train.stepz" in found["stderr"] and not found["torch"], found
 
 
-def test_config_show_help_prints_usage_and_exits_0():
+def test_config_show_help_prints_usage_and_exits_0(hang_deadline):
     proc = subprocess.run([sys.executable, "-m", "ndtrain", "config", "show", "--help"], capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=hang_deadline(600))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: ndtrain config show") and proc.stderr == ""
 

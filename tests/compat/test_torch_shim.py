@@ -463,7 +463,7 @@ def test_building_a_model_off_cpu_looks_up_no_cpu_only_name(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_fresh_interpreter_building_off_cpu_looks_up_no_cpu_only_name():
+def test_a_fresh_interpreter_building_off_cpu_looks_up_no_cpu_only_name(hang_deadline):
     """The same in a fresh interpreter (this one has run CPU paths): what a GPU run imports, and a
     model built and parallelised on meta, leave oneDNN's FLOP formula and Gloo's module alone."""
     code = (
@@ -476,6 +476,6 @@ def test_a_fresh_interpreter_building_off_cpu_looks_up_no_cpu_only_name():
         "c.parallelize(build_model(preset('debug'), 'meta'), Layout())\n"
         "print('ndtrain.parallel.gloo_reduce_scatter' in sys.modules, "
         "any('_linear_pointwise' in str(k) for k in flop_registry))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=hang_deadline(300))
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "False"]

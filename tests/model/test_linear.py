@@ -89,7 +89,7 @@ def test_the_layout_key_reaches_every_linear():
         set_cpu_kernel(model, "mkl")
 
 
-def test_keep_freed_memory_keeps_large_blocks_in_the_heap():
+def test_keep_freed_memory_keeps_large_blocks_in_the_heap(hang_deadline):
     """A fresh process each (mallopt is process-wide). By default glibc maps an 8 MiB tensor on
     its own pages (above the program break) and unmaps them when it is freed, so the next step
     page-faults them back; once set, the tensor lives in the heap (below the break) and freeing
@@ -107,6 +107,6 @@ def test_keep_freed_memory_keeps_large_blocks_in_the_heap():
         "del x\n"
         "print(in_heap, end <= libc.sbrk(0))\n")
     out = {flag: subprocess.run([sys.executable, "-c", code, flag], capture_output=True, text=True, check=True,
-                                timeout=60).stdout.split() for flag in ("0", "1")}
+                                timeout=hang_deadline(60)).stdout.split() for flag in ("0", "1")}
     assert out["0"] == ["False", "False"], out
     assert out["1"] == ["True", "True"], out

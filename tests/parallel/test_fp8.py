@@ -157,7 +157,7 @@ def test_fp8_refusals_name_their_key():
                            "model": {"dim": 48, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 96}})
 
 
-def test_bad_fp8_layout_is_one_line_exit_2(tmp_path):
+def test_bad_fp8_layout_is_one_line_exit_2(tmp_path, hang_deadline):
     import subprocess
     import sys
 
@@ -166,7 +166,7 @@ def test_bad_fp8_layout_is_one_line_exit_2(tmp_path):
     config = Path(__file__).resolve().parents[2] / "configs" / "debug.toml"
     proc = subprocess.run([sys.executable, "-m", "ndtrain", "train", "--config", str(config),
                            "--parallel.mixed_precision=fp8", "--data.seq_len=40",
-                           f"--train.output_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120,
+                           f"--train.output_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=hang_deadline(120),
                           cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

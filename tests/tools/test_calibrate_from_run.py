@@ -115,7 +115,7 @@ def test_compile_is_priced_only_where_the_runs_measured_it(tmp_path, capsys):
     assert on.compile and on.compile_s == pytest.approx(19.95) and on.compiled_step_s < on.eager_step_s
 
 
-def test_from_run_imports_no_torch(tmp_path):
+def test_from_run_imports_no_torch(tmp_path, hang_deadline):
     # run directories copied off a cluster are fitted on a machine without torch
     import subprocess
     import sys
@@ -124,7 +124,7 @@ def test_from_run_imports_no_torch(tmp_path):
     code = ("import sys; from ndtrain.cli import main; "
             f"assert main(['calibrate', '--from-run', {str(run)!r}, '--out', {str(tmp_path / 'hw.json')!r}]) == 0; "
             "assert 'torch' not in sys.modules, 'torch imported'")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=hang_deadline(120))
     assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "hw.json").read_text())["from_runs"]["runs"][0]["label"] == "zero3"
 

@@ -73,7 +73,7 @@ def _train_args(corpus_dir, out, **extra) -> list[str]:
 
 @pytest.mark.heavy
 @pytest.mark.timeout(240)
-def test_report_of_a_killed_and_restarted_run_overlaid_with_a_bf16_run(corpus_dir, tmp_path, monkeypatch, capsys):
+def test_report_of_a_killed_and_restarted_run_overlaid_with_a_bf16_run(corpus_dir, tmp_path, monkeypatch, capsys, hang_deadline):
     from ndtrain.cli import main as cli
     from ndtrain.train.trainer import train
 
@@ -83,7 +83,7 @@ def test_report_of_a_killed_and_restarted_run_overlaid_with_a_bf16_run(corpus_di
     # launch's TORCHELASTIC_RUN_ID, the same for every attempt).
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NDTRAIN_FAULTS": "0:0:6:step", "TORCHELASTIC_RUN_ID": "job-1"}
     killed = subprocess.run([sys.executable, "-m", "ndtrain", "train", *_train_args(corpus_dir, run, **{
-        "train.steps": 8})], env=env, capture_output=True, text=True, timeout=120)
+        "train.steps": 8})], env=env, capture_output=True, text=True, timeout=hang_deadline(120))
     assert killed.returncode == -9, killed.stderr[-2000:]
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
@@ -142,12 +142,12 @@ def test_report_draws_pipeline_gantt_moe_load_and_per_rank_rows(corpus_dir, tmp_
     assert len(check_report_html(report)) == len(pngs) == 8
 
 
-def test_report_imports_no_torch(tmp_path):
+def test_report_imports_no_torch(tmp_path, hang_deadline):
     _write_rows(tmp_path / "run", [_train_row(s, s) for s in range(1, 4)])
     code = ("import sys; from ndtrain.tools.report import build_report; "
             f"build_report([{str(tmp_path / 'run')!r}], {str(tmp_path / 'r.html')!r}); "
             "assert 'torch' not in sys.modules, 'torch imported'")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=hang_deadline(120))
     assert proc.returncode == 0, proc.stderr
     check_report_html(tmp_path / "r.html")
 

@@ -178,13 +178,13 @@ def test_global_batch_must_divide_over_data_parallel_ranks(parity_base):
         as_written(cfg, 8)
 
 
-def test_cli_refuses_a_world_that_cannot_keep_the_global_batch(corpus_dir, tmp_path):
+def test_cli_refuses_a_world_that_cannot_keep_the_global_batch(corpus_dir, tmp_path, hang_deadline):
     import subprocess
     import sys
 
     proc = subprocess.run([sys.executable, "-m", "ndtrain", "train", "--nproc", "3", "--train.global_batch=8",
                            f"--data.path={corpus_dir}", f"--train.output_dir={tmp_path / 'r'}"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=hang_deadline(120))
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert "global batch 8 (train.global_batch) cannot be split evenly over 3 data-parallel ranks" in proc.stderr
     assert "[1, 2, 4, 8]" in proc.stderr and not (tmp_path / "r").exists()

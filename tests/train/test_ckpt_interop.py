@@ -36,7 +36,7 @@ def _hf_logits(model_dir, tokens):
 
 
 @pytest.mark.timeout(180)
-def test_export_matches_hf_llama_and_import_round_trips(parity_base, tmp_path):
+def test_export_matches_hf_llama_and_import_round_trips(parity_base, tmp_path, hang_deadline):
     # A trained (not freshly initialised) model, with GQA and a non-default RoPE theta.
     run = tmp_path / "run"
     summary = train(cfg_of(job(parity_base, run, train={"steps": 3}, model={"preset": "debug", "rope_theta": 5e5})))
@@ -44,7 +44,7 @@ def test_export_matches_hf_llama_and_import_round_trips(parity_base, tmp_path):
 
     out = tmp_path / "hf"
     proc = subprocess.run([sys.executable, "-m", "ndtrain", "export", "--checkpoint", str(run), "--to", "hf", str(out)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=hang_deadline(120))
     assert proc.returncode == 0, proc.stderr
     assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 4
     with torch.no_grad():

@@ -135,11 +135,11 @@ def test_resume_rules_across_replica_counts_and_sync_modes(parity_base, tmp_path
         assert_bit_identical(from_step["weights"], plain)
 
 
-def test_diloco_without_replicas_is_one_line_exit_2(corpus_dir, tmp_path):
+def test_diloco_without_replicas_is_one_line_exit_2(corpus_dir, tmp_path, hang_deadline):
     before = sorted(p.name for p in corpus_dir.iterdir())
     proc = subprocess.run([sys.executable, "-m", "ndtrain", "train", "--parallel.replicate_sync=diloco",
                            "--model.preset=debug", f"--data.path={corpus_dir}", f"--train.output_dir={tmp_path / 'r'}"],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          capture_output=True, text=True, timeout=hang_deadline(120), env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "parallel.replicate_sync" in lines[0] and "Traceback" not in proc.stderr

@@ -200,7 +200,7 @@ def _can_mount_tmpfs(path: Path) -> bool:
 
 
 @pytest.mark.timeout(300)
-def test_disk_full_on_a_real_small_file_system(corpus_dir, tmp_path):
+def test_disk_full_on_a_real_small_file_system(corpus_dir, tmp_path, hang_deadline):
     """A 5 MB tmpfs holds one debug checkpoint (3.7 MB), not two: the second save fails."""
     small = tmp_path / "small"
     if os.geteuid() != 0 or not shutil.which("mount") or not _can_mount_tmpfs(small):
@@ -214,7 +214,7 @@ def test_disk_full_on_a_real_small_file_system(corpus_dir, tmp_path):
                                "--train.steps=4", "--train.val_interval=0", "--train.sample_tokens=0",
                                "--checkpoint.interval_steps=2", "--logging.tensorboard=false",
                                f"--train.output_dir={out}", f"--checkpoint.dir={ckpts}"],
-                              capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                              capture_output=True, text=True, timeout=hang_deadline(240), env={**os.environ, "OMP_NUM_THREADS": "1"})
         lines = [x for x in proc.stderr.splitlines() if x.strip()]
         assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
         assert "no space left" in lines[0] and str(ckpts) in lines[0] and "bytes" in lines[0], lines

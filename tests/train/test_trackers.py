@@ -118,14 +118,14 @@ def test_tracker_selection_and_the_older_tensorboard_key():
                              "moe/layer1/tokens_per_expert": [1, 2]}) == {"loss": 2.0, "skipped": 0.0}
 
 
-def test_missing_tracker_package_is_one_clear_line(monkeypatch, corpus_dir, tmp_path):
+def test_missing_tracker_package_is_one_clear_line(monkeypatch, corpus_dir, tmp_path, hang_deadline):
     monkeypatch.setitem(sys.modules, "wandb", None)  # find_spec() then reports it missing
     with pytest.raises(NdtrainError, match=r"'wandb' but the wandb package is not installed.*ndtrain\[wandb\]"):
         trackers.check_installed(load_config(None, {"logging": {"trackers": ["wandb"]}}).logging)
     code = ("import sys; sys.modules['mlflow'] = None; from ndtrain.cli import main; "
             f"sys.exit(main(['train', '--data.path={corpus_dir}', '--train.output_dir={tmp_path / 'r'}', "
             "'--logging.trackers=[\"mlflow\"]', '--nproc', '2']))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=hang_deadline(120))
     assert proc.returncode == 2
     assert "mlflow package is not installed" in proc.stderr and proc.stderr.strip().count("\n") == 0
     assert not (tmp_path / "r").exists()

@@ -75,7 +75,7 @@ def test_batch_helpers():
     assert split_micro(7, 3) == [(0, 3), (3, 6), (6, 7)]
 
 
-def test_training_learns_checkpoints_and_samples(parity_base, tmp_path):
+def test_training_learns_checkpoints_and_samples(parity_base, tmp_path, hang_deadline):
     base = {k: dict(v) for k, v in parity_base.items()}
     base["optimizer"] = {"lr": 3e-3, "warmup_steps": 5}
     base["train"].update(steps=40, global_batch=16, micro_batch=8, val_interval=20, val_batches=2,
@@ -92,20 +92,20 @@ def test_training_learns_checkpoints_and_samples(parity_base, tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "step_00000040" / "COMPLETE").exists()
     assert summary["sample"].startswith("def ") and len(summary["sample"]) > 4
     out = subprocess.run([sys.executable, "-m", "ndtrain", "generate", "--checkpoint", str(tmp_path / "run"),
-                          "--prompt", "import ", "--tokens", "10"], capture_output=True, text=True, timeout=120)
+                          "--prompt", "import ", "--tokens", "10"], capture_output=True, text=True, timeout=hang_deadline(120))
     assert out.returncode == 0 and out.stdout.startswith("import "), out.stderr
 
 
-def test_train_cli_rejects_bad_layout_before_starting(corpus_dir, tmp_path):
+def test_train_cli_rejects_bad_layout_before_starting(corpus_dir, tmp_path, hang_deadline):
     proc = subprocess.run([sys.executable, "-m", "ndtrain", "train", "--nproc", "3", "--parallel.tp=2",
                            f"--data.path={corpus_dir}", f"--train.output_dir={tmp_path / 'r'}"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=hang_deadline(120))
     assert proc.returncode == 2
     assert "world size 3" in proc.stderr and proc.stderr.strip().count("\n") == 0
     assert not (tmp_path / "r").exists()
 
 
-def test_missing_data_is_a_clear_error(tmp_path):
+def test_missing_data_is_a_clear_error(tmp_path, hang_deadline):
     proc = subprocess.run([sys.executable, "-m", "ndtrain", "train", f"--data.path={tmp_path / 'none'}",
-                           f"--train.output_dir={tmp_path / 'r'}"], capture_output=True, text=True, timeout=120)
+                           f"--train.output_dir={tmp_path / 'r'}"], capture_output=True, text=True, timeout=hang_deadline(120))
     assert proc.returncode == 2 and "ndtrain prepare" in proc.stderr
