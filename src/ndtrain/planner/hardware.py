@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ndtrain.errors import NdtrainError
-from ndtrain.planner import host_cache, links
+from ndtrain.planner import host_cache
 
 GiB = 1024**3
 
@@ -371,7 +371,7 @@ def from_profile(data: dict, source: str = "") -> Hardware:
     attn = data.get("attention", {})
     compile_why = str(data.get("unmeasured", {}).get("compile", ""))
     compile_priced = not compile_why and (calibrated or {"compile_s", "compile_saving"} <= set(data))
-    return links.apply(Hardware(
+    return Hardware(
         name="this-machine",
         description=data.get("description", "this machine (uncalibrated: host probe)" if probe_only else
                              "this machine (uncalibrated defaults)" if not data else "this machine"),
@@ -399,7 +399,7 @@ def from_profile(data: dict, source: str = "") -> Hardware:
         compile_s=float(data.get("compile_s", UNMEASURED_CPU_COMPILE["compile_s"])) if compile_priced else 0.0,
         cpu_compile_saving=dict(data.get("compile_saving", UNMEASURED_CPU_COMPILE["saving"])) if compile_priced else {},
         compile_unmeasured=compile_why, calibrated=calibrated,
-    ), data)  # measured across nodes: the inter-node link (planner/links.py)
+    )
 
 
 def get_hardware(name: str | Hardware, profile: str | None = None) -> Hardware:
