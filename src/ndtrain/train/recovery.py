@@ -221,8 +221,7 @@ class Recovery:
             self._report_stragglers(result.step)
         elif result.step == self.cfg.train.steps:  # a run shorter than its straggler window still
             self._report_memory(result.step)  # shows every rank's peak memory
-        stop = self.leave is None and self.preemption.agreed(self.rt.device, result)  # known once read
-        action = "leave" if self.leave is not None else "stop" if stop else "ok"
+        action = "leave" if self.leave is not None else "stop" if self.preemption.agreed(self.rt.device) else "ok"
         return "rollback" if action != "ok" and self._judge() else action
 
     def _judge(self) -> bool:

@@ -1,10 +1,9 @@
 """Every signal `ndtrain train` handles, in one place: the exit codes they end in, a worker's stop
-request (SIGTERM/SIGUSR1: save at the first read of the step's values after it, a logging step or
-a checkpoint, then exit 143), its Ctrl-C (SIGINT: stop now, one line, 130), the `--nproc`
-launcher's handlers, and `hold`, which makes a process that is about to exit on its own absorb
-later copies. job.py installs the worker's, command.py the launcher's; recovery.Recovery asks
-Preemption at each step boundary. No torch import at module level: `ndtrain train` with bad
-input fails before that cost."""
+request (SIGTERM/SIGUSR1: save at the next step boundary, then exit 143), its Ctrl-C (SIGINT:
+stop now, one line, 130), the `--nproc` launcher's handlers, and `hold`, which makes a process
+that is about to exit on its own absorb later copies. job.py installs the worker's, command.py
+the launcher's; recovery.Recovery asks Preemption at each step boundary. No torch import at
+module level: `ndtrain train` with bad input fails before that cost."""
 
 from __future__ import annotations
 
@@ -22,14 +21,6 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()  # Python's rule for handlers
 
 
-_INSTALLED: list[Preemption] = []  # the worker's, while its handlers are installed
-
-
-def stop_requested() -> bool:
-    """Whether this rank was asked to stop: the flag train_step sums over the ranks with its values."""
-    return any(p.requested for p in _INSTALLED)
-
-
 def hold(signals=(signal.SIGTERM,)) -> None:
     """From here on these signals do not end this process (it is about to end on its own)."""
     if _main_thread():
@@ -39,10 +30,8 @@ def hold(signals=(signal.SIGTERM,)) -> None:
 
 class Preemption:
     """SIGTERM/SIGUSR1 set a flag (a handler must not save: it could interrupt a collective).
-    The next step sums the flag over the ranks with its values (train/step.py), so the ranks
-    agree with no read of their own: at the next read of the step's values (a logging step, a
-    checkpoint: within train.log_interval steps) they save and exit with EXIT_PREEMPTED. Later
-    ones are absorbed up to the exit (Slurm signals every process, torchrun forwards its own copy: the
+    At the next step boundary all ranks agree, save and exit with EXIT_PREEMPTED. Later ones are
+    absorbed up to the exit (Slurm signals every process, torchrun forwards its own copy: the
     default action would kill the worker mid-save); the launcher's and the scheduler's SIGKILL
     bound the grace period (docs/launch.md)."""
 
@@ -53,7 +42,6 @@ class Preemption:
         self.signal_name = ""  # the first stop signal this rank received
         self.received = 0  # how many arrived (the later ones were absorbed)
         self.previous = {}
-        _INSTALLED.append(self)
         if _main_thread():
             for sig in self.SIGNALS:
                 self.previous[sig] = signal.signal(sig, self._handle)
@@ -63,13 +51,8 @@ class Preemption:
         self.received += 1
         self.signal_name = self.signal_name or signal.Signals(signum).name
 
-    def agreed(self, device, result=None) -> bool:
-        """Whether any rank was asked to stop, after the step of `result` (a StepResult). A step
-        whose values carry the agreed flag answers once they are read, False before: every rank
-        reads the same steps. Otherwise (no step; DiLoCo, whose steps sum within a replica) one
-        small all-reduce, read now."""
-        if result is not None and result.carries_stop:
-            return False if result.unread else result.stop
+    def agreed(self, device) -> bool:
+        """Whether any rank was asked to stop (one small all-reduce when there is a group)."""
         from ndtrain.train.distributed import any_rank
 
         return any_rank(self.requested, device)
@@ -80,8 +63,6 @@ class Preemption:
         # holds them itself up to its exit (command._run).
         from ndtrain.launch_env import under_launcher
 
-        if self in _INSTALLED:
-            _INSTALLED.remove(self)
         if self.requested and under_launcher():
             return hold(self.SIGNALS)
         for sig, handler in self.previous.items():

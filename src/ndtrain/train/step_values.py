@@ -7,9 +7,7 @@ applied stay in one small float64 vector on the device, and the step's StepResul
 The first time any of them is asked for, every step not yet read is read together, in one
 transfer (`read_steps`), and each result settles in step order (the gradient-noise-scale EMAs
 update then). The job loop asks on logging steps (and before a checkpoint or a rollback), so a
-run reads the device once per `train.log_interval`, not once per step. What else a step
-produces on the device rides in the same read: the MoE routing statistics (appended to the
-vector, handed to its `on_read`) and whether any rank was asked to stop (signals.py)."""
+run reads the device once per `train.log_interval`, not once per step."""
 
 from __future__ import annotations
 
@@ -21,11 +19,8 @@ import torch
 
 # The device vector's entries: the step's mean loss, its gradient norm, 1.0 when the update
 # was applied (loss and norm finite) else 0.0, the first micro-batch's squared gradient norm
-# (NaN when the noise scale is not measured), the step's squared gradient norm, and the number
-# of ranks asked to stop when it all-reduced (signals.Preemption). Entries past WIDTH: the
-# step's own additions (MoE statistics), for its `on_read`.
-LOSS, GRAD_NORM, APPLIED, SMALL_SQ, GRAD_SQ, STOP = range(6)
-WIDTH = 6
+# (NaN when the noise scale is not measured) and the step's squared gradient norm.
+LOSS, GRAD_NORM, APPLIED, SMALL_SQ, GRAD_SQ = range(5)
 
 
 class StepResult:
@@ -42,20 +37,13 @@ class StepResult:
         self._values = (loss, grad_norm, skipped)
         self._device: torch.Tensor | None = None
         self._queue: list | None = None
-        self._on_read: list[Callable] = []
+        self._on_read: Callable | None = None
         self._ended = 0.0  # perf_counter when the step returned (its device work may still run)
-        # Whether any rank was asked to stop, once read; None when the step's all-reduce did not
-        # span every rank (DiLoCo's inner steps): the caller agrees on its own.
-        self.stop: bool | None = None
-        self.carries_stop = False
 
-    def defer(self, values: torch.Tensor, queue: list, on_read: list[Callable] = (),
-              carries_stop: bool = False) -> StepResult:
-        """Holds `values` (the WIDTH-vector above and any additions, on the device) unread in
-        `queue` (the state's, in step order); each `on_read(result, row)` runs when it is read,
-        before any later step's. `carries_stop`: its STOP entry was summed over every rank."""
-        self._device, self._queue, self._on_read = values, queue, list(on_read)
-        self.carries_stop = carries_stop
+    def defer(self, values: torch.Tensor, queue: list, on_read: Callable | None = None) -> StepResult:
+        """Holds `values` (the WIDTH-vector above, on the device) unread in `queue` (the state's,
+        in step order); `on_read(result, row)` runs when it is read, before any later step's."""
+        self._device, self._queue, self._on_read = values, queue, on_read
         queue.append(self)
         return self
 
@@ -74,11 +62,9 @@ class StepResult:
     def _settle(self, row: list[float]) -> None:
         self._device = self._queue = None
         self._values = (row[LOSS], row[GRAD_NORM], row[APPLIED] == 0.0)
-        if self.carries_stop:
-            self.stop = row[STOP] > 0
-        on_read, self._on_read = self._on_read, []
-        for callback in on_read:
-            callback(self, row)
+        on_read, self._on_read = self._on_read, None
+        if on_read is not None:
+            on_read(self, row)
 
     def _get(self, i: int):
         if self._device is not None:
@@ -105,12 +91,7 @@ def read_steps(queue: list) -> None:
     pending = list(queue)
     queue.clear()
     device = pending[-1]._device.device
-    vectors = [r._device for r in pending]
-    flat = torch.cat(vectors).tolist()  # the one read (steps' vectors may differ in length)
-    rows, at = [], 0
-    for v in vectors:
-        rows.append(flat[at:at + v.numel()])
-        at += v.numel()
+    rows = torch.stack([r._device for r in pending]).tolist()  # the one read
     # On an asynchronous device (not the CPU) unread steps returned when their work was queued,
     # not done: the read waited for the rest. Each gets an equal share, so the interval's step
     # times add up to its wall time.
