@@ -154,12 +154,17 @@ def test_a_killed_rank_is_named_in_one_line(corpus_dir, tmp_path, hang_deadline)
 @pytest.mark.timeout(400)
 def test_plain_torchrun_restart_continues_in_its_own_run_directory(corpus_dir, tmp_path, hang_deadline):
     """No ndtrain launcher: rank 0 locks the run; the restarted rank 0 (same run id) takes the
-    lock over silently and resumes; rank 1 never locks."""
+    lock over silently and resumes; rank 1 never locks.
+
+    Rank 0 is killed while publishing step 4's checkpoint (manifest written, marker not): step
+    2's save was waited for before step 4's began, so the restart resumes from step 2 whatever
+    the load. A kill at the start of step 3 raced step 2's async write (under load the restart
+    found no checkpoint and started over)."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
            "-m", "ndtrain", "train", *_args(corpus_dir, out, 5)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-           "NDTRAIN_FAULTS": "0:1:3:step:0.0"}
+           "NDTRAIN_FAULTS": "0:0:4:publish"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=hang_deadline(360), env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints' / step_name(2)} at step 2" in proc.stdout
