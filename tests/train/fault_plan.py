@@ -32,9 +32,19 @@ def _attempt() -> int:
     return restart_count()
 
 
+def _fired(log_path: Path | None, rank: int, step: str, point: str) -> bool:
+    """Whether an earlier attempt of this run already met this fault (its line in faults.log)."""
+    if log_path is None or not log_path.exists():
+        return False
+    tail = f" rank={rank} step={step} point={point} "
+    return any(tail in line for line in log_path.read_text().splitlines())
+
+
 class FaultPlan:
     """NDTRAIN_FAULTS="attempt:rank:step:point[:delay],..." kills (SIGKILL), hangs or slows this
-    rank on restart attempt `attempt` (rank `*`: any rank; one agent's environment picks a host).
+    rank on restart attempt `attempt` (rank `*`: any rank; one agent's environment picks a host;
+    attempt `*`: the first attempt that gets there, once per run, as faults.log records: a test
+    whose first attempt may fail for a reason outside ndtrain still sees its fault once).
     Points: `step` (`delay` seconds after step `step` starts: inside it, or in what follows if the
     step is shorter), `save` (right after the async save of step `step` starts writing), `publish`
     (rank 0, manifest written, marker not yet), `rename` (marker written, not yet renamed),
@@ -65,7 +75,9 @@ class FaultPlan:
             if len(parts) < 4 or parts[3] not in cls.POINTS:
                 raise NdtrainError(f"{FAULTS_ENV}: {item!r} is not attempt:rank:step:point[:delay] "
                                    f"(points: {', '.join(cls.POINTS)})")
-            if int(parts[0]) == attempt and (parts[1] == "*" or int(parts[1]) == rank):
+            if parts[0] == "*" and _fired(log_path, rank, parts[2], parts[3]):
+                continue
+            if parts[0] in ("*", str(attempt)) and (parts[1] == "*" or int(parts[1]) == rank):
                 faults.append((int(parts[2]), parts[3], float(parts[4]) if len(parts) > 4 else 0.0))
         return cls(faults, rank, log_path)
 

@@ -81,6 +81,19 @@ def test_fault_plan_selects_this_attempt_and_rank(monkeypatch):
         fault_plan.FaultPlan.from_env(rank=0)
 
 
+def test_a_fault_of_any_attempt_fires_once_per_run(monkeypatch, tmp_path):
+    log = tmp_path / hooks.HOOK_LOG
+    monkeypatch.setenv(fault_plan.FAULTS_ENV, "*:0:4:publish,1:0:6:step")
+    for attempt in ("0", "2"):  # not met yet: whichever attempt gets there has it
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        assert fault_plan.FaultPlan.from_env(rank=0, log_path=log).faults == [(4, "publish", 0.0)]
+    fault_plan.FaultPlan([], rank=0, log_path=log)._note("kill", 4, "publish")  # attempt 2 met it
+    assert fault_plan.FaultPlan.from_env(rank=0, log_path=log).faults == []
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert fault_plan.FaultPlan.from_env(rank=0, log_path=log).faults == [(6, "step", 0.0)]
+    assert fault_plan.FaultPlan.from_env(rank=1, log_path=log).faults == []  # rank 0's fault only
+
+
 def test_job_hooks_call_the_named_function_and_refuse_a_bad_one_in_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv(hooks.HOOKS_ENV, fault_plan.HOOKS)
     monkeypatch.setenv(fault_plan.FAULTS_ENV, "0:0:3:hang")
