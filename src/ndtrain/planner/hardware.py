@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ndtrain.errors import NdtrainError
-from ndtrain.planner import host_cache
+from ndtrain.planner import host_cache, links
 
 GiB = 1024**3
 
@@ -371,7 +371,7 @@ def from_profile(data: dict, source: str = "") -> Hardware:
     attn = data.get("attention", {})
     compile_why = str(data.get("unmeasured", {}).get("compile", ""))
     compile_priced = not compile_why and (calibrated or {"compile_s", "compile_saving"} <= set(data))
-    return Hardware(
+    return _with_links(Hardware(
         name="this-machine",
         description=data.get("description", "this machine (uncalibrated: host probe)" if probe_only else
                              "this machine (uncalibrated defaults)" if not data else "this machine"),
@@ -399,7 +399,18 @@ def from_profile(data: dict, source: str = "") -> Hardware:
         compile_s=float(data.get("compile_s", UNMEASURED_CPU_COMPILE["compile_s"])) if compile_priced else 0.0,
         cpu_compile_saving=dict(data.get("compile_saving", UNMEASURED_CPU_COMPILE["saving"])) if compile_priced else {},
         compile_unmeasured=compile_why, calibrated=calibrated,
-    )
+    ), links.fields(data))
+
+
+def _with_links(hw: Hardware, measured: dict) -> Hardware:
+    """Measured across nodes (planner/links.py): groups that cross nodes are priced on the node's
+    link, each of its ranks_per_node ranks getting its share (inter_bw multiplies NIC_EFF back)."""
+    if not measured:
+        return hw
+    q = measured["ranks_per_node"]
+    intra = {"alpha_intra": measured["alpha_intra"]} if "alpha_intra" in measured else {}
+    return dataclasses.replace(hw, gpus_per_node=q, alpha_inter=measured["alpha_inter"],
+                               nic_bw=measured["beta_inter"] / q / NIC_EFF, **intra)
 
 
 def get_hardware(name: str | Hardware, profile: str | None = None) -> Hardware:
