@@ -730,7 +730,7 @@ CASES += HEADER_AND_ENV_CASES
 
 # ---- running them ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def results(corpus_dir, tmp_path_factory):
+def results(corpus_dir, tmp_path_factory, hang_deadline):
     from ndtrain.config import load_config
     from ndtrain.train.interop import export
     from ndtrain.train.rundir import RunLock
@@ -763,7 +763,7 @@ def results(corpus_dir, tmp_path_factory):
     cases_file.write_text(json.dumps(specs))
     try:
         proc = subprocess.run([sys.executable, str(RUNNER), str(cases_file), str(results_file)],
-                              capture_output=True, text=True, timeout=900)
+                              capture_output=True, text=True, timeout=hang_deadline(900))
     finally:
         for lock in locks:
             lock.release()
