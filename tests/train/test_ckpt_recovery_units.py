@@ -10,6 +10,7 @@ from pathlib import Path
 
 import fault_plan
 import pytest
+import torch
 from ckpt_helpers import cfg_of, job
 
 from ndtrain.errors import NdtrainError
@@ -134,3 +135,29 @@ def test_the_fault_plan_records_each_kept_step_and_slows_the_end_through_the_job
     assert len({i for r in rows for i in r["ids"]}) == 3 * per_step  # each sample once
     notes = [line.split()[1] for line in (run / hooks.HOOK_LOG).read_text().splitlines()]
     assert notes == ["end-delay", "sample-delay"], notes
+
+
+def test_the_stop_flag_is_agreed_on_the_host_beside_an_accelerator(monkeypatch):
+    """On CUDA the default group is NCCL: a stop flag reduced there is a device value read back
+    each step (a GPU sync). It is reduced on the host instead, over a Gloo group of its own; on
+    CPU the default group already is one, and none is made."""
+    from ndtrain.train import distributed, signals
+
+    calls = []
+    monkeypatch.setattr(distributed, "group_active", lambda: True)
+    monkeypatch.setattr(distributed.dist, "new_group", lambda **kw: calls.append(("new_group", kw)) or "gloo-group")
+
+    def all_reduce(t, op=None, group=None):
+        calls.append(("all_reduce", t.device.type, group))
+        t.fill_(1.0)  # a peer was asked to stop
+
+    monkeypatch.setattr(distributed.dist, "all_reduce", all_reduce)
+    assert distributed.host_group(torch.device("cpu"), 60) is None and calls == []
+    group = distributed.host_group(torch.device("cuda", 0), 60)  # only the device's type is read
+    assert group == "gloo-group" and calls[0][1]["backend"] == "gloo"
+    stop = signals.Preemption()
+    try:
+        assert stop.agreed(group) is True and calls[-1] == ("all_reduce", "cpu", "gloo-group")
+        assert stop.agreed(None) is True and calls[-1] == ("all_reduce", "cpu", None)
+    finally:
+        stop.close()

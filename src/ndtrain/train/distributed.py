@@ -257,6 +257,17 @@ def any_rank(flag: bool, device, group=None) -> bool:
     return bool(t.item() > 0)
 
 
+def host_group(device: torch.device, timeout_s: float):
+    """A Gloo group for the flags ranks agree on every step (a stop request) when the default
+    group reduces on an accelerator: a flag agreed there is a device value read back, a sync
+    of the GPU each step; on the host it is a small all-reduce and no sync. None where the
+    default group already reduces on the host (CPU) or there is no group. Every rank must call
+    it at the same point (creating a group is collective)."""
+    if not group_active() or torch.device(device).type == "cpu":
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
 def peer_table() -> list[tuple[str, int]]:
     """(host, pid) of every rank, gathered once at start: when a collective later fails, a rank
     can say which peer died instead of quoting a socket address."""

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ndtrain.errors import NdtrainError
 from ndtrain.train import resilience
-from ndtrain.train.distributed import broadcast_object, gather_objects, restart_count, run_id
+from ndtrain.train.distributed import broadcast_object, gather_objects, host_group, restart_count, run_id
 from ndtrain.train.heartbeat import Heartbeat
 from ndtrain.train.balance import busy_at_mean_rows
 from ndtrain.train.metrics import busy_timer, peak_memory_mb
@@ -183,6 +183,7 @@ class Recovery:
         if self.exclusion is not None:  # a host excluded before, or failing too often, leaves before any step
             self.leave = self.exclusion.at_start(run_dir, progress.step, rt.rank, rt.world_size, self._event)
         self.preemption = Preemption()
+        self.host_group = host_group(rt.device, tc.timeout_s)  # where the stop flag is agreed each step
         self.rollbacks = 0
         self._consumed_before = 0
         self.busy = busy_timer(rt.device, compute)
@@ -221,7 +222,7 @@ class Recovery:
             self._report_stragglers(result.step)
         elif result.step == self.cfg.train.steps:  # a run shorter than its straggler window still
             self._report_memory(result.step)  # shows every rank's peak memory
-        action = "leave" if self.leave is not None else "stop" if self.preemption.agreed(self.rt.device) else "ok"
+        action = "leave" if self.leave is not None else "stop" if self.preemption.agreed(self.host_group) else "ok"
         return "rollback" if action != "ok" and self._judge() else action
 
     def _judge(self) -> bool:

@@ -51,11 +51,13 @@ class Preemption:
         self.received += 1
         self.signal_name = self.signal_name or signal.Signals(signum).name
 
-    def agreed(self, device) -> bool:
-        """Whether any rank was asked to stop (one small all-reduce when there is a group)."""
+    def agreed(self, group=None) -> bool:
+        """Whether any rank was asked to stop: one small all-reduce on the host, over `group`
+        (distributed.host_group: a Gloo group beside an accelerator's; None: the default group,
+        which must then reduce on the host), so asking reads no device value."""
         from ndtrain.train.distributed import any_rank
 
-        return any_rank(self.requested, device)
+        return any_rank(self.requested, "cpu", group)
 
     def close(self) -> None:
         # A stopped worker exits next, with 143: a late signal must not turn that into -15. A
