@@ -78,7 +78,7 @@ def test_ddp_keeps_names_and_reduces_on_the_last_micro_batch():
     assert (ranks[0]["grads"] - ranks[1]["grads"]).abs().max() == 0
 
 
-def _train(corpus, out, steps: int, *args) -> dict:
+def _train(corpus, out, steps: int, *args, hang_deadline) -> dict:
     """`ndtrain train` on 2 ranks; the loss of every step it ran."""
     import json
     import os
@@ -89,7 +89,8 @@ def _train(corpus, out, steps: int, *args) -> dict:
            "--data.seq_len=64", "--train.global_batch=8", "--train.micro_batch=4", "--train.val_interval=0",
            "--train.sample_tokens=0", "--logging.tensorboard=false", "--logging.progress=off",
            f"--train.steps={steps}", "--checkpoint.interval_steps=3", "--checkpoint.keep_last=4", f"--train.output_dir={out}", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=hang_deadline(240),
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return {row["step"]: row["loss"] for row in rows if "step_time_s" in row}
@@ -97,15 +98,15 @@ def _train(corpus, out, steps: int, *args) -> dict:
 
 @pytest.mark.heavy
 @pytest.mark.timeout(300)
-def test_checkpoints_cross_between_the_ddp_reducer_and_zero3(corpus_dir, tmp_path):
+def test_checkpoints_cross_between_the_ddp_reducer_and_zero3(corpus_dir, tmp_path, hang_deadline):
     """Resume anywhere holds across the two runtime paths: DDP (the reducer) -> ZeRO-3 -> DDP
     continues with the losses of the uninterrupted DDP run."""
     ddp, zero3 = ["--parallel.dp_replicate=2", "--parallel.dp_shard=1"], ["--parallel.dp_shard=2", "--parallel.zero=3"]
-    ref = _train(corpus_dir, tmp_path / "ref", 8, *ddp)
+    ref = _train(corpus_dir, tmp_path / "ref", 8, *ddp, hang_deadline=hang_deadline)
     mid = _train(corpus_dir, tmp_path / "z3", 6, *zero3,
-                 f"--checkpoint.resume={tmp_path / 'ref' / 'checkpoints' / 'step_00000003'}")
+                 f"--checkpoint.resume={tmp_path / 'ref' / 'checkpoints' / 'step_00000003'}", hang_deadline=hang_deadline)
     end = _train(corpus_dir, tmp_path / "back", 8, *ddp,
-                 f"--checkpoint.resume={tmp_path / 'z3' / 'checkpoints' / 'step_00000006'}")
+                 f"--checkpoint.resume={tmp_path / 'z3' / 'checkpoints' / 'step_00000006'}", hang_deadline=hang_deadline)
     assert sorted(mid) == [4, 5, 6] and sorted(end) == [7, 8]
     for step, loss in {**mid, **end}.items():
         assert loss == pytest.approx(ref[step], abs=1e-5), step  # fp32 reduction order (conftest's parity_base)
