@@ -150,6 +150,10 @@ def main(argv: list[str]) -> int:
         from ndtrain.tools import run_calibrate  # fits recorded runs: no torch, no measuring
 
         return run_calibrate.main(argv)
+    if "--links" in argv:
+        from ndtrain.tools import calibrate_links  # under torchrun across nodes: the link between them
+
+        return calibrate_links.cli(argv)
     p = argparse.ArgumentParser(prog="ndtrain calibrate", description=__doc__.split("\n\n")[0], add_help=False)
     p.add_argument("--device", default="auto", choices=("auto", "gpu", "cpu"),
                    help="gpu: measure the GPUs of this node; cpu: this machine's CPU ranks; auto: gpu if CUDA is there")
@@ -174,6 +178,8 @@ def main(argv: list[str]) -> int:
             p.print_help()
             print("\nFit the profile to recorded runs instead of measuring (docs/calibrate-from-runs.md):\n"
                   "  ndtrain calibrate --from-run RUN_DIR [RUN_DIR ...] [--gpu NAME] [--profile BASE] [--out PATH]")
+            print("\nAdd the link between nodes to a CPU profile (under torchrun on every node):\n"
+                  "  ndtrain calibrate --links [--out PATH] [--quick]")
             print("\nCPU options (this-machine):")
         forwarded = rest + (["--out", args.out] if args.out else []) + (["--quick"] if args.quick else [])
         return cpu.main(forwarded + (["--help"] if args.help else []))
