@@ -46,10 +46,10 @@ def _check_with_dims(config: Path, world: int) -> None:
     resolve(cfg.parallel, world, cfg.model, cfg.data.seq_len, cfg.train)  # the batch rule among the layout's
 
 
-def _check_with_command(config: Path, world: int) -> None:
+def _check_with_command(config: Path, world: int, hang_deadline) -> None:
     """`ndtrain config check` (issue 11's layout check): exit 0 when the layout is valid."""
     proc = subprocess.run([sys.executable, "-m", "ndtrain", "config", "check", "--world", str(world),
-                           "--config", str(config)], capture_output=True, text=True, timeout=60)
+                           "--config", str(config)], capture_output=True, text=True, timeout=hang_deadline(60))
     assert proc.returncode == 0, proc.stderr
 
 
@@ -94,7 +94,7 @@ CPU_CONFIGS = [p for p in CONFIGS if run_command(p).startswith("ndtrain train")]
 @pytest.mark.parametrize("config", [pytest.param(p, id=p.stem, marks=() if p.stem in FAST else pytest.mark.slow)
                                     for p in CPU_CONFIGS])
 @pytest.mark.timeout(600)
-def test_cpu_config_trains_5_steps(config, corpus_dir, tmp_path):
+def test_cpu_config_trains_5_steps(config, corpus_dir, tmp_path, hang_deadline):
     import json
 
     from ndtrain.parallel.launch import run_ranks
@@ -104,7 +104,7 @@ def test_cpu_config_trains_5_steps(config, corpus_dir, tmp_path):
         "data": {"path": str(corpus_dir)},
         "train": {"steps": 5, "val_interval": 5, "val_batches": 1, "sample_tokens": 0, "output_dir": str(tmp_path)},
         "logging": {"progress": "off", "trackers": []}})
-    steps = run_ranks(world, _train, cfg, timeout_s=300) if world > 1 else [_train(cfg)]
+    steps = run_ranks(world, _train, cfg, timeout_s=hang_deadline(300)) if world > 1 else [_train(cfg)]
     assert steps == [5] * world
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
