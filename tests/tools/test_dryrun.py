@@ -16,10 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"peak_memory_bytes", "memory_bytes", "flops", "collective_bytes", "planner", "operators", "host_reads"}
 
 
-def dryrun(*args: str) -> subprocess.CompletedProcess:
+def dryrun(*args: str, hang_deadline) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "ndtrain", "dryrun", *args], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=900)
+                          env=env, cwd=ROOT, timeout=hang_deadline(900))
 
 
 def local_param_bytes(world: int, rank: int, **overrides) -> int:
@@ -36,8 +36,8 @@ def local_param_bytes(world: int, rank: int, **overrides) -> int:
     return total
 
 
-def test_zero3_at_world_64_counts_local_shards_only():
-    done = dryrun("--world", "64", "--rank", "5", "--json", "--train.global_batch=64")
+def test_zero3_at_world_64_counts_local_shards_only(hang_deadline):
+    done = dryrun("--world", "64", "--rank", "5", "--json", "--train.global_batch=64", hang_deadline=hang_deadline)
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout)
     assert KEYS <= set(out) and out["rank"] == 5 and out["layout"] == "dp_shard=64"
@@ -59,16 +59,16 @@ def test_zero3_at_world_64_counts_local_shards_only():
     assert out["host_reads"] == [] and out["host_syncs"] == 1
 
 
-def test_rank_all_reports_each_role_and_the_worst():
-    done = dryrun("--world", "8", "--rank", "all", "--json", "--train.global_batch=16")
+def test_rank_all_reports_each_role_and_the_worst(hang_deadline):
+    done = dryrun("--world", "8", "--rank", "all", "--json", "--train.global_batch=16", hang_deadline=hang_deadline)
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout)
     assert [r["rank"] for r in out["roles"]] == [0]  # no pipeline: one role
     assert out["worst_rank"] == 0 and out["peak_memory_bytes"] == max(r["peak_memory_bytes"] for r in out["roles"])
 
 
-def run_json(*args: str) -> dict:
-    done = dryrun(*args, "--json")
+def run_json(*args: str, hang_deadline) -> dict:
+    done = dryrun(*args, "--json", hang_deadline=hang_deadline)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout)
 
@@ -78,10 +78,11 @@ def model_bytes(**overrides) -> int:
     return local_param_bytes(1, 0, **overrides)
 
 
-def test_ddp_runs_on_the_ddp_reducer():
+def test_ddp_runs_on_the_ddp_reducer(hang_deadline):
     """dp_replicate alone: torch's DDP reducer (the composable `replicate`), as a real run of this
     layout takes it; every rank holds the whole model and all-reduces whole gradients."""
-    out = run_json("--world", "4", "--train.global_batch=8", "--parallel.dp_shard=1", "--parallel.dp_replicate=4")
+    out = run_json("--world", "4", "--train.global_batch=8", "--parallel.dp_shard=1", "--parallel.dp_replicate=4",
+                   hang_deadline=hang_deadline)
     assert out["layout"] == "dp_replicate=4"
     mem, whole = out["memory_bytes"], model_bytes()
     assert mem["parameters"] == whole and mem["gradients"] == whole  # gradients: views of the reducer's buckets
@@ -111,8 +112,8 @@ def check_pipeline_roles(out: dict) -> list[dict]:
 
 
 @pytest.mark.heavy  # three processes (the parent and one per stage)
-def test_pipeline_1f1b_reports_each_stage():
-    roles = check_pipeline_roles(run_json(*PP, "--parallel.pp_schedule=1F1B"))
+def test_pipeline_1f1b_reports_each_stage(hang_deadline):
+    roles = check_pipeline_roles(run_json(*PP, "--parallel.pp_schedule=1F1B", hang_deadline=hang_deadline))
     # 1F1B: the first stage holds more micro-batches' activations in flight than the last.
     assert roles[0]["memory_bytes"]["activations"] > roles[1]["memory_bytes"]["activations"]
 
@@ -120,15 +121,16 @@ def test_pipeline_1f1b_reports_each_stage():
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule, v", [("GPipe", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2),
                                          ("ZBVZeroBubble", 2), ("DualPipeV", 2)])
-def test_every_pipeline_schedule_runs(schedule, v):
-    check_pipeline_roles(run_json(*PP, f"--parallel.pp_schedule={schedule}", f"--parallel.pp_virtual_stages={v}"))
+def test_every_pipeline_schedule_runs(schedule, v, hang_deadline):
+    check_pipeline_roles(run_json(*PP, f"--parallel.pp_schedule={schedule}", f"--parallel.pp_virtual_stages={v}",
+                                  hang_deadline=hang_deadline))
 
 
-def test_moe_with_expert_parallel_assumes_balanced_routing():
+def test_moe_with_expert_parallel_assumes_balanced_routing(hang_deadline):
     """The all-to-all's split sizes are read on the host; fake tensors have no router choices, so
     the dry run answers them as balanced routing, and says so."""
     out = run_json("--config", "configs/moe-ep.toml", "--world", "4", "--parallel.dp_shard=4", "--parallel.ep=2",
-                   "--parallel.mixed_precision=bf16")
+                   "--parallel.mixed_precision=bf16", hang_deadline=hang_deadline)
     assert out["routing"].startswith("balanced") and "ep=2" in out["layout"]
     assert out["collective_bytes"]["all_to_all"]["ep"]["calls"] > 0
     assert any(r.startswith("ndtrain/parallel/expert.py") for r in out["host_reads"])  # a sync on a GPU too
@@ -166,8 +168,9 @@ SMALL = ("--world", "4", "--train.global_batch=8")
 
 
 @pytest.mark.heavy  # two dry runs
-def test_cpu_offload_moves_the_shards_state_to_host_memory():
-    plain, off = run_json(*SMALL), run_json(*SMALL, "--parallel.cpu_offload=true")
+def test_cpu_offload_moves_the_shards_state_to_host_memory(hang_deadline):
+    plain = run_json(*SMALL, hang_deadline=hang_deadline)
+    off = run_json(*SMALL, "--parallel.cpu_offload=true", hang_deadline=hang_deadline)
     host = off["host_memory_bytes"]
     for key in ("parameters", "gradients", "optimizer_state"):
         assert off["memory_bytes"][key] == 0
@@ -176,10 +179,10 @@ def test_cpu_offload_moves_the_shards_state_to_host_memory():
 
 
 @pytest.mark.slow
-def test_activation_checkpoint_modes():
+def test_activation_checkpoint_modes(hang_deadline):
     """none / selective / full / every_n: full holds the fewest activations and recomputes the
     most; a mode the planner does not model (every_n) still runs, its planner figures marked."""
-    runs = {ac: run_json(*SMALL, f"--parallel.activation_checkpoint={ac}")
+    runs = {ac: run_json(*SMALL, f"--parallel.activation_checkpoint={ac}", hang_deadline=hang_deadline)
             for ac in ("none", "selective", "full", "every_n")}
     acts = {ac: r["memory_bytes"]["activations"] for ac, r in runs.items()}
     assert acts["full"] < acts["selective"] < acts["none"] and acts["full"] < acts["every_n"] < acts["none"]
@@ -189,9 +192,9 @@ def test_activation_checkpoint_modes():
 
 
 @pytest.mark.slow
-def test_fp8_counts_the_wrapped_fp32_shards_as_parameters():
+def test_fp8_counts_the_wrapped_fp32_shards_as_parameters(hang_deadline):
     """torchao's fp8 all-gather wraps each fp32 shard; the parameters are what it wraps."""
-    out = run_json(*SMALL, "--parallel.mixed_precision=fp8")
+    out = run_json(*SMALL, "--parallel.mixed_precision=fp8", hang_deadline=hang_deadline)
     assert out["memory_bytes"]["parameters"] == local_param_bytes(4, 0)
     assert out["memory_bytes"]["optimizer_state"] == pytest.approx(2 * local_param_bytes(4, 0), rel=0.01)
 
@@ -206,17 +209,17 @@ def test_fp8_counts_the_wrapped_fp32_shards_as_parameters():
      "config key 'model.capacity_factor'"),
     (["--world", "4", "--model.preset=debug-moe"], "config key 'parallel.mixed_precision'"),
 ])
-def test_bad_input_is_one_line_and_exit_2(args, says):
-    done = dryrun(*args)
+def test_bad_input_is_one_line_and_exit_2(args, says, hang_deadline):
+    done = dryrun(*args, hang_deadline=hang_deadline)
     assert done.returncode == 2 and done.stdout == ""
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0], done.stderr[-2000:]
 
 
 @pytest.mark.slow
-def test_llama3_8b_on_8_ranks_whole_depth():
+def test_llama3_8b_on_8_ranks_whole_depth(hang_deadline):
     """The published 8-GPU layout at full depth and sequence (configs/llama3-8b-8gpu.toml)."""
-    done = dryrun("--config", "configs/llama3-8b-8gpu.toml", "--world", "8", "--json")
+    done = dryrun("--config", "configs/llama3-8b-8gpu.toml", "--world", "8", "--json", hang_deadline=hang_deadline)
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout)
     mem = out["memory_bytes"]
@@ -263,9 +266,9 @@ PUBLISHED = {
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
-def test_the_published_set_runs_with_the_planner_beside_it(name):
+def test_the_published_set_runs_with_the_planner_beside_it(name, hang_deadline):
     args, layout = PUBLISHED[name]
-    out = run_json(*args)
+    out = run_json(*args, hang_deadline=hang_deadline)
     assert out["layout"] == layout
     assert out["planner"]["peak_memory_bytes"] > 0 and out["flops"] > 0
     # The step's own reads: the interval's one, and under EP the all-to-all's split sizes.
