@@ -26,11 +26,11 @@ DRY_STEPS = 2  # the dry run's interval: two steps show a read per step apart fr
 ONE_READ = ["ndtrain/train/step_values.py"]  # where the interval's one read is
 
 
-def _dryrun(*args: str) -> dict:
+def _dryrun(*args: str, hang_deadline) -> dict:
     command = [sys.executable, "-m", "ndtrain", "dryrun", "--world", "4", "--train.global_batch=8",
                "--model.n_layers=1", "--steps", str(DRY_STEPS), "--json", *args]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          cwd=ROOT, timeout=600)
+                          cwd=ROOT, timeout=hang_deadline(600))
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout)
 
@@ -42,8 +42,8 @@ def _dryrun(*args: str) -> dict:
     pytest.param(("--parallel.pp=2", "--model.n_layers=2", "--train.micro_batch=2", "--rank", "2"),
                  "pp=2 x dp_shard=2", marks=pytest.mark.slow),
 ])
-def test_dry_run_reads_once_per_logging_interval(args, layout):
-    out = _dryrun(*args)
+def test_dry_run_reads_once_per_logging_interval(args, layout, hang_deadline):
+    out = _dryrun(*args, hang_deadline=hang_deadline)
     assert out["layout"] == layout
     assert out["host_sync_steps"] == DRY_STEPS
     assert out["host_syncs"] <= 1 and out["host_syncs_per_step"] <= 1 / DRY_STEPS, out["host_sync_lines"]
