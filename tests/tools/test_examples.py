@@ -5,10 +5,12 @@ batch that divides every world size a job can shrink or grow to."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,13 +88,13 @@ def test_slurm_cpus_node_loss_log_dir_and_rendezvous():
     export = re.search(r"^export SRUN_CPUS_PER_TASK=\$SLURM_CPUS_PER_TASK$", text, re.M)
     assert "cpus-per-task" in directives and export and export.start() < text.index("\nsrun ")
     # A lost node keeps the job and the step alive, and torchrun may shrink.
-    assert "no-kill" in directives and "--no-kill" in srun[: srun.index("torchrun")]
+    assert "no-kill" in directives and "--no-kill" in srun[: srun.index("torch.distributed.run")]
     nnodes = _flag(srun, "--nnodes")
     assert nnodes == "${MIN_NODES}:${SLURM_JOB_NUM_NODES}"
     # The log directory exists before Slurm opens --output: the documented command creates it.
     log_dir = Path(directives["output"]).parent
-    usage = next(line for line in text.splitlines() if "sbatch " in line and "examples/slurm/train.sbatch" in line)
-    assert f"mkdir -p {log_dir} && sbatch" in usage
+    usage = [line for line in text.splitlines() if "sbatch " in line and "examples/slurm/train.sbatch" in line]
+    assert len(usage) == 2 and all(f"mkdir -p {log_dir} && " in line for line in usage), usage  # GPU and CPU
     # The rendezvous host is documented as a single point of failure and its loss requeues the job
     # (bounded), or the endpoint moves out of the job.
     assert "single point of failure" in text
@@ -101,11 +103,102 @@ def test_slurm_cpus_node_loss_log_dir_and_rendezvous():
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text and _flag(srun, "--rdzv-conf") == "last_call_timeout=2"
 
 
+def _gpu_command(text: str) -> list[str]:
+    """The documented GPU submission: `sbatch --nodes=N --gpus-per-node=G examples/slurm/train.sbatch`."""
+    line = next(line for line in text.splitlines() if "--gpus-per-node=" in line and "sbatch " in line)
+    return shlex.split(line.split("&&", 1)[1].split("#", 1)[0])
+
+
 def test_slurm_global_batch_divides_every_world(tmp_path):
     text, directives, srun, _ = _sbatch()
     config = ROOT / re.search(r"CONFIG=\$\{CONFIG:-(\S+)\}", text)[1]
-    nodes, gpus = int(directives["nodes"]), int(directives["gpus-per-node"])
-    _check_global_batch(config.read_text(), [n * gpus for n in range(1, nodes + 1)], tmp_path)
+    command = _gpu_command(text)
+    gpus = int(_flag(command, "--gpus-per-node"))
+    # the script's own node count, shrunk down to one node, and the documented command's
+    worlds = [n * gpus for n in range(1, int(directives["nodes"]) + 1)] + [int(_flag(command, "--nodes")) * gpus]
+    _check_global_batch(config.read_text(), worlds, tmp_path)
+
+
+def test_slurm_gpus_are_requested_by_the_command_and_python_is_explicit():
+    text, directives, srun, _ = _sbatch()
+    # A #SBATCH GPU request is refused outright by a cluster without a gpu GRES (Slurm 22.05:
+    # "Invalid generic resource (gres) specification"), so it is on the documented command only.
+    assert not any(k.startswith("gpu") or k == "gres" for k in directives), directives
+    assert _gpu_command(text)[-1] == "examples/slurm/train.sbatch"
+    assert _flag(srun, "--nproc-per-node") == "$WORKERS"
+    assert "WORKERS=${WORKERS:-${SLURM_GPUS_ON_NODE:-1}}" in text
+    # torchrun need not be on any node's PATH: the job's Python runs its module.
+    launcher = srun[srun.index("--kill-on-bad-exit=0") + 1:][:3]
+    assert launcher == ["$PYTHON", "-m", "torch.distributed.run"] and "PYTHON=${PYTHON:-python3}" in text
+
+
+# The script run for real, against stand-ins: srun, scontrol and scancel log what they are asked;
+# python either is the job's real one (ndtrain's own config check) or logs its arguments too.
+def _stub(path: Path, body: str) -> None:
+    path.write_text("#!/bin/bash\n" + body)
+    path.chmod(0o755)
+
+
+def _run_sbatch(tmp_path: Path, *, srun_exit: int = 0, python: str | None = None, **env: str):
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir(exist_ok=True)
+    _stub(bin_dir / "srun", f'echo "srun $*" >> {log}\necho "step sees OMP_NUM_THREADS=$OMP_NUM_THREADS" >> {log}\n'
+                            f'exit {srun_exit}\n')
+    _stub(bin_dir / "scancel", f'echo "scancel $*" >> {log}\n')
+    _stub(bin_dir / "scontrol", f'[ "$1" = show ] && echo node1 && exit 0\necho "scontrol $*" >> {log}\n')
+    # the stand-in python fails the check for the world named by CHECK_FAILS (with exit 2, as ndtrain does)
+    _stub(bin_dir / "python3", f'echo "python3 $*" >> {log}\n'
+                               '[[ " $* " == *" --world ${CHECK_FAILS:-none} "* ]] && exit 2\nexit 0\n')
+    base = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "ndtrain",
+            "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_CPUS_PER_TASK": "8",
+            "RUN_DIR": str(tmp_path / "run"), "HOME": os.environ.get("HOME", str(tmp_path))}
+    if python:
+        base["PYTHON"] = python
+    proc = subprocess.run(["bash", str(SBATCH)], cwd=tmp_path, env={**base, **env}, capture_output=True,
+                          text=True, timeout=120)
+    lines = log.read_text().splitlines() if log.exists() else []
+    return proc.returncode, lines, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("env,workers,threads", [({}, 1, 8), ({"SLURM_GPUS_ON_NODE": "4"}, 4, 2),
+                                                 ({"SLURM_GPUS_ON_NODE": "4", "WORKERS": "3"}, 3, 2)])
+def test_slurm_workers_per_node(tmp_path, env, workers, threads):
+    rc, log, out = _run_sbatch(tmp_path, MIN_NODES="1", **env)
+    assert rc == 0, out
+    checks = [line for line in log if line.startswith("python3 ")]
+    # every world the job may run on, one node to both, is checked before the step starts
+    assert [c.split("--world ")[1].split()[0] for c in checks] == [str(workers), str(2 * workers)], log
+    (srun,) = [shlex.split(line) for line in log if line.startswith("srun ")]
+    assert _flag(srun, "--nproc-per-node") == str(workers) and srun[3:6] == ["python3", "-m", "torch.distributed.run"]
+    assert log.index(checks[-1]) < next(i for i, line in enumerate(log) if line.startswith("srun ")), log
+    # the node's CPUs (SLURM_CPUS_PER_TASK=8) split among its workers
+    assert f"step sees OMP_NUM_THREADS={threads}" in log
+
+
+@pytest.mark.parametrize("srun_exit,restarts,requeued,rc", [(0, "0", False, 0), (1, "0", True, 0), (1, "3", False, 1)])
+def test_slurm_step_failure_is_requeued_a_bounded_number_of_times(tmp_path, srun_exit, restarts, requeued, rc):
+    got, log, out = _run_sbatch(tmp_path, srun_exit=srun_exit, SLURM_RESTART_COUNT=restarts)
+    assert got == rc, out
+    assert ("scontrol requeue 4242" in log) == requeued, log
+
+
+def test_slurm_shrunk_world_that_does_not_fit_is_refused_before_the_step(tmp_path):
+    # 2 nodes x 1 worker may shrink to 1 node: a config that fails there fails the job now.
+    rc, log, out = _run_sbatch(tmp_path, MIN_NODES="1", CHECK_FAILS="1")
+    assert rc == 2 and not any(line.startswith(("srun", "scontrol")) for line in log), (log, out)
+    assert "not starting, not requeueing" in out and not (tmp_path / "run").exists()
+
+
+def test_slurm_bad_config_exits_2_without_a_step_or_a_requeue(tmp_path):
+    """torchrun reports a worker's exit 2 as its own 1 (after --max-restarts retries of the same
+    failure), so the script checks the config itself, with ndtrain's real check."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text((ROOT / "configs" / "debug.toml").read_text() + "no_such_key = 1\n")
+    rc, log, out = _run_sbatch(tmp_path, python=sys.executable, CONFIG=str(bad))
+    assert rc == 2, out
+    assert "train.no_such_key" in out and "not starting, not requeueing" in out
+    assert not any(line.startswith(("srun", "scontrol", "scancel")) for line in log), log
+    assert not (tmp_path / "run").exists()
 
 
 # ---- Kubernetes ------------------------------------------------------------------------------

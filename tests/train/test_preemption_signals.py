@@ -202,6 +202,7 @@ def test_the_sbatch_trap_signals_the_step_once_and_waits_for_its_save(tmp_path, 
                             f'echo started >> {log}\nwhile :; do sleep 0.05; done\n')
     _stub(bin_dir / "scancel", f'echo "scancel $*" >> {log}\nkill -TERM "$(cat {tmp_path}/srun.pid)"\n')
     _stub(bin_dir / "scontrol", f'[ "$1" = show ] && echo node1 && exit 0\necho "scontrol $*" >> {log}\n')
+    _stub(bin_dir / "python3", "exit 0\n")  # the config check before srun: passes
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
            "SLURM_JOB_NAME": "ndtrain", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]",
            "SLURM_CPUS_PER_TASK": "8", "RUN_DIR": str(tmp_path / "run")}
@@ -221,3 +222,35 @@ def test_the_sbatch_trap_signals_the_step_once_and_waits_for_its_save(tmp_path, 
             proc.kill()
     assert proc.returncode == 0, out
     assert log.read_text().splitlines() == ["started", "scancel --signal=TERM 4242", "saved", "scontrol requeue 4242"], out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="bash")
+@pytest.mark.timeout(60)
+def test_the_sbatch_trap_requeues_a_stop_that_comes_before_the_step(tmp_path, hang_deadline):
+    """A stop signal while the script still checks the config (no step yet) is answered once the
+    check is done: the job is requeued and no step is started."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir()
+    _stub(bin_dir / "srun", f'echo started >> {log}\n')
+    _stub(bin_dir / "scancel", f'echo "scancel $*" >> {log}\n')
+    _stub(bin_dir / "scontrol", f'[ "$1" = show ] && echo node1 && exit 0\necho "scontrol $*" >> {log}\n')
+    # the check runs until the test has signalled the script
+    _stub(bin_dir / "python3", f'echo check >> {log}\nwhile [ ! -e {tmp_path}/signalled ]; do sleep 0.05; done\n')
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NAME": "ndtrain", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "node1",
+           "SLURM_CPUS_PER_TASK": "2", "RUN_DIR": str(tmp_path / "run")}
+    proc = subprocess.Popen(["bash", str(SBATCH)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + hang_deadline(30)
+        while not (log.exists() and "check" in log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGUSR1)
+        (tmp_path / "signalled").touch()
+        out, _ = proc.communicate(timeout=hang_deadline(30))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert log.read_text().splitlines() == ["check", "scancel --signal=TERM 4242", "scontrol requeue 4242"], out
