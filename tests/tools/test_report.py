@@ -59,9 +59,9 @@ def test_restart_inferred_for_runs_without_restart_rows(tmp_path):
     assert [e["event"] for e in run.restarts] == ["restart (inferred)"]
 
 
-def _cli(*args, cwd=None) -> subprocess.CompletedProcess:
+def _cli(*args, hang_deadline, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ndtrain", *map(str, args)], capture_output=True, text=True,
-                          timeout=120, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          timeout=hang_deadline(120), cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def _train_args(corpus_dir, out, **extra) -> list[str]:
@@ -156,7 +156,7 @@ def _files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def test_bad_input_is_one_line_exit_2_and_loses_nothing(tmp_path, capsys):
+def test_bad_input_is_one_line_exit_2_and_loses_nothing(tmp_path, capsys, hang_deadline):
     from ndtrain.cli import main as cli
 
     _write_rows(tmp_path / "run", [_train_row(1, 1.0)])
@@ -186,7 +186,7 @@ def test_bad_input_is_one_line_exit_2_and_loses_nothing(tmp_path, capsys):
         assert message in err and "\n" not in err and "Traceback" not in err, err
     assert _files(tmp_path) == before and not (tmp_path / "r.html").exists()
     # The same through the installed command, once: one line on stderr, exit 2.
-    proc = _cli("report", tmp_path / "missing", "--out", tmp_path / "r.html")
+    proc = _cli("report", tmp_path / "missing", "--out", tmp_path / "r.html", hang_deadline=hang_deadline)
     assert proc.returncode == 2 and proc.stderr.strip() == f"ndtrain report: error: run directory not found: " \
         f"{tmp_path / 'missing'}"
 
