@@ -12,7 +12,7 @@ TESTS = Path(__file__).resolve().parent
 # module-level helpers (not fixtures' users) around whole-run subprocesses, whose pytest limits
 # already scale. Lower a count as you move one, never raise it.
 PENDING = {
-    "train/test_launch_container.py": 1, "train/test_trackers.py": 1,
+    "train/test_trackers.py": 1,
 }
 
 
