@@ -1,19 +1,12 @@
 """No fixed number of seconds bounds a wait in a test: a hang guard is `hang_deadline(base_s)`
 (tests/conftest.py), which scales with this host's measured speed. A literal `timeout=60` on a
 subprocess, `.wait(5)` or `.join(timeout=5)` trips on a slow or loaded host for a reason the test
-is not about. PENDING lists the files that still hold such literals (counted), so the number can
-only go down; a new one anywhere fails here."""
+is not about. Every file is clear of them; a new one anywhere fails here. A helper outside a
+test takes the fixture's function from its caller (`hang_deadline=hang_deadline`)."""
 import ast
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
-
-# Files still to migrate to hang_deadline, with how many fixed literals each holds: hang guards in
-# module-level helpers (not fixtures' users) around whole-run subprocesses, whose pytest limits
-# already scale. Lower a count as you move one, never raise it.
-PENDING = {
-    "train/test_trackers.py": 1,
-}
 
 
 def _numeric(node: ast.AST) -> bool:
@@ -52,11 +45,7 @@ def test_no_new_fixed_timeouts():
         hits = fixed_timeouts(path.read_text(), rel)
         if hits:
             found[rel] = hits
-    over = {f: hits for f, hits in found.items() if len(hits) > PENDING.get(f, 0)}
-    assert not over, f"fixed seconds as a bound (use hang_deadline): {over}"
-    # a file that was migrated must leave PENDING, so the allowance cannot be spent again
-    stale = {f: n for f, n in PENDING.items() if len(found.get(f, [])) < n}
-    assert not stale, f"lower these PENDING counts, they hold fewer now: {stale}"
+    assert not found, f"fixed seconds as a bound (use hang_deadline): {found}"
 
 
 def test_the_scan_finds_each_planted_kind():

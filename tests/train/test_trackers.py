@@ -47,28 +47,28 @@ def wandb_history(path: Path) -> list[dict]:
     return rows
 
 
-def _train(corpus_dir, out: Path, env_extra: dict) -> subprocess.CompletedProcess:
+def _train(corpus_dir, out: Path, env_extra: dict, hang_deadline) -> subprocess.CompletedProcess:
     args = {"model.preset": "debug", "data.path": corpus_dir, "data.seq_len": 64, "train.global_batch": 8,
             "train.micro_batch": 8, "train.steps": 8, "train.val_interval": 4, "train.val_batches": 1,
             "train.sample_tokens": 0, "checkpoint.interval_steps": 4, "logging.progress": "off",
             "logging.trackers": '["wandb","mlflow"]', "train.output_dir": out}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NDTRAIN_FAULTS": "0:0:6:step", **env_extra}
     return subprocess.run([sys.executable, "-m", "ndtrain", "train", *[f"--{k}={v}" for k, v in args.items()]],
-                          env=env, capture_output=True, text=True, timeout=180)
+                          env=env, capture_output=True, text=True, timeout=hang_deadline(180))
 
 
 @pytest.mark.heavy
 @pytest.mark.timeout(300)
-def test_wandb_offline_and_mlflow_file_store_continue_the_run_after_a_restart(corpus_dir, tmp_path):
+def test_wandb_offline_and_mlflow_file_store_continue_the_run_after_a_restart(corpus_dir, tmp_path, hang_deadline):
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
     out = tmp_path / "run"
     # Attempt 0 is killed as step 6 starts (after step 4's checkpoint and step 5's row); attempt 1
     # resumes from step 4, as torchrun --max-restarts would run it.
-    killed = _train(corpus_dir, out, {})
+    killed = _train(corpus_dir, out, {}, hang_deadline)
     assert killed.returncode == -9, killed.stderr[-2000:]
     ids_before = json.loads((out / "trackers.json").read_text())
-    done = _train(corpus_dir, out, {"TORCHELASTIC_RESTART_COUNT": "1"})
+    done = _train(corpus_dir, out, {"TORCHELASTIC_RESTART_COUNT": "1"}, hang_deadline)
     assert done.returncode == 0, done.stderr[-2000:]
     ids = json.loads((out / "trackers.json").read_text())
     assert ids == ids_before and ids["wandb"]["mode"] == "offline"
