@@ -326,14 +326,15 @@ def set_aux_scale(layers: list[tuple[str, MoE]], scale: float) -> None:
 
 
 @torch.no_grad()
-def end_step(layers: list[tuple[str, MoE]], all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-             update_bias: bool = True) -> dict:
-    """After the optimizer step: sum the step's routing statistics over the ranks that saw
-    different tokens (`all_reduce`, in place), apply the aux-loss-free bias update from the
-    global load, reset the counters, and return the metrics. The statistics stayed on the device
-    for the whole step; they are read to the host here, once for all layers (one sync per step)."""
+def step_statistics(layers: list[tuple[str, MoE]], all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                    applied: torch.Tensor | float = 1.0) -> torch.Tensor | None:
+    """After the step's backward: sum its routing statistics over the ranks that saw different
+    tokens (`all_reduce`, in place), apply the aux-loss-free bias update from that global load
+    times `applied` (the step's device flag, 0.0 for a skipped step), reset the counters, and
+    return the statistics, one row per layer, still on the device: nothing is read here, so the
+    trainer reads them with the step's other values (`step_metrics` turns the rows into metrics)."""
     if not layers:
-        return {}
+        return None
     rows = []
     for _, moe in layers:
         rows.append(moe.stats if moe.stats is not None
@@ -343,19 +344,27 @@ def end_step(layers: list[tuple[str, MoE]], all_reduce: Callable[[torch.Tensor],
     stats = torch.stack([F.pad(r, (0, width - r.numel())) for r in rows])
     if all_reduce is not None:
         all_reduce(stats)
-    host = stats.tolist()  # the step's one read of the statistics
+    for (_, moe), device_row in zip(layers, stats):
+        if moe.load_balance == "aux_free":
+            # DeepSeek-V3: push overloaded experts down and underloaded ones up by a fixed step,
+            # on the device. A layer that saw no token has a zero load and so a zero sign: no move.
+            load = device_row[:moe.n_experts]
+            step = moe.bias_update_rate * torch.sign(load.mean() - load) * applied
+            moe.expert_bias += step.to(moe.expert_bias)
+    return stats
+
+
+def step_metrics(layers: list[tuple[str, MoE]], flat: list[float]) -> dict:
+    """The metrics row's MoE entries from `step_statistics`' rows, read to the host (flattened)."""
+    width = len(flat) // len(layers)
+    host = [flat[i * width:(i + 1) * width] for i in range(len(layers))]
     metrics: dict = {}
     worst, dropped, assigned, entropy, aux = 1.0, 0.0, 0.0, 0.0, 0.0
-    for (layer, moe), row, device_row in zip(layers, host, stats):
+    for (layer, moe), row in zip(layers, host):
         n_exp = moe.n_experts
         load, extra = row[:n_exp], row[n_exp:]
         tokens = max(extra[_TOKENS], 1.0)
         imbalance = max(load) / max(sum(load) / n_exp, 1e-12)
-        if update_bias and moe.load_balance == "aux_free" and extra[_TOKENS] > 0:
-            # DeepSeek-V3: push overloaded experts down and underloaded ones up by a fixed step
-            # (computed on the device: the bias never leaves it).
-            dev_load = device_row[:n_exp]
-            moe.expert_bias += moe.bias_update_rate * torch.sign(dev_load.mean() - dev_load).to(moe.expert_bias)
         prefix = f"moe/layer{layer}"
         metrics[f"{prefix}/tokens_per_expert"] = [int(v) for v in load]
         metrics[f"{prefix}/imbalance"] = imbalance
@@ -372,3 +381,11 @@ def end_step(layers: list[tuple[str, MoE]], all_reduce: Callable[[torch.Tensor],
     metrics["moe/router_entropy"] = entropy / len(layers)
     metrics["moe/aux_loss"] = aux
     return metrics
+
+
+def end_step(layers: list[tuple[str, MoE]], all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+             update_bias: bool = True) -> dict:
+    """`step_statistics` read at once, as metrics: for a caller outside the training step (the
+    trainer reads them with the step's values instead)."""
+    stats = step_statistics(layers, all_reduce, 1.0 if update_bias else 0.0)
+    return {} if stats is None else step_metrics(layers, stats.flatten().tolist())

@@ -8,7 +8,7 @@ The step reads no device value on the host: on a GPU each read (`float(t)`, `.it
 `.tolist()`, `if t`) waits for every kernel queued before it and leaves the device idle while the
 host catches up. Its loss, gradient norm and skip flag stay on the device (step_values.py) until
 the job loop reads them, once per logging interval; clipping and the non-finite skip act on the
-device (`update`)."""
+device (`update`), as does the MoE bias update; the MoE metrics are read with the step's values."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from ndtrain.data.mixture import open_dataset
 from ndtrain.data.packing import document_ids, document_positions
 from ndtrain.errors import ConfigError
 from ndtrain.layout.flops import flops_per_token
-from ndtrain.model.moe import end_step as moe_end_step, set_aux_scale
+from ndtrain.model.moe import set_aux_scale, step_metrics as moe_metrics, step_statistics as moe_statistics
 from ndtrain.parallel.data_parallel import accumulation, reshard
 from ndtrain.parallel.grad_norm import (all_reduce_sum, all_reduce_tensor, clip_scale, local_grad_sq,
                                         reduce_partial_grads, scale_grads)
@@ -36,7 +36,8 @@ from ndtrain.train.metrics import mfu, peak_memory_mb, raise_peak, reset_peak_me
 from ndtrain.train.noise_scale import NoiseScale, small_batch, unsupported
 from ndtrain.train.optim import batch_lr_scale, extend_schedule, lr_at, set_lr
 from ndtrain.train.state import TrainState
-from ndtrain.train.step_values import APPLIED, GRAD_NORM, GRAD_SQ, SMALL_SQ, StepResult, read_steps  # noqa: F401
+from ndtrain.train.step_values import (APPLIED, GRAD_NORM, GRAD_SQ, SMALL_SQ, WIDTH, StepResult,  # noqa: F401
+                                       read_steps)
 
 
 def split_micro(n: int, micro: int) -> list[tuple[int, int]]:
@@ -196,7 +197,12 @@ def train_step(state: TrainState, batch, data_wait_s: float = 0.0) -> StepResult
     global_tokens = gb * cfg.data.seq_len
     result = StepResult(progress.step + 1, lr=lr, tokens=global_tokens, sample_ids=batch.global_ids)
     values = step_vector(sums, global_tokens // replicas, probe)
-    result.defer(values, state.unread, _noise_update(state, batch, gb) if probe else None)
+    # The aux-loss-free bias moves by the step's global load on the device, times its applied flag.
+    reduce = (lambda t: torch.distributed.all_reduce(t, group=state.moe_group)) if state.moe_group else None
+    moe = moe_statistics(state.moe, reduce, values[APPLIED]) if state.moe else None
+    on_read = ([_noise_update(state, batch, gb)] if probe else []) + (
+        [] if moe is None else [lambda r, row: r.extra.update(moe_metrics(state.moe, row[WIDTH:]))])
+    result.defer(values if moe is None else torch.cat([values, moe.flatten().to(values)]), state.unread, on_read)
     # DiLoCo's replicas agree on the skip on the host, and an optimizer without a device-side
     # skip decides on it: both read the step's values now (a sync per step on a GPU).
     read_now = state.diloco is not None or not skips_on_device(state.optimizer)
@@ -205,11 +211,7 @@ def train_step(state: TrainState, batch, data_wait_s: float = 0.0) -> StepResult
         state.before_update()
     update(state, values, result, read_now)
     state.optimizer.zero_grad(set_to_none=True)
-    # After the step, from the step's global load: aux-loss-free bias update and MoE metrics
-    # (MoE reads its statistics, and so whether the update was applied, once a step).
-    reduce = (lambda t: torch.distributed.all_reduce(t, group=state.moe_group)) if state.moe_group else None
-    moe = moe_end_step(state.moe, reduce, update_bias=not result.skipped) if state.moe else {}
-    result.extra.update({**moe, "data_wait_s": data_wait_s,
+    result.extra.update({"data_wait_s": data_wait_s,
                          # CPU seconds this process spent on the step (all its threads): the work
                          # done, which a shared host's load stretches far less than the wall time.
                          "step_cpu_s": time.process_time() - cpu0, "global_batch": gb})

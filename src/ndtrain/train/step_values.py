@@ -7,7 +7,9 @@ applied stay in one small float64 vector on the device, and the step's StepResul
 The first time any of them is asked for, every step not yet read is read together, in one
 transfer (`read_steps`), and each result settles in step order (the gradient-noise-scale EMAs
 update then). The job loop asks on logging steps (and before a checkpoint or a rollback), so a
-run reads the device once per `train.log_interval`, not once per step."""
+run reads the device once per `train.log_interval`, not once per step. What else a step
+produces on the device rides in the same read: the MoE routing statistics (appended to the
+vector past WIDTH, handed to the step's `on_read`)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ import torch
 # The device vector's entries: the step's mean loss, its gradient norm, 1.0 when the update
 # was applied (loss and norm finite) else 0.0, the first micro-batch's squared gradient norm
 # (NaN when the noise scale is not measured) and the step's squared gradient norm.
+# Entries past WIDTH: the step's own additions (MoE statistics), for its `on_read`.
 LOSS, GRAD_NORM, APPLIED, SMALL_SQ, GRAD_SQ = range(5)
+WIDTH = 5
 
 
 class StepResult:
@@ -37,13 +41,14 @@ class StepResult:
         self._values = (loss, grad_norm, skipped)
         self._device: torch.Tensor | None = None
         self._queue: list | None = None
-        self._on_read: Callable | None = None
+        self._on_read: list[Callable] = []
         self._ended = 0.0  # perf_counter when the step returned (its device work may still run)
 
-    def defer(self, values: torch.Tensor, queue: list, on_read: Callable | None = None) -> StepResult:
-        """Holds `values` (the WIDTH-vector above, on the device) unread in `queue` (the state's,
-        in step order); `on_read(result, row)` runs when it is read, before any later step's."""
-        self._device, self._queue, self._on_read = values, queue, on_read
+    def defer(self, values: torch.Tensor, queue: list, on_read: list[Callable] = ()) -> StepResult:
+        """Holds `values` (the WIDTH-vector above and any additions, on the device) unread in
+        `queue` (the state's, in step order); each `on_read(result, row)` runs when it is read,
+        before any later step's."""
+        self._device, self._queue, self._on_read = values, queue, list(on_read)
         queue.append(self)
         return self
 
@@ -62,9 +67,9 @@ class StepResult:
     def _settle(self, row: list[float]) -> None:
         self._device = self._queue = None
         self._values = (row[LOSS], row[GRAD_NORM], row[APPLIED] == 0.0)
-        on_read, self._on_read = self._on_read, None
-        if on_read is not None:
-            on_read(self, row)
+        on_read, self._on_read = self._on_read, []
+        for callback in on_read:
+            callback(self, row)
 
     def _get(self, i: int):
         if self._device is not None:
@@ -91,7 +96,12 @@ def read_steps(queue: list) -> None:
     pending = list(queue)
     queue.clear()
     device = pending[-1]._device.device
-    rows = torch.stack([r._device for r in pending]).tolist()  # the one read
+    vectors = [r._device for r in pending]
+    flat = torch.cat(vectors).tolist()  # the one read (a step's vector may be longer: MoE)
+    rows, at = [], 0
+    for v in vectors:
+        rows.append(flat[at:at + v.numel()])
+        at += v.numel()
     # On an asynchronous device (not the CPU) unread steps returned when their work was queued,
     # not done: the read waited for the rest. Each gets an equal share, so the interval's step
     # times add up to its wall time.
