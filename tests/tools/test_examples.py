@@ -139,7 +139,7 @@ def _stub(path: Path, body: str) -> None:
     path.chmod(0o755)
 
 
-def _run_sbatch(tmp_path: Path, *, srun_exit: int = 0, python: str | None = None, **env: str):
+def _run_sbatch(tmp_path: Path, *, hang_deadline, srun_exit: int = 0, python: str | None = None, **env: str):
     bin_dir, log = tmp_path / "bin", tmp_path / "log"
     bin_dir.mkdir(exist_ok=True)
     _stub(bin_dir / "srun", f'echo "srun $*" >> {log}\necho "step sees OMP_NUM_THREADS=$OMP_NUM_THREADS" >> {log}\n'
@@ -155,15 +155,15 @@ def _run_sbatch(tmp_path: Path, *, srun_exit: int = 0, python: str | None = None
     if python:
         base["PYTHON"] = python
     proc = subprocess.run(["bash", str(SBATCH)], cwd=tmp_path, env={**base, **env}, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=hang_deadline(120))
     lines = log.read_text().splitlines() if log.exists() else []
     return proc.returncode, lines, proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("env,workers,threads", [({}, 1, 8), ({"SLURM_GPUS_ON_NODE": "4"}, 4, 2),
                                                  ({"SLURM_GPUS_ON_NODE": "4", "WORKERS": "3"}, 3, 2)])
-def test_slurm_workers_per_node(tmp_path, env, workers, threads):
-    rc, log, out = _run_sbatch(tmp_path, MIN_NODES="1", **env)
+def test_slurm_workers_per_node(tmp_path, env, workers, threads, hang_deadline):
+    rc, log, out = _run_sbatch(tmp_path, MIN_NODES="1", hang_deadline=hang_deadline, **env)
     assert rc == 0, out
     checks = [line for line in log if line.startswith("python3 ")]
     # every world the job may run on, one node to both, is checked before the step starts
@@ -176,25 +176,26 @@ def test_slurm_workers_per_node(tmp_path, env, workers, threads):
 
 
 @pytest.mark.parametrize("srun_exit,restarts,requeued,rc", [(0, "0", False, 0), (1, "0", True, 0), (1, "3", False, 1)])
-def test_slurm_step_failure_is_requeued_a_bounded_number_of_times(tmp_path, srun_exit, restarts, requeued, rc):
-    got, log, out = _run_sbatch(tmp_path, srun_exit=srun_exit, SLURM_RESTART_COUNT=restarts)
+def test_slurm_step_failure_is_requeued_a_bounded_number_of_times(tmp_path, srun_exit, restarts, requeued, rc,
+                                                                  hang_deadline):
+    got, log, out = _run_sbatch(tmp_path, srun_exit=srun_exit, SLURM_RESTART_COUNT=restarts, hang_deadline=hang_deadline)
     assert got == rc, out
     assert ("scontrol requeue 4242" in log) == requeued, log
 
 
-def test_slurm_shrunk_world_that_does_not_fit_is_refused_before_the_step(tmp_path):
+def test_slurm_shrunk_world_that_does_not_fit_is_refused_before_the_step(tmp_path, hang_deadline):
     # 2 nodes x 1 worker may shrink to 1 node: a config that fails there fails the job now.
-    rc, log, out = _run_sbatch(tmp_path, MIN_NODES="1", CHECK_FAILS="1")
+    rc, log, out = _run_sbatch(tmp_path, MIN_NODES="1", CHECK_FAILS="1", hang_deadline=hang_deadline)
     assert rc == 2 and not any(line.startswith(("srun", "scontrol")) for line in log), (log, out)
     assert "not starting, not requeueing" in out and not (tmp_path / "run").exists()
 
 
-def test_slurm_bad_config_exits_2_without_a_step_or_a_requeue(tmp_path):
+def test_slurm_bad_config_exits_2_without_a_step_or_a_requeue(tmp_path, hang_deadline):
     """torchrun reports a worker's exit 2 as its own 1 (after --max-restarts retries of the same
     failure), so the script checks the config itself, with ndtrain's real check."""
     bad = tmp_path / "bad.toml"
     bad.write_text((ROOT / "configs" / "debug.toml").read_text() + "no_such_key = 1\n")
-    rc, log, out = _run_sbatch(tmp_path, python=sys.executable, CONFIG=str(bad))
+    rc, log, out = _run_sbatch(tmp_path, python=sys.executable, CONFIG=str(bad), hang_deadline=hang_deadline)
     assert rc == 2, out
     assert "train.no_such_key" in out and "not starting, not requeueing" in out
     assert not any(line.startswith(("srun", "scontrol", "scancel")) for line in log), log
