@@ -38,3 +38,20 @@ def test_bad_links_section_is_refused_in_one_line(bad):
     with pytest.raises(NdtrainError) as err:
         from_profile({**BASE, links.KEY: bad})
     assert "\n" not in str(err.value) and links.KEY in str(err.value)
+
+
+def test_a_collective_measured_across_nodes_is_priced_on_its_own_fit():
+    slow = {"alpha": 2e-4, "beta": 12.5e6}
+    gather = {"alpha": 1e-3, "beta": 8e6}  # Gloo's all-gather reached less than one message does
+    hw = from_profile({**BASE, links.KEY: links.section(1, None, slow, {"all_gather": gather})})
+    n = 8e6
+    assert collective_time(hw, "all_gather", 2, 1, n) == pytest.approx(gather["alpha"] + n / 2 / gather["beta"])
+    # kinds not measured keep the link's own fit
+    assert collective_time(hw, "all_reduce", 2, 1, n) == pytest.approx(2 * slow["alpha"] + n / slow["beta"])
+
+
+@pytest.mark.parametrize("colls", [{"all_to_all_x": FIT}, {"all_gather": {"alpha": 1e-4}}, ["all_gather"]])
+def test_bad_collectives_in_the_links_section_are_refused_in_one_line(colls):
+    with pytest.raises(NdtrainError) as err:
+        from_profile({**BASE, links.KEY: {"ranks_per_node": 1, "inter": FIT, "collectives": colls}})
+    assert "\n" not in str(err.value) and "collectives" in str(err.value)

@@ -57,6 +57,24 @@ def test_the_split_lands_in_the_profile_the_planner_reads(one_rank, tmp_path):
     assert hw.alpha_intra == pytest.approx(INTRA["alpha"])
 
 
+def test_collectives_across_nodes_get_their_own_fits(one_rank, tmp_path):
+    gather = {"alpha": 1e-3, "beta": 8e6}
+
+    def fake(kind, group, nbytes, reps):  # a 2-node all-gather: alpha + n/2 / beta
+        return gather["alpha"] + nbytes / 2 / gather["beta"]
+
+    got = cl.measure_collectives(0, 1, 1, (1 << 20, 1 << 22), 1, timer=fake)
+    assert set(got) == set(links.KINDS)
+    # the fake says 2 nodes, as measured on a real pair (this group has one rank)
+    fitted = cl.fits({"inter": [(n, INTER["alpha"] + n / INTER["beta"]) for n in cl.SIZES]},
+                     {k: [(2, n, t) for _, n, t in rows] for k, rows in got.items()})
+    assert fitted["collectives"]["all_gather"]["beta"] == pytest.approx(gather["beta"], rel=1e-6)
+    out = tmp_path / "hardware.json"
+    out.write_text(json.dumps(BASE))
+    hw = from_profile(cl.add_to_profile(out, 1, fitted, {}))
+    assert hw.inter_collectives["all_gather"]["beta"] == pytest.approx(gather["beta"])
+
+
 def test_one_rank_per_node_measures_only_the_link_between_nodes(one_rank):
     assert set(cl.measure(0, 1, timer=_fake_timer)) == {"inter"}
     assert cl.pairs(1) == {"inter": 1} and cl.pairs(4) == {"intra": 1, "inter": 4}
@@ -67,6 +85,7 @@ def _worker(rank, world, local, port, out):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo")
     samples = cl.measure(rank, local, sizes=(1 << 10, 1 << 16), reps=2)
+    samples.update(cl.measure_collectives(rank, world, local, (1 << 16,), 2))
     dist.destroy_process_group()
     if rank == 0:
         Path(out).write_text(json.dumps(samples))
@@ -79,9 +98,11 @@ def test_ping_pong_on_two_nodes_of_two_ranks(tmp_path):
     out = tmp_path / "samples.json"
     mp.start_processes(_worker, args=(4, 2, port, str(out)), nprocs=4, start_method="fork")
     samples = json.loads(out.read_text())
-    assert set(samples) == {"intra", "inter"}
-    for rows in samples.values():
-        assert [n for n, _ in rows] == [1 << 10, 1 << 16] and all(t > 0 for _, t in rows)
+    assert set(samples) == {"intra", "inter", *links.KINDS}
+    for name in ("intra", "inter"):
+        assert [n for n, _ in samples[name]] == [1 << 10, 1 << 16] and all(t > 0 for _, t in samples[name])
+    for kind in links.KINDS:  # over one rank per node: 2 members
+        assert [(k, n) for k, n, _ in samples[kind]] == [(2, 1 << 16)] and samples[kind][0][2] > 0
 
 
 @pytest.mark.parametrize("env, why", [({}, "RANK is not set"),

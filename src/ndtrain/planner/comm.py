@@ -73,6 +73,9 @@ def collective_time(hw: Hardware, kind: str, ranks: int, stride: int, nbytes: fl
         alpha, bw = fit if fit else links(hw, k)[:2]
         return _flat(kind, ranks, nbytes, alpha, bw)
     ai, bi, ax, bx = links(hw, k)
+    across = hw.inter_collectives.get(kind) if kind != "p2p" else None
+    if across:  # CPU ranks: this kind measured over the link between nodes, as the runtime issues it
+        ax, bx = across["alpha"], across["beta"]
     q = _members(stride, ranks, node)  # members per node
     nodes = ranks // q
     pod = hw.pod_gpus if hw.pod_gpus and stride * ranks > hw.pod_gpus else 0

@@ -91,6 +91,9 @@ class Hardware:
     # {world: {collective: fit}}: Gloo fits measured with that many ranks on the machine; the
     # cost of a collective depends on how many ranks share the cores, not only on its group
     collectives_by_world: dict = field(default_factory=dict, compare=False, hash=False)
+    # CPU ranks across nodes, measured (planner/links.py): {kind: {"alpha", "beta": each rank's
+    # share}} of a collective over the link between nodes; absent kinds take alpha_inter, inter_bw
+    inter_collectives: dict = field(default_factory=dict, compare=False, hash=False)
     generation: str = "cpu"  # ampere | hopper | blackwell: which constants apply; cpu: this-machine
     sms: int = 0  # streaming multiprocessors (wave quantization of GEMMs)
     tile: tuple = (128, 128)  # output tile (rows, cols) of the training GEMM kernels
@@ -409,8 +412,9 @@ def _with_links(hw: Hardware, measured: dict) -> Hardware:
         return hw
     q = measured["ranks_per_node"]
     intra = {"alpha_intra": measured["alpha_intra"]} if "alpha_intra" in measured else {}
+    across = {kind: {"alpha": a, "beta": b / q} for kind, (a, b) in measured.get("collectives", {}).items()}
     return dataclasses.replace(hw, gpus_per_node=q, alpha_inter=measured["alpha_inter"],
-                               nic_bw=measured["beta_inter"] / q / NIC_EFF, **intra)
+                               nic_bw=measured["beta_inter"] / q / NIC_EFF, inter_collectives=across, **intra)
 
 
 def get_hardware(name: str | Hardware, profile: str | None = None) -> Hardware:

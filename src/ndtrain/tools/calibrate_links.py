@@ -8,7 +8,9 @@ Rank 0 times point-to-point ping-pongs with rank 1 (the same node, where a node 
 with the first rank of the next node (the link between nodes), at a few message sizes, while the
 other ranks wait; each pair gets an alpha-beta fit (tools/calibrate.py's, so t = alpha + n / beta
 one way). A ping-pong, not a timed send: a send returns once the kernel holds the bytes, which on a
-slow link is long before they arrive. Rank 0 then adds the "links" section (planner/links.py) to
+slow link is long before they arrive. Then the data-parallel collectives over one rank per node,
+as the runtime issues them, each with its own fit: on Gloo over TCP they need not reach what one
+message does (both directions busy at once). Rank 0 then adds the "links" section (planner/links.py) to
 the profile at --out, which `ndtrain calibrate` on one node wrote first: the rest of the profile is
 one node's, and the planner prices groups that cross nodes on the measured link.
 """
@@ -89,11 +91,57 @@ def measure(rank: int, ranks_per_node: int, sizes=SIZES, reps: int = 5, timer=pi
     return samples
 
 
-def fits(samples: dict) -> dict:
-    """{link: {"alpha", "beta"}} from {link: [(bytes, one-way seconds), ...]}."""
+def collective_seconds(kind: str, group, nbytes: int, reps: int) -> float:
+    """One `kind` over `group` (one rank per node) as the runtime issues it on Gloo (reduce-scatter:
+    parallel/gloo_reduce_scatter.py), comm.py's byte convention; the lower quartile of `reps`."""
+    import torch
+    import torch.distributed as dist
+
+    from ndtrain.tools.calibrate_measure import seconds_per_call
+
+    k = dist.get_world_size(group)
+    full = torch.ones(max(k, nbytes // 4 // k * k))
+    part = torch.ones(full.numel() // k)
+    if kind == "reduce_scatter":
+        from ndtrain.parallel.gloo_reduce_scatter import AllToAllReduceScatter
+
+        rs = AllToAllReduceScatter()
+        op = lambda: rs(part, full, group, dist.ReduceOp.SUM)  # noqa: E731
+    else:
+        op = {"all_reduce": lambda: dist.all_reduce(full, group=group),
+              "all_gather": lambda: dist.all_gather_into_tensor(full, part, group=group)}[kind]
+    return seconds_per_call(op, "cpu", reps)
+
+
+def measure_collectives(rank: int, world: int, ranks_per_node: int, sizes, reps: int,
+                        timer=collective_seconds) -> dict:
+    """{kind: [(nodes, bytes, seconds), ...]} on rank 0: each kind over one rank per node, the
+    others waiting (every rank makes the group)."""
+    import torch.distributed as dist
+
+    members = list(range(0, world, ranks_per_node))
+    group = dist.new_group(members)
+    samples: dict = {}
+    for kind in links.KINDS:
+        for n in sizes:
+            dist.barrier()
+            if rank in members:
+                t = timer(kind, group, n, reps)
+                if rank == 0:
+                    samples.setdefault(kind, []).append((len(members), n, t))
+    dist.barrier()
+    return samples
+
+
+def fits(samples: dict, collectives: dict | None = None) -> dict:
+    """{link: {"alpha", "beta"}} from {link: [(bytes, one-way seconds), ...]}, and "collectives":
+    {kind: {"alpha", "beta"}} from {kind: [(nodes, bytes, seconds), ...]} where given."""
     from ndtrain.tools.calibrate import fit_alpha_beta
 
-    return {name: fit_alpha_beta("p2p", [(2, n, t) for n, t in rows]) for name, rows in samples.items()}
+    out = {name: fit_alpha_beta("p2p", [(2, n, t) for n, t in rows]) for name, rows in samples.items()}
+    if collectives:
+        out["collectives"] = {kind: fit_alpha_beta(kind, rows) for kind, rows in collectives.items()}
+    return out
 
 
 def read_base(out: Path) -> dict:
@@ -113,7 +161,7 @@ def read_base(out: Path) -> dict:
 def add_to_profile(out: Path, ranks_per_node: int, fitted: dict, samples: dict) -> dict:
     """The profile at `out` with its links section replaced by the measured one (written whole)."""
     prof = read_base(out)
-    section = links.section(ranks_per_node, fitted.get("intra"), fitted["inter"])
+    section = links.section(ranks_per_node, fitted.get("intra"), fitted["inter"], fitted.get("collectives"))
     section["samples"] = {k: [list(s) for s in v] for k, v in samples.items()}
     prof[links.KEY] = section
     links.fields(prof)  # what the planner will read: refused here rather than at planning
@@ -148,13 +196,16 @@ def main(out: Path, quick: bool) -> int:
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     try:
         samples = measure(rank, local, QUICK_SIZES if quick else SIZES, reps=3 if quick else 5)
+        colls = measure_collectives(rank, world, local, QUICK_SIZES[1:] if quick else SIZES[2:], reps=3)
     finally:
         dist.destroy_process_group()
     if rank != 0:
         return 0
-    fitted = fits(samples)
-    add_to_profile(out, local, fitted, samples)
+    fitted = fits(samples, colls)
+    add_to_profile(out, local, fitted, {**samples, **colls})
     print(f"wrote the links section of {out} ({world // local} nodes x {local} ranks)")
+    for name, fit in fitted.pop("collectives", {}).items():
+        print(f"  {name:<14} across nodes: alpha {fit['alpha'] * 1e6:8.1f} us   beta {fit['beta'] * 8 / 1e6:9.1f} Mbit/s")
     for name, fit in fitted.items():
         print(f"  {name:<5} alpha {fit['alpha'] * 1e6:8.1f} us   beta {fit['beta'] * 8 / 1e6:9.1f} Mbit/s   "
               + "  ".join(f"{n} B: {t * 1e3:.2f} ms" for n, t in samples[name]))
