@@ -154,6 +154,19 @@ def table(results: list[dict], layouts, warmup: int = 2) -> None:
                       + " / ".join(f"{r['load']:.1f} ({r['others_cores']:.2f})" for r in mine) + " |")
 
 
+def reprice(args, results: list[dict], base: Path) -> None:
+    """Each run's predicted_s again, from `base` with the links measured at that run's rate."""
+    work = Path("/var/tmp/ndtrain-slow-links")
+    work.mkdir(exist_ok=True)
+    for mbit in sorted({r["mbit"] for r in results}):
+        mine = [r for r in results if r["mbit"] == mbit]
+        profile = work / f"repriced-{mbit:g}.json"
+        profile.write_text(json.dumps({**json.loads(base.read_text()), "links": mine[0]["links"]}))
+        pred = predictions(args, profile)
+        for r in mine:
+            r["predicted_s"] = pred[r["layout"]]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", help="the one-node profile (default: run `ndtrain calibrate --quick --worlds 2,4`)")
@@ -168,9 +181,14 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="hang guard per run, seconds")
     p.add_argument("--json", help="also write every run here")
     p.add_argument("--table", help="print the table of a --json file written before, run nothing")
+    p.add_argument("--reprice", metavar="PROFILE", help="with --table: predict again from this one-node profile "
+                   "with each rate's measured links (a calibration taken when the host was quieter)")
     args = p.parse_args()
     if args.table:
-        table(json.loads(Path(args.table).read_text()), LAYOUTS, args.warmup)
+        results = json.loads(Path(args.table).read_text())
+        if args.reprice:
+            reprice(args, results, Path(args.reprice))
+        table(results, LAYOUTS, args.warmup)
         return 0
     why = harness.missing_requirements()
     if why:
