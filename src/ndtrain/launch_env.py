@@ -79,6 +79,11 @@ def rank(environ=None) -> int:
     return _int("RANK", environ) or 0
 
 
+def world_size(environ=None) -> int:
+    """How many ranks the job has (1 without a launcher)."""
+    return _int("WORLD_SIZE", environ) or 1
+
+
 def local_rank(environ=None) -> int:
     """This process's rank on its host (0 without a launcher)."""
     return _int("LOCAL_RANK", environ) or 0

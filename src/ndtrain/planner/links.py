@@ -16,8 +16,6 @@ planner/hardware.py turns the fields into its link model.
 
 from __future__ import annotations
 
-import dataclasses
-
 from ndtrain.errors import NdtrainError
 
 KEY = "links"

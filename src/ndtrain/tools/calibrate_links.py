@@ -22,6 +22,7 @@ import os
 from datetime import timedelta
 from pathlib import Path
 
+from ndtrain import launch_env
 from ndtrain.errors import NdtrainError
 from ndtrain.planner import links
 
@@ -29,16 +30,11 @@ SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
 QUICK_SIZES = (1 << 12, 1 << 18, 1 << 20)
 
 
-def _env_int(name: str) -> int:
-    try:
-        return int(os.environ[name])
-    except (KeyError, ValueError):
-        raise NdtrainError(f"calibrate --links runs under torchrun across nodes ({name} is not set)") from None
-
-
 def layout_from_env() -> tuple[int, int, int]:
     """(rank, world, ranks per node) as torchrun set them; refused where there is one node."""
-    rank, world, local = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_WORLD_SIZE")
+    if not launch_env.given_a_rank():
+        raise NdtrainError("calibrate --links runs under torchrun across nodes (RANK is not set)")
+    rank, world, local = launch_env.rank(), launch_env.world_size(), launch_env.local_world_size()
     if local < 1 or world % local or world // local < 2:
         raise NdtrainError(f"calibrate --links needs at least 2 nodes with the same ranks each; "
                            f"got WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local}")
