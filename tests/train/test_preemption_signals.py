@@ -189,6 +189,26 @@ def _stub(path: Path, body: str) -> None:
     path.chmod(0o755)
 
 
+def _sbatch_until(tmp_path: Path, log: Path, ready: str, nodes: dict, act, hang_deadline) -> tuple[int, str]:
+    """Runs the batch script with tmp_path/bin's stubs first on PATH and `nodes`' SLURM_*
+    variables; once `ready` is in the stubs' log, `act(proc)`; then its exit code and output."""
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NAME": "ndtrain", "RUN_DIR": str(tmp_path / "run"), **nodes}
+    proc = subprocess.Popen(["bash", str(SBATCH)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + hang_deadline(30)
+        while not (log.exists() and ready in log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.05)
+        act(proc)
+        out, _ = proc.communicate(timeout=hang_deadline(30))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, out
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="bash and /proc")
 @pytest.mark.timeout(60)
 def test_the_sbatch_trap_signals_the_step_once_and_waits_for_its_save(tmp_path, hang_deadline):
@@ -203,24 +223,14 @@ def test_the_sbatch_trap_signals_the_step_once_and_waits_for_its_save(tmp_path, 
     _stub(bin_dir / "scancel", f'echo "scancel $*" >> {log}\nkill -TERM "$(cat {tmp_path}/srun.pid)"\n')
     _stub(bin_dir / "scontrol", f'[ "$1" = show ] && echo node1 && exit 0\necho "scontrol $*" >> {log}\n')
     _stub(bin_dir / "python3", "exit 0\n")  # the config check before srun: passes
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
-           "SLURM_JOB_NAME": "ndtrain", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]",
-           "SLURM_CPUS_PER_TASK": "8", "RUN_DIR": str(tmp_path / "run")}
-    proc = subprocess.Popen(["bash", str(SBATCH)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + hang_deadline(30)
-        while not (log.exists() and "started" in log.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-            time.sleep(0.05)
+    def usr1_then_term(proc):
         proc.send_signal(signal.SIGUSR1)
         time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=hang_deadline(30))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out
+
+    nodes = {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_CPUS_PER_TASK": "8"}
+    code, out = _sbatch_until(tmp_path, log, "started", nodes, usr1_then_term, hang_deadline)
+    assert code == 0, out
     assert log.read_text().splitlines() == ["started", "scancel --signal=TERM 4242", "saved", "scontrol requeue 4242"], out
 
 
@@ -236,21 +246,11 @@ def test_the_sbatch_trap_requeues_a_stop_that_comes_before_the_step(tmp_path, ha
     _stub(bin_dir / "scontrol", f'[ "$1" = show ] && echo node1 && exit 0\necho "scontrol $*" >> {log}\n')
     # the check runs until the test has signalled the script
     _stub(bin_dir / "python3", f'echo check >> {log}\nwhile [ ! -e {tmp_path}/signalled ]; do sleep 0.05; done\n')
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
-           "SLURM_JOB_NAME": "ndtrain", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "node1",
-           "SLURM_CPUS_PER_TASK": "2", "RUN_DIR": str(tmp_path / "run")}
-    proc = subprocess.Popen(["bash", str(SBATCH)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + hang_deadline(30)
-        while not (log.exists() and "check" in log.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-            time.sleep(0.05)
+    def usr1(proc):
         proc.send_signal(signal.SIGUSR1)
         (tmp_path / "signalled").touch()
-        out, _ = proc.communicate(timeout=hang_deadline(30))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out
+
+    nodes = {"SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "node1", "SLURM_CPUS_PER_TASK": "2"}
+    code, out = _sbatch_until(tmp_path, log, "check", nodes, usr1, hang_deadline)
+    assert code == 0, out
     assert log.read_text().splitlines() == ["check", "scancel --signal=TERM 4242", "scontrol requeue 4242"], out
