@@ -6,7 +6,8 @@ For each tree: lines and files in src/ndtrain, the largest file, the attributes 
 state's constructor sets (`Trainer.__init__` before the build/step/job split, `build()`'s
 TrainState after), the `trainer.*` / `state.*` attributes read outside the file that defines
 them, reads two attributes deep into another object (`x.a.b` where x is a trainer or state), and
-private torch symbols used outside ndtrain/compat/; and how far a reader walks (house_paths.py):
+private torch symbols used outside ndtrain/compat/; the public names defined in more than one
+module (one name, two things) and the aliases (two names, one thing); and how far a reader walks (house_paths.py):
 the files and function-body lines from `ndtrain train` to one optimizer step, and from the
 `parallel.tp` key to the module it changes. Compare two commits with git worktrees:
 
@@ -26,6 +27,9 @@ from house_paths import measure as measure_paths
 HOLDERS = {"trainer", "t", "tr", "state", "train_state", "ts"}
 OWNERS = ("Trainer", "TrainState")  # the classes whose attributes the coupling figures count
 PRIVATE = re.compile(r"^_[A-Za-z0-9]\w*$")  # _x, not a dunder
+# Public names every module of a kind defines by design: `main`, the entry point cli.py's COMMANDS
+# table names by module. Not counted as one name for two things.
+CONVENTIONS = {"main"}
 
 
 def _py_files(src: Path) -> list[Path]:
@@ -116,6 +120,40 @@ def _owner_attrs(trees: dict) -> tuple[set[str], set[str]]:
     return names, homes
 
 
+def _defined(node: ast.AST) -> list[str]:
+    """The names a module- or class-level statement defines (imports are not definitions)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [node.name]
+    if isinstance(node, ast.Assign):
+        return [t.id for t in node.targets if isinstance(t, ast.Name)]
+    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        return [node.target.id]
+    return []
+
+
+def _names(trees: dict) -> tuple[dict[str, list[str]], list[str]]:
+    """(public module-level names defined in more than one module -> those modules, aliases): an
+    alias is `A = B` at module or class level where B is a class, function or method defined or
+    imported there (`ParallelDims = Layout`, `world_size = world`), a second name for one thing."""
+    homes: dict[str, list[str]] = {}
+    aliases = []
+    for rel, tree in trees.items():
+        scopes = [(tree.body, "")] + [(n.body, n.name + ".") for n in tree.body if isinstance(n, ast.ClassDef)]
+        imported = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+        for body, prefix in scopes:
+            callables = {n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+            callables |= {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | imported
+            for node in body:
+                if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and node.value.id in callables:
+                    aliases += [f"{rel}: {prefix}{name} = {node.value.id}" for name in _defined(node)
+                                if not name.startswith("_")]
+                if not prefix:
+                    for name in _defined(node):
+                        if not name.startswith("_") and name not in CONVENTIONS:
+                            homes.setdefault(name, []).append(rel)
+    return {k: v for k, v in sorted(homes.items()) if len(v) > 1}, sorted(aliases)
+
+
 def measure(root: Path) -> dict:
     src = root / "src" / "ndtrain"
     files = _py_files(src)
@@ -147,6 +185,7 @@ def measure(root: Path) -> dict:
             **init, "owner_attrs_read_outside": sorted({r.split(".", 1)[1] for r in reads}),
             "owner_attrs_read_by_file": {k: sorted(v) for k, v in sorted(by_file.items())}, "reads_two_deep": sorted(deep),
             "private_torch_outside_compat": {k: sorted(set(v)) for k, v in sorted(private.items())},
+            **dict(zip(("public_names_defined_twice", "aliases"), _names(trees))),
             **_paths(root)}
 
 
