@@ -13,8 +13,6 @@ from ndtrain.layout import check as check_layout
 from ndtrain.layout.degrees import MESH_ORDER  # noqa: F401  (re-exported: the mesh's dimension names)
 from ndtrain.model.config import ModelConfig
 
-ParallelDims = Layout  # the resolved layout is what the runtime calls its dims
-
 
 def resolve(par, world_size: int, model: ModelConfig, seq_len: int = 0, train=None, data=None) -> Layout:
     """`[parallel]` settings (with -1 degrees) -> the checked Layout for `world_size` ranks.
