@@ -120,7 +120,7 @@ def run_variants(cfgs: list[dict]) -> list[dict]:
         t = Trainer(cfg, None, log=False)
         d = t.dims
         per_replica = d.dp_shard * d.cp * d.tp
-        meter = CrossReplicaMeter({r: (r // per_replica) % d.dp_replicate for r in range(d.world_size)})
+        meter = CrossReplicaMeter({r: (r // per_replica) % d.dp_replicate for r in range(d.world)})
         times, own, losses, outer = [], 0, [], []
         for _ in range(cfg.train.steps):
             meter.on = True

@@ -183,7 +183,7 @@ def test_auto_layout_is_buildable(world):
                              "data": {"seq_len": 128}})
     plan = resolve_plan(cfg, world)
     dims = resolve(plan.config.parallel, world, cfg.model, cfg.data.seq_len, plan.config.train)
-    assert dims == plan.layout and dims.world_size == world
+    assert dims == plan.layout and dims.world == world
     assert cfg.train.global_batch % (dims.dp * dims.mb) == 0
     assert plan.prediction.step_s > 0 and "predicted" in plan.explanation
 

@@ -128,8 +128,6 @@ class Layout:
     def world(self) -> int:
         return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
-    world_size = world
-
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, d) for d in MESH_ORDER)

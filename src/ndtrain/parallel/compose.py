@@ -57,7 +57,7 @@ def parallelize(model: nn.Module, dims: Layout, mesh=None) -> nn.Module:
 
         moe_context_parallel(model, mesh["cp"])
     checkpoint_and_compile(model, dims.ac, dims.ac_every, dims.compile)
-    if dims.world_size // (dims.tp * dims.pp) > 1:
+    if dims.world // (dims.tp * dims.pp) > 1:
         from ndtrain.parallel.data_parallel import apply_ddp, apply_fsdp
 
         if dims.on_ddp_reducer(model.cfg.is_moe):

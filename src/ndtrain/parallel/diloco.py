@@ -93,7 +93,7 @@ class DiLoCo:
         self.flag_group = mesh["dp_replicate"].get_group()
         self.outer_group = own_group(_groups(grid, rep), "diloco_outer")
         self.replica_group = own_group(grid.movedim(rep, 0).reshape(self.R, -1).tolist(), "diloco_replica")
-        self.ranks_per_stage = dims.world_size // self.R // dims.pp
+        self.ranks_per_stage = dims.world // self.R // dims.pp
         self.tracked: list[_Tracked] = []
         self.alias: dict[str, int] = {}  # canonical name (tied weights: every name) -> index
         seen: dict[int, int] = {}

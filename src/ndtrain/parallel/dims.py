@@ -122,7 +122,7 @@ class Meshes:
         as init_device_mesh numbers them)."""
         import torch
 
-        return torch.arange(self.dims.world_size).reshape(self.dims.shape)
+        return torch.arange(self.dims.world).reshape(self.dims.shape)
 
     def fsdp_mesh(self, dims: Layout, across_replicas: bool = True):
         """FSDP's mesh: 1-D (shard) without replication, 2-D (replicate, shard) for HSDP; cp ranks
