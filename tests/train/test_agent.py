@@ -41,3 +41,33 @@ def test_a_run_that_ends_is_zero_and_gives_the_handlers_back(monkeypatch):
     before = signal.getsignal(signal.SIGTERM)
     assert agent.main(["--standalone"]) == 0
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def _failed(*codes):
+    """torchrun's ChildFailedError for workers that ended with `codes` (one per local rank)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failures = {rank: ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=code, error_file="<N/A>")
+                for rank, code in enumerate(codes)}
+
+    def main(args):
+        raise ChildFailedError("ndtrain", failures)
+    return main
+
+
+@pytest.mark.parametrize("codes, want, line", [
+    ((2, -signal.SIGTERM), 2, False),  # bad input; torchrun then SIGTERMs the other worker
+    ((1, 2), 2, False),                # the peer that bad input left waiting fails with 1
+    ((1, -signal.SIGTERM), 1, False),  # a failed run, said by the worker
+    ((-signal.SIGKILL, 1), 1, True),   # a worker killed from outside: one line names it
+])
+def test_a_failure_is_the_workers_code_so_bad_input_is_not_retried(monkeypatch, capsys, codes, want, line):
+    """Plain torchrun raises ChildFailedError and exits 1 whatever its workers said; a launch
+    script must see the workers' 2 to leave bad input alone (examples/slurm/train.sbatch)."""
+    monkeypatch.setattr(torchrun, "main", _failed(*codes))
+    before = signal.getsignal(signal.SIGTERM)
+    assert agent.main(["--nnodes=2", "-m", "ndtrain", "train"]) == want
+    err = capsys.readouterr().err
+    assert "ndtrain FAILED" in err and "Traceback" not in err  # torchrun's report, without the traceback
+    assert ("rank 0 was killed by SIGKILL" in err) == line, err
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -6,7 +6,12 @@ absorbed while they save; and this agent then exits 143 too (130 after Ctrl-C). 
 raises its SignalException out of its main after the same forwarding and exits 1 with a traceback,
 so the launch script cannot tell a preemption that saved from a failure.
 
-Everything else is torchrun's own: its arguments, its rendezvous, restarts and failure report.
+When its workers fail for good (every restart used), it exits with their code as `ndtrain train
+--nproc` does: 2 when they exited 2 (bad input only the run sees, e.g. a missing data.path), which
+a launch script must not retry; plain torchrun raises its ChildFailedError and exits 1 whatever
+the workers said. Its failure report is printed as torchrun prints it, without the traceback.
+
+Everything else is torchrun's own: its arguments, its rendezvous and restarts.
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ from ndtrain.train.signals import TORCHRUN_KEEPS, LauncherSignals
 
 def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
+
+    from ndtrain.train.command import child_failure_code
 
     # torchrun installs its own handlers for the signals it is told to handle, over ours: it keeps
     # only those ndtrain leaves to it (an explicit --signals-to-handle later in argv wins).
@@ -29,6 +37,9 @@ def main(argv: list[str]) -> int:
         torchrun_main(args)
     except SignalException as exc:
         return LauncherSignals.exit_code(exc.sigval)
+    except ChildFailedError as exc:
+        print(exc, file=sys.stderr, flush=True)
+        return child_failure_code(exc)
     finally:
         stops.restore()
     return 0

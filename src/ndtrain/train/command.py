@@ -48,19 +48,26 @@ def launch_local(nproc: int, max_restarts: int, argv: list[str]) -> int:
     except SystemExit as exc:  # torchrun exits via SystemExit on some paths
         return int(exc.code or 0)
     except ChildFailedError as exc:
-        return _child_failure(exc)
+        return child_failure_code(exc)
     finally:
         stops.restore()
     return 0
 
 
-def _child_failure(exc) -> int:
-    codes = {f.exitcode for f in exc.failures.values()}
+def child_failure_code(exc) -> int:
+    """The exit code for torchrun's ChildFailedError `exc`: the workers' own 1, 2, 130 or 143 (a
+    worker said what happened, in one line), else 1 after one line naming the rank that died."""
+    failures = exc.failures
+    if any(f.exitcode >= 0 for f in failures.values()):
+        # Once a worker has exited, torchrun SIGTERMs the rest of the group: those are not causes.
+        failures = {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM}
+    codes = {f.exitcode for f in failures.values()}
     if codes <= {1, 2, EXIT_INTERRUPTED, EXIT_PREEMPTED}:
         # Bad input (2), a failed run (1: disk full, a dead peer), Ctrl-C, a stop signal sent
-        # to the workers themselves: a worker already said what happened, in one line.
-        return next(c for c in (1, 2, EXIT_INTERRUPTED, EXIT_PREEMPTED) if c in codes)
-    rank, failure = min(((r, f) for r, f in exc.failures.items() if f.exitcode not in (1, 2)),
+        # to the workers themselves: a worker already said what happened, in one line. 2 first:
+        # bad input fails every attempt alike, and the peers it leaves waiting fail with 1.
+        return next(c for c in (2, 1, EXIT_INTERRUPTED, EXIT_PREEMPTED) if c in codes)
+    rank, failure = min(((r, f) for r, f in failures.items() if f.exitcode not in (1, 2)),
                         key=lambda rf: rf[1].timestamp)
     if failure.exitcode < 0:
         try:
