@@ -4,7 +4,8 @@ data-parallel ranks, and tokens travel to their experts and back with all-to-all
 Mesh. The dp_shard x cp ranks (the FSDP shard group) are viewed as (dp_shard_cp / ep) x ep
 (parallel/dims.py builds both views from one root). Expert weights are DTensors Shard(0) over
 `ep` (rank r owns experts [r E/ep, (r+1) E/ep)); FSDP then shards them over the complementary
-(dp_replicate, dp_shard_cp / ep) mesh. Everything else keeps its FSDP/TP treatment.
+(dp_replicate, dp_shard_cp / ep) mesh, along the expert dimension or, where the local experts do
+not divide over it, their input dimension (expert_shard_dim). Everything else keeps its FSDP/TP treatment.
 
 Gradients. Each rank's loss is normalised by its own tokens and FSDP averages dense gradients
 over all N = dp_replicate x dp_shard x cp ranks. A local expert's gradient already *sums* the
@@ -168,14 +169,32 @@ def apply_expert_parallel(model: nn.Module, mesh, dims) -> None:
         moe.exchange = exchange
 
 
+def expert_shard_dim(local_shape: tuple[int, ...], degree: int) -> int:
+    """The dimension FSDP shards a rank's expert weights [local experts, in, out] along over
+    `degree` ranks. Dim 0 when the local experts divide evenly; otherwise dim 1, when it divides:
+    FSDP pads dim 0 to a multiple of `degree`, so one local expert over 8 ranks would leave the
+    whole expert on one rank and padding on the other seven."""
+    if local_shape[0] % degree == 0 or len(local_shape) < 2 or local_shape[1] % degree:
+        return 0
+    return 1
+
+
 def shard_experts(block: nn.Module, ep_fsdp_mesh, fsdp_kwargs: dict, reshard_after_forward: bool) -> None:
-    """FSDP for expert-parallel weights over their own mesh (Meshes['ep_fsdp']); call before
-    sharding `block`."""
+    """FSDP for expert-parallel weights over their own mesh (Meshes['ep_fsdp']: replicate x
+    shard); call before sharding `block`. Checkpoints hold global tensors (DCP), so the
+    dimension each shards along does not change what is saved."""
     from torch.distributed.fsdp import fully_shard
+
+    degree = ep_fsdp_mesh.size(ep_fsdp_mesh.ndim - 1)
+
+    def placement(param):
+        local = param.to_local() if hasattr(param, "to_local") else param
+        return Shard(expert_shard_dim(tuple(local.shape), degree))
 
     for module in block.modules():
         if isinstance(module, GroupedExperts):
-            fully_shard(module, reshard_after_forward=reshard_after_forward, **{**fsdp_kwargs, "mesh": ep_fsdp_mesh})
+            fully_shard(module, reshard_after_forward=reshard_after_forward, shard_placement_fn=placement,
+                        **{**fsdp_kwargs, "mesh": ep_fsdp_mesh})
 
 
 def traffic_meter(model: nn.Module) -> TrafficMeter | None:
