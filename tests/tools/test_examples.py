@@ -88,7 +88,7 @@ def test_slurm_cpus_node_loss_log_dir_and_rendezvous():
     export = re.search(r"^export SRUN_CPUS_PER_TASK=\$SLURM_CPUS_PER_TASK$", text, re.M)
     assert "cpus-per-task" in directives and export and export.start() < text.index("\nsrun ")
     # A lost node keeps the job and the step alive, and torchrun may shrink.
-    assert "no-kill" in directives and "--no-kill" in srun[: srun.index("torch.distributed.run")]
+    assert "no-kill" in directives and "--no-kill" in srun[: srun.index("ndtrain.train.agent")]
     nnodes = _flag(srun, "--nnodes")
     assert nnodes == "${MIN_NODES}:${SLURM_JOB_NUM_NODES}"
     # The log directory exists before Slurm opens --output: the documented command creates it.
@@ -127,9 +127,10 @@ def test_slurm_gpus_are_requested_by_the_command_and_python_is_explicit():
     assert _gpu_command(text)[-1] == "examples/slurm/train.sbatch"
     assert _flag(srun, "--nproc-per-node") == "$WORKERS"
     assert "WORKERS=${WORKERS:-${SLURM_GPUS_ON_NODE:-1}}" in text
-    # torchrun need not be on any node's PATH: the job's Python runs its module.
+    # torchrun need not be on any node's PATH: the job's Python runs ndtrain's agent (torchrun, which
+    # exits with its workers' 143 after a stop and their 2 for bad input instead of its own 1).
     launcher = srun[srun.index("--kill-on-bad-exit=0") + 1:][:3]
-    assert launcher == ["$PYTHON", "-m", "torch.distributed.run"] and "PYTHON=${PYTHON:-python3}" in text
+    assert launcher == ["$PYTHON", "-m", "ndtrain.train.agent"] and "PYTHON=${PYTHON:-python3}" in text
 
 
 # The script run for real, against stand-ins: srun, scontrol and scancel log what they are asked;
@@ -169,13 +170,15 @@ def test_slurm_workers_per_node(tmp_path, env, workers, threads, hang_deadline):
     # every world the job may run on, one node to both, is checked before the step starts
     assert [c.split("--world ")[1].split()[0] for c in checks] == [str(workers), str(2 * workers)], log
     (srun,) = [shlex.split(line) for line in log if line.startswith("srun ")]
-    assert _flag(srun, "--nproc-per-node") == str(workers) and srun[3:6] == ["python3", "-m", "torch.distributed.run"]
+    assert _flag(srun, "--nproc-per-node") == str(workers) and srun[3:6] == ["python3", "-m", "ndtrain.train.agent"]
     assert log.index(checks[-1]) < next(i for i, line in enumerate(log) if line.startswith("srun ")), log
     # the node's CPUs (SLURM_CPUS_PER_TASK=8) split among its workers
     assert f"step sees OMP_NUM_THREADS={threads}" in log
 
 
-@pytest.mark.parametrize("srun_exit,restarts,requeued,rc", [(0, "0", False, 0), (1, "0", True, 0), (1, "3", False, 1)])
+# 2: bad input only the run saw (the agents pass their workers' 2 on), never requeued
+@pytest.mark.parametrize("srun_exit,restarts,requeued,rc", [(0, "0", False, 0), (1, "0", True, 0), (1, "3", False, 1),
+                                                            (2, "0", False, 2)])
 def test_slurm_step_failure_is_requeued_a_bounded_number_of_times(tmp_path, srun_exit, restarts, requeued, rc,
                                                                   hang_deadline):
     got, log, out = _run_sbatch(tmp_path, srun_exit=srun_exit, SLURM_RESTART_COUNT=restarts, hang_deadline=hang_deadline)
@@ -191,8 +194,8 @@ def test_slurm_shrunk_world_that_does_not_fit_is_refused_before_the_step(tmp_pat
 
 
 def test_slurm_bad_config_exits_2_without_a_step_or_a_requeue(tmp_path, hang_deadline):
-    """torchrun reports a worker's exit 2 as its own 1 (after --max-restarts retries of the same
-    failure), so the script checks the config itself, with ndtrain's real check."""
+    """A bad config is refused before any step, with ndtrain's real check: no worker starts, and
+    torchrun does not retry it --max-restarts times."""
     bad = tmp_path / "bad.toml"
     bad.write_text((ROOT / "configs" / "debug.toml").read_text() + "no_such_key = 1\n")
     rc, log, out = _run_sbatch(tmp_path, python=sys.executable, CONFIG=str(bad), hang_deadline=hang_deadline)

@@ -254,3 +254,25 @@ def test_the_sbatch_trap_requeues_a_stop_that_comes_before_the_step(tmp_path, ha
     code, out = _sbatch_until(tmp_path, log, "check", nodes, usr1, hang_deadline)
     assert code == 0, out
     assert log.read_text().splitlines() == ["check", "scancel --signal=TERM 4242", "scontrol requeue 4242"], out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="bash and /proc")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("step_exit, requeued", [(143, True), (2, False)])
+def test_the_sbatch_trap_requeues_a_saved_stop_and_never_bad_input(tmp_path, hang_deadline, step_exit, requeued):
+    """srun runs ndtrain's agent, which exits with its workers' code: 143 after a saved stop
+    (requeued), 2 when they refused their input while the stop was on its way (a missing
+    data.path: it would fail again, so the job ends with 2)."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir()
+    _stub(bin_dir / "srun", f'echo $$ > {tmp_path}/srun.pid\ntrap \'exit {step_exit}\' TERM\n'
+                            f'echo started >> {log}\nwhile :; do sleep 0.05; done\n')
+    _stub(bin_dir / "scancel", f'echo "scancel $*" >> {log}\nkill -TERM "$(cat {tmp_path}/srun.pid)"\n')
+    _stub(bin_dir / "scontrol", f'[ "$1" = show ] && echo node1 && exit 0\necho "scontrol $*" >> {log}\n')
+    _stub(bin_dir / "python3", "exit 0\n")
+    nodes = {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_CPUS_PER_TASK": "8"}
+    code, out = _sbatch_until(tmp_path, log, "started", nodes, lambda proc: proc.send_signal(signal.SIGUSR1),
+                              hang_deadline)
+    assert code == (0 if requeued else 2), out
+    assert f"workers exited ({step_exit})" in out, out
+    assert ("scontrol requeue 4242" in log.read_text().splitlines()) == requeued, log.read_text()
