@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from ndtrain.errors import NdtrainError
-from ndtrain.layout import Layout, parse_items, parse_layout, problems, resolve
+from ndtrain.layout import Layout, fill_degrees, parse_items, parse_layout, problems
 from ndtrain.layout import rules, schedules
 from ndtrain.layout.flops import flops_per_token, recompute_flops_per_token
 from ndtrain.layout.partition import pipeline_split, rank_layer_counts
@@ -34,17 +34,17 @@ def test_one_syntax_with_aliases_lists_and_one_line_errors():
 @pytest.mark.parametrize("degree", ["pp", "dp_replicate", "dp_shard", "cp", "tp"])
 def test_minus_one_is_honoured_for_every_mesh_degree(degree):
     other = "tp" if degree != "tp" else "pp"
-    lay = resolve(Layout(**{"dp_shard": 1, degree: -1, other: 2}), 8)
+    lay = fill_degrees(Layout(**{"dp_shard": 1, degree: -1, other: 2}), 8)
     assert getattr(lay, degree) == 4 and lay.world == 8
 
 
 def test_minus_one_for_ep_and_the_refusals():
-    assert resolve(Layout(dp_shard=4, cp=2, ep=-1), 8).ep == 8
+    assert fill_degrees(Layout(dp_shard=4, cp=2, ep=-1), 8).ep == 8
     cfg = preset("debug-moe")
     assert problems(Layout(dp_shard=-1, ep=-1), cfg, 4, 64, 8) == []
     assert problems(Layout(dp_shard=-1, ep=-1), cfg, 3, 64, 6)[0].key == "parallel.ep"  # 8 experts, 3 ranks
     with pytest.raises(NdtrainError, match="at most one"):
-        resolve(Layout(dp_shard=-1, tp=-1), 8)
+        fill_degrees(Layout(dp_shard=-1, tp=-1), 8)
     assert problems(Layout(dp_shard=-1, tp=3), preset("debug"), 8)[0].key == "parallel.dp_shard"  # 8 % 3
 
 

@@ -12,8 +12,8 @@
 - diloco.py     DiLoCo's rules (replicate_sync) and its fragment sync schedule
 """
 
-from ndtrain.layout.degrees import Layout, from_config, resolve
+from ndtrain.layout.degrees import Layout, fill_degrees, from_config
 from ndtrain.layout.rules import RULES, Problem, check, problems
 from ndtrain.layout.syntax import parse_items, parse_layout
 
-__all__ = ["Layout", "from_config", "parse_items", "parse_layout", "resolve", "RULES", "Problem", "check", "problems"]
+__all__ = ["Layout", "from_config", "parse_items", "parse_layout", "fill_degrees", "RULES", "Problem", "check", "problems"]

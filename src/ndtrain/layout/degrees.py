@@ -66,7 +66,7 @@ class Layout:
 
     pp: int = 1
     dp_replicate: int = 1
-    # -1: the rest of the world (any one mesh degree may be -1; see resolve). A bare Layout is
+    # -1: the rest of the world (any one mesh degree may be -1; see fill_degrees). A bare Layout is
     # one rank wide; the config's dp_shard takes the rest of the world unless told otherwise.
     dp_shard: Annotated[int, Key(default=-1)] = 1
     cp: int = 1
@@ -345,7 +345,7 @@ def microbatch_count(pp_microbatches: int, local_rows: int, micro_batch: int) ->
 
 def from_config(par, train=None, data=None) -> Layout:
     """The Layout of a `[parallel]` section (and `[train]` for the micro-batch, `[data]` for
-    document masking). Degrees may still be -1; `resolve` turns them into numbers for a world size."""
+    document masking). Degrees may still be -1; `fill_degrees` turns them into numbers for a world size."""
     values = {}
     for name, (section, key) in CONFIG_KEYS.items():
         src = {"parallel": par, "train": train, "data": data}[section]
@@ -358,16 +358,16 @@ def from_config(par, train=None, data=None) -> Layout:
 
 # ---- -1 degrees ----------------------------------------------------------------------------
 
-class ResolveError(NdtrainError):
+class DegreeError(NdtrainError):
     def __init__(self, key: str, message: str):
         super().__init__(message)
         self.key = key
 
 
-def resolve(lay: Layout, world: int) -> Layout:
+def fill_degrees(lay: Layout, world: int) -> Layout:
     """Replace -1 degrees by numbers for `world` ranks. At most one mesh degree may be -1; it
     takes what the others leave. ep = -1 takes the whole shard group (dp_shard x cp). Raises
-    ResolveError (naming the key) when the world cannot be filled."""
+    DegreeError (naming the key) when the world cannot be filled."""
     if lay.pp >= 1 and lay.dp_replicate >= 1 and lay.dp_shard >= 1 and lay.cp >= 1 and lay.tp >= 1 \
             and lay.ep >= 1 and lay.world == world:
         return lay  # nothing to resolve (the planner's hot path)
@@ -375,23 +375,23 @@ def resolve(lay: Layout, world: int) -> Layout:
     for d in DEGREES:
         value = getattr(lay, d)
         if value != -1 and value < 1:
-            raise ResolveError(f"parallel.{d}", f"{d} must be >= 1 or -1 (the rest), got {value}")
+            raise DegreeError(f"parallel.{d}", f"{d} must be >= 1 or -1 (the rest), got {value}")
     free = [d for d, v in degrees.items() if v == -1]
     if len(free) > 1:
-        raise ResolveError("parallel", f"at most one mesh degree may be -1, got {', '.join(free)}")
+        raise DegreeError("parallel", f"at most one mesh degree may be -1, got {', '.join(free)}")
     fixed = 1
     for v in degrees.values():
         fixed *= v if v != -1 else 1
     if free:
         if world % fixed:
             shown = " x ".join(f"{d}={v}" for d, v in degrees.items() if v not in (-1, 1)) or "1"
-            raise ResolveError(f"parallel.{free[0]}",
+            raise DegreeError(f"parallel.{free[0]}",
                                f"world size {world} is not divisible by the fixed degrees ({shown} = {fixed}); "
                                f"change [parallel] or the number of processes")
         degrees[free[0]] = world // fixed
     elif fixed != world:
         shown = " x ".join(f"{d}={v}" for d, v in degrees.items())
-        raise ResolveError("parallel", f"[parallel] degrees multiply to {fixed} ({shown}) but the world size is "
+        raise DegreeError("parallel", f"[parallel] degrees multiply to {fixed} ({shown}) but the world size is "
                                        f"{world}; set one degree to -1 or launch {fixed} processes")
     ep = lay.ep
     if ep == -1:

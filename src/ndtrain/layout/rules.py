@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ndtrain.layout import schedules as sch
-from ndtrain.layout.degrees import DEGREES, FIELDS, MESH_ORDER, Layout, ResolveError, resolve
+from ndtrain.layout.degrees import DEGREES, FIELDS, MESH_ORDER, DegreeError, Layout, fill_degrees
 from ndtrain.layout.partition import partition_problem
 from ndtrain.model.config import ModelConfig
 
@@ -259,8 +259,8 @@ def problems(layout: Layout, model: ModelConfig, world: int | None, seq: int | N
     if world is None:
         return _without_world(layout, model, seq, batches_, strict)
     try:
-        lay = resolve(layout, world)
-    except ResolveError as exc:
+        lay = fill_degrees(layout, world)
+    except DegreeError as exc:
         return [Problem(exc.key, str(exc))]
     ctx = Context(lay, model, world, seq, batches_, strict)
     out: list[str] = []
@@ -278,8 +278,8 @@ def _without_world(lay: Layout, model: ModelConfig, seq, batches_, strict: bool)
         return problems(lay, model, fixed, seq, batches_, strict)
     if len(free) > 1 or any(getattr(lay, d) < 1 and getattr(lay, d) != -1 for d in DEGREES):
         try:
-            resolve(lay, fixed)
-        except ResolveError as exc:
+            fill_degrees(lay, fixed)
+        except DegreeError as exc:
             return [Problem(exc.key, str(exc))]
     # The values the free degree may take: small ones, powers of two, and the sizes the rules
     # divide by. A problem seen at each of them holds for any world this config could run on.
@@ -301,7 +301,7 @@ def check(layout: Layout, model: ModelConfig, world: int, seq: int | None = None
     found = problems(layout, model, world, seq, batch)
     if found:
         raise ConfigError(found[0].key, str(found[0]))
-    return resolve(layout, world)
+    return fill_degrees(layout, world)
 
 
 __all__ = ["Problem", "Context", "RULES", "problems", "check"]

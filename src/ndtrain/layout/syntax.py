@@ -9,7 +9,7 @@ import dataclasses
 import functools
 
 from ndtrain.errors import NdtrainError
-from ndtrain.layout.degrees import ALIASES, CONFIG_KEYS, FIELD, Layout, choices, reshard_default, resolve
+from ndtrain.layout.degrees import ALIASES, CONFIG_KEYS, FIELD, Layout, choices, fill_degrees, reshard_default
 from ndtrain.layout.schedules import DEFAULT_INTERLEAVED
 
 
@@ -102,4 +102,4 @@ def parse_layout(text: str | dict, world: int | None = None, base: Layout | None
     if "reshard_after_forward" not in items and not reshard_default(items.get("zero", base.zero)):
         items["reshard_after_forward"] = False
     lay = dataclasses.replace(base, **items)
-    return resolve(lay, world) if world is not None else lay
+    return fill_degrees(lay, world) if world is not None else lay

@@ -16,7 +16,7 @@ from functools import lru_cache
 
 from ndtrain.config import JobConfig, layout_batches, load_config, to_toml
 from ndtrain.errors import ConfigError, NdtrainError
-from ndtrain.layout import Layout, from_config, problems, resolve
+from ndtrain.layout import Layout, fill_degrees, from_config, problems
 from ndtrain.layout import schedules as registry
 from ndtrain.layout.flops import MFU_CONVENTION, flops_per_token
 from ndtrain.layout.partition import pipeline_split, stage_layers
@@ -36,7 +36,7 @@ def check_config(cfg: JobConfig, world: int, build: bool = True) -> tuple[Layout
     if found:
         more = f" (and {len(found) - 1} more: {', '.join(sorted({p.key for p in found[1:]}))})" if len(found) > 1 else ""
         raise ConfigError(found[0].key, f"{found[0]}{more}")
-    lay = resolve(lay, world)
+    lay = fill_degrees(lay, world)
     if cfg.parallel.batch_shares:  # uneven shares need the data-parallel degree
         from ndtrain.layout.batch_shares import check_shares
 

@@ -25,7 +25,7 @@ MIN_STEPS = 5  # timed steps past the 3 of warm-up that Run.timed_rows drops
 def observe(run: Run) -> run_fit.Observation:
     """What `run` measured and ran, or one line naming the run and what it lacks."""
     from ndtrain.config import from_dict
-    from ndtrain.layout import from_config, resolve
+    from ndtrain.layout import fill_degrees, from_config
 
     where = str(run.path)
     if not run.config:
@@ -42,7 +42,7 @@ def observe(run: Run) -> run_fit.Observation:
     if not isinstance(world, int) or world < 1:
         raise NdtrainError(f"{where}: metrics.jsonl has no start row with the world size")
     try:
-        lay = resolve(from_config(cfg.parallel, cfg.train, cfg.data), world)
+        lay = fill_degrees(from_config(cfg.parallel, cfg.train, cfg.data), world)
     except NdtrainError as exc:
         raise NdtrainError(f"{where}: its layout does not resolve for world {world}: {exc}") from None
     first = run.starts[-1]["step"] if run.starts else 0  # the last attempt's peaks

@@ -126,7 +126,7 @@ def _precision_choice(cfg: JobConfig, world_size: int, hardware_profile, native_
 def _predicted_step(cfg: JobConfig, world_size: int, hardware_profile, precision: str, matmul: str) -> float | None:
     """The step the run would take in `precision`: the layout the planner would choose for it
     (auto or the defaults' data-parallel flavour), else the configured one."""
-    from ndtrain.layout import from_config, resolve
+    from ndtrain.layout import fill_degrees, from_config
     from ndtrain.planner.api import predict_step_time
 
     trial = copy.deepcopy(cfg)
@@ -135,7 +135,7 @@ def _predicted_step(cfg: JobConfig, world_size: int, hardware_profile, precision
         choice = layout_choice(trial, world_size, hardware_profile)
         if choice is not None:
             return choice["predicted_step_time"]
-        lay = resolve(from_config(trial.parallel, trial.train, trial.data), world_size)
+        lay = fill_degrees(from_config(trial.parallel, trial.train, trial.data), world_size)
         return predict_step_time(trial.model, lay.as_dict(), trial.data.seq_len, trial.train.global_batch,
                                  planned_for(trial, hardware_profile), world=world_size, precision=precision)
     except NdtrainError:
@@ -213,13 +213,13 @@ def compile_choice(cfg: JobConfig, world_size: int, hardware_profile=None) -> di
     """`[parallel] compile_auto`: whether compiling the blocks repays its cold compile within
     train.steps on this machine (planner/compile_choice.py), for the layout cfg holds; the
     decision, or None (compile left as set) where the planner cannot price it."""
-    from ndtrain.layout import from_config, resolve
+    from ndtrain.layout import fill_degrees, from_config
     from ndtrain.planner.api import compile_decision
 
     p = cfg.parallel
     try:
         hw = planned_for(cfg, hardware_profile)
-        return compile_decision(cfg.model, resolve(from_config(p, cfg.train, cfg.data), world_size),
+        return compile_decision(cfg.model, fill_degrees(from_config(p, cfg.train, cfg.data), world_size),
                                 cfg.data.seq_len, cfg.train.global_batch, cfg.train.steps, hw,
                                 precision=p.mixed_precision)
     except NdtrainError:  # an unresolvable layout, a GPU the catalog lacks: compile as configured

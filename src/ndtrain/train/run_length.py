@@ -38,12 +38,12 @@ def duration(seconds: float) -> str:
 
 def priced_step(cfg, world: int, hardware) -> float | None:
     """The planner's seconds per step for the layout `cfg` holds (None where it cannot price it)."""
-    from ndtrain.layout import from_config, resolve
+    from ndtrain.layout import fill_degrees, from_config
     from ndtrain.planner.api import predict_step_time
     from ndtrain.train.plan_choices import planned_for
 
     try:
-        layout = resolve(from_config(cfg.parallel, cfg.train, cfg.data), world)
+        layout = fill_degrees(from_config(cfg.parallel, cfg.train, cfg.data), world)
         return predict_step_time(cfg.model, layout.as_dict(), cfg.data.seq_len, cfg.train.global_batch,
                                  planned_for(cfg, hardware), world=world, precision=cfg.parallel.mixed_precision)
     except NdtrainError:
