@@ -242,14 +242,14 @@ def test_expert_parallel_layout_errors_name_their_key(model, par, world, key):
     # Explicit degrees fail when the config loads (no world needed); -1 ones once the world is known.
     with pytest.raises(ConfigError) as err:
         cfg = load_config(None, {"model": {"preset": model}, "parallel": par})
-        pdims.resolve(cfg.parallel, world, cfg.model, cfg.data.seq_len)
+        pdims.checked_layout(cfg.parallel, world, cfg.model, cfg.data.seq_len)
     assert err.value.key == key
 
 
 def test_ep_minus_one_takes_the_whole_shard_group():
     cfg = load_config(None, {"model": {"preset": "debug-moe"}, "parallel": {"dp_shard": -1, "ep": -1}})
-    assert pdims.resolve(cfg.parallel, 4, cfg.model, cfg.data.seq_len).ep == 4
-    assert pdims.resolve(cfg.parallel, 1, cfg.model, cfg.data.seq_len).ep == 1
+    assert pdims.checked_layout(cfg.parallel, 4, cfg.model, cfg.data.seq_len).ep == 4
+    assert pdims.checked_layout(cfg.parallel, 1, cfg.model, cfg.data.seq_len).ep == 1
 
 
 def test_capacity_with_context_parallel_is_refused():

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ndtrain.config import load_config
-from ndtrain.parallel.dims import resolve
+from ndtrain.parallel.dims import checked_layout
 from ndtrain.train.plan import as_written, resolve_plan
 from ndtrain.train.plan_choices import DP_FIELDS
 
@@ -182,7 +182,7 @@ def test_auto_layout_is_buildable(world):
     cfg = load_config(None, {"parallel": {"auto": True}, "train": {"global_batch": 16, "micro_batch": 4},
                              "data": {"seq_len": 128}})
     plan = resolve_plan(cfg, world)
-    dims = resolve(plan.config.parallel, world, cfg.model, cfg.data.seq_len, plan.config.train)
+    dims = checked_layout(plan.config.parallel, world, cfg.model, cfg.data.seq_len, plan.config.train)
     assert dims == plan.layout and dims.world == world
     assert cfg.train.global_batch % (dims.dp * dims.mb) == 0
     assert plan.prediction.step_s > 0 and "predicted" in plan.explanation
@@ -333,8 +333,8 @@ def test_the_command_and_the_python_api_build_the_same_layout(corpus_dir, tmp_pa
         built.append(real(*args, **kwargs))
         raise _Resolved
 
-    real = dims.resolve
-    monkeypatch.setattr(dims, "resolve", check_and_stop)
+    real = dims.checked_layout
+    monkeypatch.setattr(dims, "checked_layout", check_and_stop)
     args = [f"--data.path={corpus_dir}", "--train.steps=1000000", "--train.val_interval=0",
             "--logging.tensorboard=false", f"--parallel.auto_hardware={calibrated_profile(tmp_path)}"]
     with pytest.raises(_Resolved):

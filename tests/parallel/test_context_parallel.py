@@ -92,7 +92,7 @@ def test_config_errors_name_their_key(parallel, seq_len, key):
         world = 1
         for d in pdims.MESH_ORDER:
             world *= max(1, getattr(cfg.parallel, d))
-        pdims.resolve(cfg.parallel, world, cfg.model, cfg.data.seq_len)
+        pdims.checked_layout(cfg.parallel, world, cfg.model, cfg.data.seq_len)
     assert err.value.key == key and key in str(err.value)
 
 

@@ -176,7 +176,7 @@ MOE = {"preset": "debug", "n_experts": 4, "n_active_experts": 2, "expert_ffn_dim
 
 def test_diloco_config_errors_name_their_key():
     from ndtrain.errors import ConfigError
-    from ndtrain.parallel.dims import resolve
+    from ndtrain.parallel.dims import checked_layout
 
     bad = [({"replicate_sync": "sometimes"}, "parallel.replicate_sync"),
            ({"diloco_inner_steps": 0}, "parallel.diloco_inner_steps"),
@@ -194,12 +194,12 @@ def test_diloco_config_errors_name_their_key():
                   ({"dp_replicate": 2, "dp_shard": 1, "diloco_fragments": 8, "diloco_inner_steps": 8}, {},
                    "parallel.diloco_fragments")]
     for par, model, key in layout_bad:
-        # The layout rule: load_config runs it for every world, resolve() for this one.
+        # The layout rule: load_config runs it for every world, checked_layout() for this one.
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             cfg = load_config(None, {"parallel": {"replicate_sync": "diloco", **par}, "model": model or {"preset": "debug"}})
-            resolve(cfg.parallel, 2, cfg.model)
+            checked_layout(cfg.parallel, 2, cfg.model)
     ok = load_config(None, {"parallel": {"replicate_sync": "diloco", "dp_replicate": 2, "dp_shard": -1}})
-    assert resolve(ok.parallel, 4, ok.model).dp_shard == 2
+    assert checked_layout(ok.parallel, 4, ok.model).dp_shard == 2
 
 
 def test_schedule():

@@ -139,7 +139,7 @@ def test_document_mask_config_rules():
 
         cfg = load_config(None, {"data": {"document_mask": True}, "model": {"tie_embeddings": False},
                                  "parallel": {"pp": 2, "dp_shard": 1}, "train": {"global_batch": 8, "micro_batch": 4}})
-        pdims.resolve(cfg.parallel, 2, cfg.model, cfg.data.seq_len, cfg.train, cfg.data)
+        pdims.checked_layout(cfg.parallel, 2, cfg.model, cfg.data.seq_len, cfg.train, cfg.data)
     assert err.value.key == "data.document_mask"
     with pytest.raises(ConfigError, match="data.document_mask.*expected true or false"):
         load_config(None, {"data": {"document_mask": "yes"}})
@@ -158,7 +158,7 @@ def _rank(layouts, inputs, targets):
     for layout in layouts:
         cfg = load_config(None, {"model": {"preset": "debug"}, "data": {"seq_len": SEQ, "document_mask": True},
                                  "parallel": {"dp_shard": 1, **layout}})
-        dims = pdims.resolve(cfg.parallel, 2, cfg.model, SEQ, data=cfg.data)
+        dims = pdims.checked_layout(cfg.parallel, 2, cfg.model, SEQ, data=cfg.data)
         mesh = pdims.build_mesh(dims, "cpu")
         model = materialize(parallelize(build_model(cfg.model, "meta"), dims, mesh), SEED, "cpu")
         cp_rank = mesh["cp"].get_local_rank()

@@ -12,7 +12,7 @@ from ndtrain.config import load_config
 from ndtrain.errors import ConfigError, NdtrainError
 from ndtrain.model.config import preset, replace
 from ndtrain.parallel import pipeline_schedule as ps
-from ndtrain.parallel.dims import resolve
+from ndtrain.parallel.dims import checked_layout
 from ndtrain.parallel.pipeline import build_stage_module, part_costs, stage_layer_counts, stage_layers
 
 
@@ -152,7 +152,7 @@ def test_peak_activations_per_schedule():
 def _resolve(parallel: dict, train: dict | None = None, model: dict | None = None, world: int | None = None):
     cfg = load_config(None, {"model": {"preset": "debug", "n_layers": 8, **(model or {})},
                              "parallel": {"dp_shard": 1, **parallel}, "train": train or {}})
-    return resolve(cfg.parallel, world or cfg.parallel.pp, cfg.model, 64, cfg.train)
+    return checked_layout(cfg.parallel, world or cfg.parallel.pp, cfg.model, 64, cfg.train)
 
 
 def test_tied_embeddings_and_context_parallel_combine_with_pp():

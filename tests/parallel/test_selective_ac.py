@@ -126,7 +126,7 @@ def test_selective_ac_with_torchao_fp8_recomputes_no_amax():
     for ac in ("selective", "none"):
         cfg = load_config(None, {"model": {"preset": "debug"}, "data": {"seq_len": 64},
                                  "parallel": {"dp_shard": 1, "mixed_precision": "fp8", "activation_checkpoint": ac}})
-        dims = pdims.resolve(cfg.parallel, 1, cfg.model, 64, data=cfg.data)
+        dims = pdims.checked_layout(cfg.parallel, 1, cfg.model, 64, data=cfg.data)
         model = materialize(parallelize(build_model(cfg.model, "meta"), dims, None), 0, "cpu")
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(tokens).float().square().mean()
@@ -201,7 +201,7 @@ def _tp_rank(tokens):
     for ac in ("selective", "none"):
         cfg = load_config(None, {"model": {"preset": "debug"}, "data": {"seq_len": tokens.shape[1]},
                                  "parallel": {"dp_shard": 1, "tp": 2, "activation_checkpoint": ac}})
-        dims = pdims.resolve(cfg.parallel, 2, cfg.model, tokens.shape[1], data=cfg.data)
+        dims = pdims.checked_layout(cfg.parallel, 2, cfg.model, tokens.shape[1], data=cfg.data)
         assert dims.sp
         model = materialize(parallelize(build_model(cfg.model, "meta"), dims, pdims.build_mesh(dims, "cpu")), 0, "cpu")
         loss = model(tokens).float().square().mean()

@@ -145,7 +145,7 @@ def test_torch_compile_keeps_the_gradient_of_an_async_collective_input():
 def test_compile_with_tp_is_allowed_where_it_builds():
     from ndtrain.config import load_config
     from ndtrain.errors import ConfigError
-    from ndtrain.parallel.dims import resolve
+    from ndtrain.parallel.dims import checked_layout
 
     for parallel in ({"tp": 2, "compile": True}, {"tp": 2, "compile": True, "activation_checkpoint": "selective"},
                      {"tp": 2, "dp_shard": 2, "compile": True, "sequence_parallel": False},
@@ -154,7 +154,7 @@ def test_compile_with_tp_is_allowed_where_it_builds():
         cfg = load_config(None, {"parallel": parallel})  # explicit degrees: checked without a world
         assert cfg.parallel.compile
     cfg = load_config(None, {"parallel": {"tp": -1, "dp_shard": 1, "compile": True}})
-    assert resolve(cfg.parallel, 2, cfg.model).tp == 2
+    assert checked_layout(cfg.parallel, 2, cfg.model).tp == 2
     moe = load_config(None, {"model": {"preset": "debug-moe"}, "parallel": {"tp": 2, "compile": True}})
     assert moe.parallel.compile and moe.model.is_moe
     with pytest.raises(ConfigError, match="parallel.compile"):  # still refused: split-backward schedules

@@ -40,10 +40,10 @@ def world_of(command: str) -> int:
 
 
 def _check_with_dims(config: Path, world: int) -> None:
-    from ndtrain.parallel.dims import resolve
+    from ndtrain.parallel.dims import checked_layout
 
     cfg = load_config(str(config))
-    resolve(cfg.parallel, world, cfg.model, cfg.data.seq_len, cfg.train)  # the batch rule among the layout's
+    checked_layout(cfg.parallel, world, cfg.model, cfg.data.seq_len, cfg.train)  # the batch rule among the layout's
 
 
 def _check_with_command(config: Path, world: int, hang_deadline) -> None:

@@ -18,7 +18,7 @@ import pytest
 yaml = pytest.importorskip("yaml")
 
 from ndtrain.config import load_config  # noqa: E402
-from ndtrain.parallel.dims import resolve  # noqa: E402
+from ndtrain.parallel.dims import checked_layout  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
@@ -41,7 +41,7 @@ def _check_global_batch(config_text: str, worlds: list[int], tmp_path: Path) -> 
     cfg = load_config(str(path))
     for world in worlds:
         # raises when the batch does not split over dp ranks: the batch rule is the layout's (layout/rules.py)
-        resolve(cfg.parallel, world, cfg.model, cfg.data.seq_len, cfg.train)
+        checked_layout(cfg.parallel, world, cfg.model, cfg.data.seq_len, cfg.train)
 
 
 # ---- Slurm -----------------------------------------------------------------------------------

@@ -265,7 +265,7 @@ def test_shares_that_do_not_fit_the_world_stop_the_command_in_one_line(tmp_path,
 
 
 def test_config_check_and_the_launchers_resolve_refuse_shares_for_another_world():
-    from ndtrain.parallel.dims import resolve
+    from ndtrain.parallel.dims import checked_layout
     from ndtrain.tools.config_check import check_config
 
     cfg = load_config(None, {"parallel": {"batch_shares": [3, 1]}, "train": {"global_batch": 16, "micro_batch": 8}})
@@ -273,6 +273,6 @@ def test_config_check_and_the_launchers_resolve_refuse_shares_for_another_world(
         check_config(cfg, 4, build=False)
     assert exc.value.key == "parallel.batch_shares"
     with pytest.raises(ConfigError, match="data-parallel degree is 4"):
-        resolve(cfg.parallel, 4, cfg.model, cfg.data.seq_len, cfg.train)  # what `train --nproc 4` resolves first
-    assert resolve(cfg.parallel, 2, cfg.model, cfg.data.seq_len, cfg.train).dp == 2
+        checked_layout(cfg.parallel, 4, cfg.model, cfg.data.seq_len, cfg.train)  # what `train --nproc 4` resolves first
+    assert checked_layout(cfg.parallel, 2, cfg.model, cfg.data.seq_len, cfg.train).dp == 2
     check_config(cfg, 2, build=False)

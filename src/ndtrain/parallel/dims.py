@@ -14,7 +14,7 @@ from ndtrain.layout.degrees import MESH_ORDER  # noqa: F401  (re-exported: the m
 from ndtrain.model.config import ModelConfig
 
 
-def resolve(par, world_size: int, model: ModelConfig, seq_len: int = 0, train=None, data=None) -> Layout:
+def checked_layout(par, world_size: int, model: ModelConfig, seq_len: int = 0, train=None, data=None) -> Layout:
     """`[parallel]` settings (with -1 degrees) -> the checked Layout for `world_size` ranks.
     With `train` (the [train] section) the micro-batch and pipeline micro-batch rules are checked
     for every global batch the run will use (batch ramp included); with `data` the [data] keys

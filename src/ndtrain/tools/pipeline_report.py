@@ -40,10 +40,10 @@ def _measure_rank(cfg, steps: int) -> dict:
 
 def measure(cfg, nproc: int, steps: int) -> list[dict]:
     """Train `steps` steps of `cfg` on `nproc` forked ranks; every rank's timed actions per step."""
-    from ndtrain.parallel.dims import resolve
+    from ndtrain.parallel.dims import checked_layout
     from ndtrain.parallel.launch import run_ranks
 
-    dims = resolve(cfg.parallel, nproc, cfg.model, cfg.data.seq_len, cfg.train)  # errors before forking
+    dims = checked_layout(cfg.parallel, nproc, cfg.model, cfg.data.seq_len, cfg.train)  # errors before forking
     if dims.pp < 2:
         raise NdtrainError("pipeline-report measures a pipeline: set --parallel.pp to 2 or more")
     return run_ranks(nproc, _measure_rank, cfg, steps, timeout_s=cfg.train.timeout_s)

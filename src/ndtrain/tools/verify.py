@@ -19,7 +19,7 @@ from ndtrain.errors import NdtrainError
 from ndtrain.layout import Layout, parse_items, parse_layout
 from ndtrain.layout import schedules as registry
 from ndtrain.layout.degrees import CONFIG_KEYS
-from ndtrain.parallel.dims import resolve
+from ndtrain.parallel.dims import checked_layout
 
 
 def layout_overrides(spec: str) -> dict:
@@ -87,7 +87,7 @@ def layout_config(base: dict, spec: str) -> JobConfig:
         merged.setdefault("train", {})["micro_batch"] = max(1, gb // (dp * ga))
     cfg = load_config(None, merged)
     # The one validity check, for this layout's world, before any rank starts.
-    resolve(cfg.parallel, world, cfg.model, cfg.data.seq_len, cfg.train)
+    checked_layout(cfg.parallel, world, cfg.model, cfg.data.seq_len, cfg.train)
     return cfg
 
 

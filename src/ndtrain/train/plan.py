@@ -125,7 +125,7 @@ def planned_config(cfg: JobConfig, world: int, hardware=None) -> JobConfig:
 
 
 def _checked(cfg: JobConfig, world: int) -> Layout:
-    return pdims.resolve(cfg.parallel, world, cfg.model, cfg.data.seq_len, cfg.train, cfg.data)
+    return pdims.checked_layout(cfg.parallel, world, cfg.model, cfg.data.seq_len, cfg.train, cfg.data)
 
 
 def _choose(cfg: JobConfig, world: int, hardware, measure_host: bool) -> tuple[JobConfig, dict]:
