@@ -83,7 +83,7 @@ def resolved(cfg, world: int):
     from ndtrain.train.plan import planned_config
 
     cfg = planned_config(cfg, world)
-    return cfg, pdims.resolve(cfg.parallel, world, cfg.model, cfg.data.seq_len, cfg.train, cfg.data)
+    return cfg, pdims.checked_layout(cfg.parallel, world, cfg.model, cfg.data.seq_len, cfg.train, cfg.data)
 
 
 def run_rank(cfg, world: int, rank: int, steps: int = 1) -> dict:
