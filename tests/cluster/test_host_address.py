@@ -14,11 +14,11 @@ NODE1, NODE2 = "10.233.7.11", "10.233.7.12"
 
 @pytest.fixture
 def node(monkeypatch):
-    """A host `node2` with eth0 = NODE2; resolve() answers from `names`, the route to anything
+    """A host `node2` with eth0 = NODE2; addresses_of() answers from `names`, the route to anything
     non-loopback leaves through eth0."""
     names = {"node1": [NODE1], "node2": ["127.0.1.1"]}
     monkeypatch.setattr(ha.socket, "gethostname", lambda: "node2")
-    monkeypatch.setattr(ha, "resolve", lambda host: names.get(host, []))
+    monkeypatch.setattr(ha, "addresses_of", lambda host: names.get(host, []))
     ifaces = {"eth0": NODE2}
     monkeypatch.setattr(ha, "interfaces", lambda: dict(ifaces))
     monkeypatch.setattr(ha, "route_source", lambda addr: NODE2)

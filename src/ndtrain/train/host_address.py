@@ -32,7 +32,7 @@ def is_loopback(addr: str) -> bool:
         return False
 
 
-def resolve(host: str) -> list[str]:
+def addresses_of(host: str) -> list[str]:
     """host's addresses in resolver order (what Gloo and the TCP store try first), [] if none."""
     try:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
@@ -88,12 +88,12 @@ def choose_interface(world: int, local_world: int, backend: str, environ=None) -
     if world <= local_world or all(env.get(n) for n in names):
         return None
     host = socket.gethostname()
-    own = resolve(host)
+    own = addresses_of(host)
     if own and not is_loopback(own[0]):
         return None
     seen = own[0] if own else "nothing"
     master = master_addr(env)
-    master_addrs = [a for a in resolve(master) if not is_loopback(a)] if master else []
+    master_addrs = [a for a in addresses_of(master) if not is_loopback(a)] if master else []
     ifaces = interfaces()
     if master_addrs:  # a peer node: the interface on the route to the master
         src = route_source(master_addrs[0])
