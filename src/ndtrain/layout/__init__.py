@@ -1,7 +1,7 @@
 """The one definition of a parallel layout, shared by the config, the runtime, `verify`,
 `[parallel] auto` and the planner. Pure Python: no torch import, so the planner runs on a laptop.
 
-- degrees.py    the Layout value: the one field list of [parallel]'s layout keys, -1 resolution
+- degrees.py    the Layout value: the one field list of [parallel]'s layout keys, -1 degrees filled
 - syntax.py     its `key=value,...` text syntax
 - schedules.py  the pipeline schedule registry: v and micro-batch rules, bubbles, stage placement
 - timeline.py   the ideal-timeline simulator
@@ -13,7 +13,8 @@
 """
 
 from ndtrain.layout.degrees import Layout, fill_degrees, from_config
-from ndtrain.layout.rules import RULES, Problem, check, problems
+from ndtrain.layout.rules import RULES, LayoutProblem, check, problems
 from ndtrain.layout.syntax import parse_items, parse_layout
 
-__all__ = ["Layout", "from_config", "parse_items", "parse_layout", "fill_degrees", "RULES", "Problem", "check", "problems"]
+__all__ = ["Layout", "from_config", "parse_items", "parse_layout", "fill_degrees", "RULES", "LayoutProblem", "check",
+           "problems"]

@@ -23,7 +23,7 @@ from ndtrain.layout.partition import partition_problem
 from ndtrain.model.config import ModelConfig
 
 
-class Problem(str):
+class LayoutProblem(str):
     """A problem message that also carries the config key it is about (`.key`)."""
 
     key: str
@@ -250,7 +250,7 @@ def problems(layout: Layout, model: ModelConfig, world: int | None, seq: int | N
              strict: bool = True) -> list[str]:
     """Every reason `layout` cannot train `model` on `world` ranks with sequences of `seq` tokens
     and global batch `batch` (sequences; an int or every global batch of a batch ramp). Empty
-    when the runtime builds it. Each item is a `Problem`: a str with `.key`, the config key to change.
+    when the runtime builds it. Each item is a `LayoutProblem`: a str with `.key`, the config key to change.
 
     world=None: the problems every world size would have (what a config shows without a world):
     with all mesh degrees given, the world is their product; with one of them -1, a problem is
@@ -261,11 +261,11 @@ def problems(layout: Layout, model: ModelConfig, world: int | None, seq: int | N
     try:
         lay = fill_degrees(layout, world)
     except DegreeError as exc:
-        return [Problem(exc.key, str(exc))]
+        return [LayoutProblem(exc.key, str(exc))]
     ctx = Context(lay, model, world, seq, batches_, strict)
     out: list[str] = []
     for rule in RULES:
-        out.extend(Problem(key, msg) for key, msg in rule(ctx))
+        out.extend(LayoutProblem(key, msg) for key, msg in rule(ctx))
     return out
 
 
@@ -280,7 +280,7 @@ def _without_world(lay: Layout, model: ModelConfig, seq, batches_, strict: bool)
         try:
             fill_degrees(lay, fixed)
         except DegreeError as exc:
-            return [Problem(exc.key, str(exc))]
+            return [LayoutProblem(exc.key, str(exc))]
     # The values the free degree may take: small ones, powers of two, and the sizes the rules
     # divide by. A problem seen at each of them holds for any world this config could run on.
     cands = set(range(1, 65)) | {1 << k for k in range(15)} | set(batches_)
@@ -304,4 +304,4 @@ def check(layout: Layout, model: ModelConfig, world: int, seq: int | None = None
     return fill_degrees(layout, world)
 
 
-__all__ = ["Problem", "Context", "RULES", "problems", "check"]
+__all__ = ["LayoutProblem", "Context", "RULES", "problems", "check"]
