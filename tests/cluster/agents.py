@@ -79,14 +79,17 @@ class Agents:
 
 def start_agents(cluster, nproc: int, train_args: list[str], run_id: str = "job1", nodes=None,
                  nnodes: int | str | None = None, env: dict | None = None, max_restarts: int = 0,
-                 launcher_args: list[str] | None = None) -> Agents:
-    """torchrun on each of `nodes` (default: all), rendezvous at the first node's hostname."""
+                 launcher_args: list[str] | None = None, pin_cores: bool = False) -> Agents:
+    """torchrun on each of `nodes` (default: all), rendezvous at the first node's hostname.
+    pin_cores: node i's agent and workers run on core i only (taskset), so a node's CPU quota, not
+    the other nodes' processes, sets its pace."""
     nodes = list(nodes or cluster.nodes)
     endpoint = f"{cluster.nodes[0].name}:{RDZV_PORT}"
     argv = torchrun_argv(nnodes or len(nodes), nproc, endpoint, run_id, train_args, max_restarts, launcher_args)
     agents = Agents()
-    for node in nodes:
+    for i, node in enumerate(nodes):
         log = cluster.base / f"{node.name}-{run_id}.log"
         agents.logs[node.name] = log
-        agents.procs[node.name] = node.popen(argv, env=node_env(node, env), log=log, cwd=str(REPO))
+        pinned = ["taskset", "-c", str(i % os.cpu_count())] if pin_cores else []
+        agents.procs[node.name] = node.popen([*pinned, *argv], env=node_env(node, env), log=log, cwd=str(REPO))
     return agents

@@ -47,11 +47,12 @@ def reference_losses(base: dict, steps: int) -> list[float]:
 
 
 def train_across(cluster, config: Path, run_dir: Path, nproc: int, guard_s: float, extra: list[str] = (),
-                 nodes=None, run_id: str = "job1", env: dict | None = None, max_restarts: int = 0):
+                 nodes=None, run_id: str = "job1", env: dict | None = None, max_restarts: int = 0,
+                 pin_cores: bool = False):
     """`ndtrain train --config` under one torchrun agent per node; returns (exit codes by node, Agents)."""
     args = ["--config", str(config), f"--train.output_dir={run_dir}", "--logging.progress=off", *extra]
     started = agents.start_agents(cluster, nproc, args, run_id=run_id, nodes=nodes, env=env,
-                                  max_restarts=max_restarts)
+                                  max_restarts=max_restarts, pin_cores=pin_cores)
     return started.wait(guard_s), started
 
 
@@ -69,3 +70,21 @@ def metric_rows(run_dir: Path) -> list[dict]:
 def step_losses(run_dir: Path) -> dict[int, float]:
     """The training loss of each step (event rows, such as start and end, carry no loss)."""
     return {r["step"]: r["loss"] for r in metric_rows(run_dir) if r.get("loss") is not None and "event" not in r}
+
+
+def samples_by_step(run_dir: Path) -> dict[int, list[int]]:
+    """step -> the global sample numbers trained on, from each rank's sample log (tests/train/
+    fault_plan.py's, with NDTRAIN_SAMPLE_LOG set); a step trained twice (by two attempts, or by
+    two worlds) fails here."""
+    by_step: dict[int, list] = {}
+    for path in Path(run_dir).glob("samples.rank*.jsonl"):
+        rank = int(path.name.split("rank")[1].split(".")[0])
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            by_step.setdefault(row["step"], []).append((rank, row["world"], row["ids"]))
+    out = {}
+    for step, got in by_step.items():
+        ranks, worlds = sorted(r for r, _, _ in got), {w for _, w, _ in got}
+        assert len(worlds) == 1 and ranks == list(range(worlds.pop())), f"step {step} was trained more than once: {got}"
+        out[step] = [i for _, _, ids in sorted(got) for i in ids]
+    return out

@@ -43,23 +43,6 @@ def _last_step(run_dir) -> int:
     return max((r.get("step", 0) for r in scenario.metric_rows(run_dir) if "loss" in r), default=0)
 
 
-def _samples(run_dir) -> dict[int, list[int]]:
-    """step -> the global sample numbers trained on; a step trained twice (by two attempts, or by
-    two worlds) fails here."""
-    by_step: dict[int, list] = {}
-    for path in run_dir.glob("samples.rank*.jsonl"):
-        rank = int(path.name.split("rank")[1].split(".")[0])
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            by_step.setdefault(row["step"], []).append((rank, row["world"], row["ids"]))
-    out = {}
-    for step, got in by_step.items():
-        ranks, worlds = sorted(r for r, _, _ in got), {w for _, w, _ in got}
-        assert len(worlds) == 1 and ranks == list(range(worlds.pop())), f"step {step} was trained more than once: {got}"
-        out[step] = [i for _, _, ids in sorted(got) for i in ids]
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("launcher", ["torchrun", "ndtrain.train.agent"])
@@ -137,7 +120,7 @@ def test_sigterm_on_every_node_saves_once_exits_143_and_resumes_on_one_node(make
     assert f"step_{saved:08d}" in json.dumps(starts[-1].get("resumed_from")), starts[-1]
     # Exactly once: steps 1..saved+3 each trained by one whole world, the stream's first
     # (saved + 3) x global_batch samples each once.
-    ran = _samples(run_dir)
+    ran = scenario.samples_by_step(run_dir)
     assert sorted(ran) == list(range(1, saved + 4)), sorted(ran)
     ids = [i for step in sorted(ran) for i in ran[step]]
     assert sorted(ids) == list(range((saved + 3) * base["train"]["global_batch"])), ids
