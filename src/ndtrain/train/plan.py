@@ -43,7 +43,7 @@ from ndtrain.train import plan_choices as choices
 
 
 @dataclass(frozen=True)
-class Prediction:
+class StepPrice:
     """The planner's price of the layout it chose."""
 
     step_s: float  # seconds per optimizer step: the compiled step where compile_auto turned compile on
@@ -84,7 +84,7 @@ class Plan:
     config: JobConfig = dataclasses.field(repr=False)  # what the run trains with: the caller's + `chosen`
     chosen: tuple = ()  # ((section, key, value), ...): what the planner set over the caller's config
     explanation: str = ""  # the start-up line of a chosen layout ('' where none was chosen)
-    prediction: Prediction | None = None  # set where the planner chose the layout
+    prediction: StepPrice | None = None  # set where the planner chose the layout
     compile: CompileChoice | None = None
     host: HostChoice | None = None
     budget: str = ""  # what train.time_budget_s made of train.steps ('' without a budget)
@@ -154,8 +154,8 @@ def _choose(cfg: JobConfig, world: int, hardware, measure_host: bool) -> tuple[J
     prediction, explanation = None, ""
     if layout is not None:
         apply(layout["overrides"])
-        prediction = Prediction(layout["predicted_step_time"], layout["predicted_tokens_per_s"], layout["hardware"],
-                                choices.uncalibrated(work, hardware))
+        prediction = StepPrice(layout["predicted_step_time"], layout["predicted_tokens_per_s"], layout["hardware"],
+                               choices.uncalibrated(work, hardware))
         explanation = layout["description"] + choices.host_text(host)
     budget = ""
     if work.train.time_budget_s > 0:
@@ -186,5 +186,5 @@ def _choose(cfg: JobConfig, world: int, hardware, measure_host: bool) -> tuple[J
 
 auto_hardware = choices.auto_hardware  # what `auto` prices: re-exported for callers of the resolver
 
-__all__ = ["Plan", "Prediction", "CompileChoice", "HostChoice", "resolve_plan", "as_written", "planned_config",
+__all__ = ["Plan", "StepPrice", "CompileChoice", "HostChoice", "resolve_plan", "as_written", "planned_config",
            "auto_hardware"]
