@@ -131,7 +131,7 @@ def run_variants(cfgs: list[dict]) -> list[dict]:
             own += r.extra.get("cross_replica_bytes", 0)
             outer += r.rows  # DiLoCo's outer steps (none for other layouts)
         meter.close()
-        val = t.validate()
+        val = t.validation_loss()
         out.append({"val_loss": val, "train_loss_last10": statistics.mean(losses[-10:]),
                     "bytes_per_step": meter.bytes / cfg.train.steps, "own_bytes_per_step": own / cfg.train.steps,
                     "step_s_median": statistics.median(times[3:] or times), "outer_steps": len(outer),

@@ -189,6 +189,6 @@ def test_validation_loss_does_not_depend_on_the_batch(parity_base):
         base = {k: dict(v) for k, v in parity_base.items()}
         base["train"].update(global_batch=gb, micro_batch=micro, val_batches=2)  # 2 x 16 windows
         trainer = Trainer(load_config(None, base), run_dir=None, log=False)
-        losses.append(trainer.validate())
+        losses.append(trainer.validation_loss())
         trainer.close()
     assert math.isfinite(losses[0]) and losses[0] == pytest.approx(losses[1], rel=1e-6, abs=0)

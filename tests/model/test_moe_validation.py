@@ -1,7 +1,7 @@
-"""Validation of a mixture-of-experts model (step.py's `validate`): it runs the fixed validation
-windows in batches of the training shape, the last batch padded with copies of a window whose
-targets are ignored, and those padded rows are routed to experts like real ones. Two things must
-still hold:
+"""Validation of a mixture-of-experts model (step.py's `validation_loss`): it runs the fixed
+validation windows in batches of the training shape, the last batch padded with copies of a
+window whose targets are ignored, and those padded rows are routed to experts like real ones. Two
+things must still hold:
 
 - a validation pass leaves training untouched: no routing statistics recorded (they feed the
   aux-loss-free bias update and the metrics of the next step), no bias moved, so training with
@@ -46,7 +46,7 @@ def train(cfg, steps: int, validate_every_step: bool) -> dict:
         losses.append(result.loss)
         moe_rows.append({k: v for k, v in result.extra.items() if k.startswith("moe/")})
         if validate_every_step:
-            val_losses.append(trainer.validate())
+            val_losses.append(trainer.validation_loss())
             assert all(moe.stats is None for _, moe in trainer.moe)  # nothing counted for the next step
     biases = [moe.expert_bias.clone() for _, moe in trainer.moe]
     trainer.close()
@@ -57,7 +57,7 @@ def val_loss(cfg) -> float:
     from ndtrain.train.trainer import Trainer
 
     trainer = Trainer(cfg, run_dir=None, log=False)
-    loss = trainer.validate()
+    loss = trainer.validation_loss()
     trainer.close()
     return loss
 

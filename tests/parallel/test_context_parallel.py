@@ -170,7 +170,7 @@ def _long_run(cfg, steps=2, budget=None):
         with SavedActivationMeter(budget) as meter:
             losses.append(trainer.train_step().loss)
         peaks.append(meter.peak_bytes)
-    return {"losses": losses, "peak": max(peaks), "val": trainer.validate(), "trainer": trainer}
+    return {"losses": losses, "peak": max(peaks), "val": trainer.validation_loss(), "trainer": trainer}
 
 
 def _rank_checks(corpus):
@@ -207,7 +207,8 @@ def _rank_checks(corpus):
     out["long"] = {k: v for k, v in run.items() if k != "trainer"}
     from ndtrain.train.trainer import Trainer
 
-    out["val_cp2_dp2"] = Trainer(_cfg(corpus, 64, {"cp": 2, "dp_shard": 2}, gb=8), run_dir=None, log=False).validate()
+    cp2_dp2 = Trainer(_cfg(corpus, 64, {"cp": 2, "dp_shard": 2}, gb=8), run_dir=None, log=False)
+    out["val_cp2_dp2"] = cp2_dp2.validation_loss()
     return out
 
 
@@ -275,7 +276,7 @@ def test_long_sequence_fits_budget_only_with_cp4(cp_ranks, corpus_dir):
 def test_validation_and_positions_guard(cp_ranks, corpus_dir):
     from ndtrain.train.trainer import Trainer
 
-    ref = Trainer(_cfg(corpus_dir, 64, {}, gb=8), run_dir=None, log=False).validate()
+    ref = Trainer(_cfg(corpus_dir, 64, {}, gb=8), run_dir=None, log=False).validation_loss()
     for r in cp_ranks:
         assert abs(r["val_cp2_dp2"] - ref) <= TOL
         assert "positions" in r["missing_positions"]

@@ -17,7 +17,7 @@ def _pp_rank(cfg, steps: int, other) -> dict:
     # A looped schedule validates through torch's forward-only run (V schedules cannot).
     looped = Trainer(other, run_dir=None, log=False)
     looped_losses = [looped.train_step().loss for _ in range(steps)]
-    looped_val = looped.validate()
+    looped_val = looped.validation_loss()
     looped.close()
     trainer = Trainer(cfg, run_dir=None, log=False)
     trainer.pipeline.trace = True
@@ -25,7 +25,7 @@ def _pp_rank(cfg, steps: int, other) -> dict:
     ckpt = trainer.checkpointer(None, cfg)
     path = ckpt.save(final=True)
     ckpt.finish()
-    out = {"losses": losses, "val": trainer.validate(), "weights": trainer.full_weights(), "path": str(path),
+    out = {"losses": losses, "val": trainer.validation_loss(), "weights": trainer.full_weights(), "path": str(path),
            "rank": trainer.rt.rank, "stages": [s.stage_index for s in trainer.pipeline.stages],
            "traces": trainer.pipeline.traces, "looped": looped_losses + [looped_val]}
     trainer.close()
@@ -48,7 +48,7 @@ def test_checkpoint_reshards_pp_to_world1_and_timeline(parity_base, tmp_path):
 
     ref = Trainer(ref_cfg, run_dir=None, log=False)
     ref_losses = [ref.train_step().loss for _ in range(2)]
-    ref_val, ref_w2 = ref.validate(), ref.full_weights()
+    ref_val, ref_w2 = ref.validation_loss(), ref.full_weights()
     ref_loss3 = ref.train_step().loss
     ref_w3 = ref.full_weights()
 

@@ -157,7 +157,7 @@ def _loop(plan, run_dir: Path, reached: dict) -> dict:
                 log.log({**steps.metrics_row(result, peaks, progress.tokens_seen, rt.device), "last": last,
                          "time": time.time()})
             if cfg.train.val_interval and (result.step % cfg.train.val_interval == 0 or last):
-                last_val = steps.validate(state)
+                last_val = steps.validation_loss(state)
                 log.log({"step": result.step, "val_loss": last_val})
             if cfg.train.batch_ramp == "auto" and ckpt.due(result.step):
                 # A new batch only at a checkpoint boundary, decided before any save there (a stop's

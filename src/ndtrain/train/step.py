@@ -272,7 +272,7 @@ def _noise_update(state: TrainState, batch, gb: int):
 
 
 @torch.no_grad()
-def validate(state: TrainState) -> float:
+def validation_loss(state: TrainState) -> float:
     cfg = state.cfg
     if state.val_data is None:
         # A fixed set of validation samples (val_batches x val_batch_size) whatever the batch size

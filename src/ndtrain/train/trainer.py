@@ -63,8 +63,8 @@ class Trainer:
         steps.read_steps(self.state.unread)
         return result
 
-    def validate(self) -> float:
-        return steps.validate(self.state)
+    def validation_loss(self) -> float:
+        return steps.validation_loss(self.state)
 
     def metrics_row(self, r: StepResult) -> dict:
         return steps.metrics_row(r, self.peaks, self.tokens_seen, self.state.rt.device)
