@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from ndtrain.config.checks import TRACKERS, global_batch_at, layout_batches, validate
+from ndtrain.config.checks import TRACKERS, check_job_config, global_batch_at, layout_batches
 from ndtrain.errors import ConfigError, NdtrainError
 from ndtrain.layout.degrees import reshard_default, section_fields
 from ndtrain.model.config import PRESETS, ModelConfig
 
 __all__ = ["DataConfig", "OptimizerConfig", "ParallelConfig", "TrainConfig", "CheckpointConfig", "LoggingConfig",
-           "ResilienceConfig", "JobConfig", "SECTIONS", "TRACKERS", "DP_CHOICE_KEYS", "load_config", "validate", "global_batch_at",
-           "layout_batches", "parse_value", "parse_overrides", "to_dict", "to_toml", "from_dict"]
+           "ResilienceConfig", "JobConfig", "SECTIONS", "TRACKERS", "DP_CHOICE_KEYS", "load_config", "check_job_config",
+           "global_batch_at", "layout_batches", "parse_value", "parse_overrides", "to_dict", "to_toml", "from_dict"]
 
 
 @dataclass
@@ -99,7 +99,8 @@ class ParallelConfig(_LayoutKeys):
     auto_hardware: str = ""
     # DiLoCo's outer SGD (replicate_sync = "diloco"): lr 1 without momentum averages the replicas
     # every H steps. The paper's lr 0.7, Nesterov 0.9 suits long rounds (H ~ 500); at H <= 32 here
-    # it lost 25-40% (docs/results/benchmarks.md). Checked in validate(), not by the layout rules.
+    # it lost 25-40% (docs/results/benchmarks.md). Checked in check_job_config(), not by the layout
+    # rules.
     diloco_outer_lr: float = 1.0
     diloco_outer_momentum: float = 0.0  # Nesterov momentum
     # Uneven data-parallel shares (layout/batch_shares.py; docs/heterogeneous.md): one weight per
@@ -395,7 +396,7 @@ def load_config(path: str | None = None, overrides: list[str] | dict | None = No
             setattr(cfg.parallel, flag, False)
     if "reshard_after_forward" not in given:  # the knob follows the stage (layout/degrees.py)
         cfg.parallel.reshard_after_forward = reshard_default(cfg.parallel.zero)
-    validate(cfg)
+    check_job_config(cfg)
     return cfg
 
 

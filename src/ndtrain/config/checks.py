@@ -29,7 +29,7 @@ def _mix_problem(mix: list) -> str | None:
     return None
 
 
-def validate(cfg) -> None:
+def check_job_config(cfg) -> None:
     """Checks that need no process group and no world size. Types and vocabularies (the Literal
     annotations of config/__init__.py and layout/degrees.py) were checked as the values were read. `config check --world N` (and the
     trainer, before any process group exists) run the layout's rules for a given world."""
