@@ -1,12 +1,17 @@
 """No fixed number of seconds bounds a wait in a test: a hang guard is `hang_deadline(base_s)`
 (tests/conftest.py), which scales with this host's measured speed. A literal `timeout=60` on a
 subprocess, `.wait(5)` or `.join(timeout=5)` trips on a slow or loaded host for a reason the test
-is not about. Every file is clear of them; a new one anywhere fails here. A helper outside a
-test takes the fixture's function from its caller (`hang_deadline=hang_deadline`)."""
+is not about. So is a literal `timeout_s=` given to `run_ranks` or `verify` (their ranks' process
+group timeout), and a `run_ranks(...)` without one: its default is a fixed 120 s. Every file is
+clear of them; a new one anywhere fails here. A helper outside a test takes the fixture's function
+from its caller (`hang_deadline=hang_deadline`)."""
 import ast
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
+# Helpers whose `timeout_s` bounds the test's own wait for its ranks (elsewhere `timeout_s=` is often
+# the value under test: a heartbeat's, a group's, a line's).
+BOUNDED_S = ("run_ranks", "verify")
 
 
 def _numeric(node: ast.AST) -> bool:
@@ -21,8 +26,9 @@ def _numeric(node: ast.AST) -> bool:
 
 
 def fixed_timeouts(source: str, name: str = "<test>") -> list[int]:
-    """Line numbers of calls bounded by a literal number of seconds: a `timeout=` keyword, or the
-    first positional argument of `.wait(...)` / `.join(...)`."""
+    """Line numbers of calls bounded by a literal number of seconds: a `timeout=` or `timeout_s=`
+    keyword, the first positional argument of `.wait(...)` / `.join(...)`, or `run_ranks(...)` left
+    at its fixed default."""
     lines = []
     for node in ast.walk(ast.parse(source, name)):
         if not isinstance(node, ast.Call):
@@ -30,7 +36,12 @@ def fixed_timeouts(source: str, name: str = "<test>") -> list[int]:
         kws = {k.arg for k in node.keywords}
         if "hang_deadline" in kws:  # a helper that scales the base seconds itself
             continue
+        name = getattr(node.func, "id", None)
         if any(k.arg == "timeout" and _numeric(k.value) for k in node.keywords):
+            lines.append(node.lineno)
+        elif name in BOUNDED_S and any(k.arg == "timeout_s" and _numeric(k.value) for k in node.keywords):
+            lines.append(node.lineno)
+        elif name == "run_ranks" and "timeout_s" not in kws:
             lines.append(node.lineno)
         elif (isinstance(node.func, ast.Attribute) and node.func.attr in ("wait", "join")
               and node.args and _numeric(node.args[0])):
@@ -56,5 +67,8 @@ def test_the_scan_finds_each_planted_kind():
                "q.wait()\n"
                "subprocess.run(['x'], timeout=hang_deadline(60))\n"
                "_run(x, timeout=590, hang_deadline=hang_deadline)\n"
-               "s = 'last_call_timeout=2'\n")
-    assert fixed_timeouts(planted) == [2, 3, 4]
+               "s = 'last_call_timeout=2'\n"
+               "run_ranks(2, f, x, timeout_s=240)\n"
+               "run_ranks(2, f, x)\n"
+               "run_ranks(2, f, x, timeout_s=hang_deadline(240))\n")
+    assert fixed_timeouts(planted) == [2, 3, 4, 9, 10]

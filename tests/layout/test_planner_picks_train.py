@@ -48,9 +48,9 @@ def test_planner_picks_for_5_and_8_ranks_train(parity_base):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_every_planner_pick_for_worlds_1_to_8_trains(parity_base):
+def test_every_planner_pick_for_worlds_1_to_8_trains(parity_base, hang_deadline):
     layouts = [lay for world in range(1, 9) for lay in planner_picks(world, 3, this_machine())]
     assert len(layouts) >= 20
-    _, results = verify(_base(parity_base), layouts, steps=2, tol_loss=TOL, tol_weight=TOL, timeout_s=600)
+    _, results = verify(_base(parity_base), layouts, steps=2, tol_loss=TOL, tol_weight=TOL, timeout_s=hang_deadline(600))
     _check(results)
     assert len(results) == len(layouts)

@@ -98,10 +98,10 @@ def _expert_parallel_rank(corpus_dir: str) -> dict:
 
 
 @pytest.mark.timeout(300)  # 4.5 s on the 2-core host: one world-2 launch
-def test_moe_validation_under_expert_parallel(corpus_dir):
+def test_moe_validation_under_expert_parallel(corpus_dir, hang_deadline):
     from ndtrain.parallel.launch import run_ranks
 
-    ranks = run_ranks(2, _expert_parallel_rank, str(corpus_dir))
+    ranks = run_ranks(2, _expert_parallel_rank, str(corpus_dir), timeout_s=hang_deadline(120))
     assert all(bool(r["same_trajectory"]) for r in ranks)
     unpadded = val_loss(moe_config(corpus_dir, 6, 6, capacity_factor=0.5))
     for r in ranks:  # every rank returns the all-reduced loss

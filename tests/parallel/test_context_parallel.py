@@ -213,10 +213,10 @@ def _rank_checks(corpus):
 
 
 @pytest.fixture(scope="module")
-def cp_ranks(corpus_dir):
+def cp_ranks(corpus_dir, hang_deadline):
     from ndtrain.parallel.launch import run_ranks
 
-    return run_ranks(4, _rank_checks, corpus_dir, timeout_s=240)
+    return run_ranks(4, _rank_checks, corpus_dir, timeout_s=hang_deadline(240))
 
 
 @pytest.mark.timeout(300)

@@ -274,14 +274,14 @@ def _ring_inputs(seq):
 
 
 @pytest.mark.timeout(120)
-def test_ring_on_fake_cuda_kernels_matches_full_attention():
+def test_ring_on_fake_cuda_kernels_matches_full_attention(hang_deadline):
     """cp=2, ring and all-gather, flash / efficient / efficient with a document mask: the merge
     and the backward, fed what the CUDA kernels return, give full attention."""
     from ndtrain.parallel.context import unshard_sequence
     from ndtrain.parallel.launch import run_ranks
 
     seq = 80  # local 40, chunks of 20: lse padding is exercised (20, 40 are not multiples of 32)
-    ranks = run_ranks(2, _ring_on_fake_cuda, seq, timeout_s=90)
+    ranks = run_ranks(2, _ring_on_fake_cuda, seq, timeout_s=hang_deadline(90))
     q, k, v, go, doc = _ring_inputs(seq)
     for name in ("flash", "efficient", "masked"):
         mask = (doc[:, :, None] == doc[:, None, :])[:, None] if name == "masked" else None

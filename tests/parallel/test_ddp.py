@@ -66,8 +66,8 @@ def _build_and_step():
 
 
 @pytest.mark.timeout(120)
-def test_ddp_keeps_names_and_reduces_on_the_last_micro_batch():
-    ranks = run_ranks(2, _build_and_step)
+def test_ddp_keeps_names_and_reduces_on_the_last_micro_batch(hang_deadline):
+    ranks = run_ranks(2, _build_and_step, timeout_s=hang_deadline(120))
     plain = list(_model().state_dict())
     for r in ranks:
         assert r["names"] == plain  # checkpoints and HF export see the model's own names

@@ -104,10 +104,10 @@ def _with(base: dict, **train) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_h1_lr1_no_momentum_is_averaging_after_every_step(parity_base):
+def test_h1_lr1_no_momentum_is_averaging_after_every_step(parity_base, hang_deadline):
     base = _with(parity_base, steps=3)
     spec = "dp_replicate=2" + DILOCO + ",diloco_inner_steps=1,parallel.diloco_outer_lr=1.0,parallel.diloco_outer_momentum=0.0"
-    ranks = run_ranks(2, _run, [spec], base)
+    ranks = run_ranks(2, _run, [spec], base, timeout_s=hang_deadline(120))
     ref = averaged_every_step(base, 3, 2)
     for rank in ranks:
         got = rank[0]
@@ -123,7 +123,7 @@ def test_h1_lr1_no_momentum_is_averaging_after_every_step(parity_base):
 
 
 @pytest.mark.timeout(600)
-def test_h2_nesterov_inside_replicas_dp_shard_tp_pp(parity_base):
+def test_h2_nesterov_inside_replicas_dp_shard_tp_pp(parity_base, hang_deadline):
     """H=2, outer lr 0.7, Nesterov 0.9, 5 steps (the last outer step is a short round), in four
     layouts of world 4: 2 replicas of dp_shard=2 (HSDP layout; ZeRO-3, -1 and -2), of tp=2, of pp=2,
     and of cp=2."""
@@ -135,7 +135,7 @@ def test_h2_nesterov_inside_replicas_dp_shard_tp_pp(parity_base):
     layouts = ["dp_replicate=2,dp_shard=2", "dp_replicate=2,dp_shard=2,zero=1",
                "dp_replicate=2,dp_shard=2,zero=2,ga=2", "dp_replicate=2,tp=2", "dp_replicate=2,pp=2",
                "dp_replicate=2,cp=2"]
-    ranks = run_ranks(4, _run, [lay + knobs for lay in layouts], base)
+    ranks = run_ranks(4, _run, [lay + knobs for lay in layouts], base, timeout_s=hang_deadline(120))
     ref = reference(base, steps, replicas=2, inner=2, lr=0.7, momentum=0.9)
     for i, lay in enumerate(layouts):
         worst = max(_max_diff(ref, rank[i]["weights"]) for rank in ranks)
@@ -150,7 +150,7 @@ def test_h2_nesterov_inside_replicas_dp_shard_tp_pp(parity_base):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_streaming_fragments_overlap_and_bf16(parity_base):
+def test_streaming_fragments_overlap_and_bf16(parity_base, hang_deadline):
     """Streaming: 2 fragments of H=4 (synced at steps 2, 4, 6, ...), each applied one step late
     and merged with the local fragment; and a bf16 outer gradient. Replicas agree at the end and
     the bytes per outer step are the fragment's, or half of them in bf16."""
@@ -158,7 +158,7 @@ def test_streaming_fragments_overlap_and_bf16(parity_base):
     streaming = "dp_replicate=2" + DILOCO + ",diloco_inner_steps=4,diloco_fragments=2,diloco_overlap_steps=1"
     bf16 = ("dp_replicate=2" + DILOCO + ",diloco_inner_steps=2,diloco_outer_dtype=bf16"
             ",parallel.diloco_outer_lr=0.7,parallel.diloco_outer_momentum=0.0")
-    ranks = run_ranks(2, _run, [streaming, bf16], base)
+    ranks = run_ranks(2, _run, [streaming, bf16], base, timeout_s=hang_deadline(120))
     a, b = ranks[0][0], ranks[1][0]
     assert _max_diff(a["weights"], b["weights"]) == 0.0  # the final sync leaves one global model
     frag_rows = [(r["step"], r["fragment"], r["sent_at"]) for r in a["outer"]]

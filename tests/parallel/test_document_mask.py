@@ -180,13 +180,13 @@ def _rank(layouts, inputs, targets):
 
 
 @pytest.mark.timeout(240)
-def test_cp2_and_tp2_masked_equal_each_document_alone():
+def test_cp2_and_tp2_masked_equal_each_document_alone(hang_deadline):
     from ndtrain.parallel.launch import run_ranks
 
     inputs, targets = packed_batch()
     ref_loss, ref_grads = each_document_alone(inputs, targets)
     layouts = [{"cp": 2}, {"cp": 2, "cp_attention": "allgather"}, {"tp": 2}]
-    per_rank = run_ranks(2, _rank, layouts, inputs, targets)
+    per_rank = run_ranks(2, _rank, layouts, inputs, targets, timeout_s=hang_deadline(120))
     for i, layout in enumerate(layouts):
         for rank_out in per_rank:
             got = rank_out[i]

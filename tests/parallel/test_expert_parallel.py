@@ -78,7 +78,7 @@ def _train_save_continue(base: dict, root: str) -> list[float]:
 
 
 @pytest.mark.timeout(300)
-def test_expert_parallel_checkpoint_resumes_in_one_process(parity_base, tmp_path):
+def test_expert_parallel_checkpoint_resumes_in_one_process(parity_base, tmp_path, hang_deadline):
     """Experts sharded over ep (and their aux-free biases) reshard into a single process."""
     from ndtrain.config import load_config
     from ndtrain.parallel.launch import run_ranks
@@ -86,7 +86,7 @@ def test_expert_parallel_checkpoint_resumes_in_one_process(parity_base, tmp_path
 
     base = _moe_base(parity_base, load_balance="aux_free", aux_free_update_rate=0.01)
     base["train"].update(val_interval=0, sample_tokens=0)
-    reference = run_ranks(2, _train_save_continue, base, str(tmp_path))[0]
+    reference = run_ranks(2, _train_save_continue, base, str(tmp_path), timeout_s=hang_deadline(120))[0]
     cfg = load_config(None, base)
     trainer = Trainer(cfg, run_dir=None, log=False)
     ckpt = trainer.checkpointer(tmp_path, cfg)

@@ -91,7 +91,7 @@ def _train_save_continue(base: dict, root: str) -> tuple[list[float], list[int]]
 
 @pytest.mark.heavy
 @pytest.mark.timeout(300)
-def test_experts_split_on_their_input_dim_resume_in_one_process(parity_base, tmp_path):
+def test_experts_split_on_their_input_dim_resume_in_one_process(parity_base, tmp_path, hang_deadline):
     """Saved from dp_shard=4 x ep=2 (3 local experts split on dim 1 over 2 ranks), resumed in
     one process: DCP saves the global tensors, whatever dimension FSDP split."""
     from ndtrain.config import load_config
@@ -99,7 +99,7 @@ def test_experts_split_on_their_input_dim_resume_in_one_process(parity_base, tmp
     from ndtrain.train.trainer import Trainer
 
     base = _moe_base(parity_base)
-    reference, local = run_ranks(4, _train_save_continue, base, str(tmp_path))[0]
+    reference, local = run_ranks(4, _train_save_continue, base, str(tmp_path), timeout_s=hang_deadline(120))[0]
     dim = load_config(None, base).model.dim
     assert local[:2] == [3, dim // 2]  # this rank's shard: 3 experts, half the input dimension
     cfg = load_config(None, base)

@@ -255,14 +255,14 @@ def _fsdp_probe(cfgs, steps):
 
 
 @pytest.mark.timeout(300)
-def test_fp8_tracks_bf16_under_fsdp(parity_base, curve):
+def test_fp8_tracks_bf16_under_fsdp(parity_base, curve, hang_deadline):
     """FSDP world 2, tensorwise: fp8 matmuls and float8 all-gather of the sharded weights."""
     from ndtrain.parallel.launch import run_ranks
     from ndtrain.tools.verify import layout_config
 
     base = _base(parity_base, curve)
     cfgs = [layout_config(base, f"dp_shard=2,mp={mp}") for mp in ("bf16", "fp8")]
-    (bf16, fp8), kinds = run_ranks(2, _fsdp_probe, cfgs, curve.steps)[0]
+    (bf16, fp8), kinds = run_ranks(2, _fsdp_probe, cfgs, curve.steps, timeout_s=hang_deadline(120))[0]
     assert kinds == ["WeightWithDynamicFloat8CastTensor"]  # torchao's float8 all-gather weight
     _check_curves(fp8, bf16, "FSDP world 2 tensorwise", curve)
 

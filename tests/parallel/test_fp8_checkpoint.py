@@ -46,14 +46,14 @@ def _resume_train_save(base: dict, load_from: str | None, save_to: str, steps: i
 
 
 @pytest.mark.timeout(300)
-def test_fp8_checkpoint_resumes_in_bf16_and_back(parity_base, tmp_path, fp8_cheap_peak):
+def test_fp8_checkpoint_resumes_in_bf16_and_back(parity_base, tmp_path, fp8_cheap_peak, hang_deadline):
     from ndtrain.parallel.launch import run_ranks
     from ndtrain.train.checkpoint import load_model_weights
     from ndtrain.train.interop import export
 
     layers = 2 if fp8_cheap_peak.slow else 4
     fp8_fsdp = _job(parity_base, layers, mixed_precision="fp8", dp_shard=2)
-    a = run_ranks(2, _resume_train_save, fp8_fsdp, None, str(tmp_path / "a"), 2)[0]
+    a = run_ranks(2, _resume_train_save, fp8_fsdp, None, str(tmp_path / "a"), 2, timeout_s=hang_deadline(120))[0]
 
     # fp8 (FSDP world 2) -> bf16 (one process)
     bf16 = _job(parity_base, layers, mixed_precision="bf16")
@@ -62,7 +62,7 @@ def test_fp8_checkpoint_resumes_in_bf16_and_back(parity_base, tmp_path, fp8_chea
     assert all(torch.equal(a["saved"][k], b["loaded"][k]) for k in a["saved"])
 
     # bf16 (one process) -> fp8 (FSDP world 2, weights inside torchao's float8 all-gather tensor)
-    c = run_ranks(2, _resume_train_save, fp8_fsdp, str(tmp_path / "b"), str(tmp_path / "c"), 1)[0]
+    c = run_ranks(2, _resume_train_save, fp8_fsdp, str(tmp_path / "b"), str(tmp_path / "c"), 1, timeout_s=hang_deadline(120))[0]
     assert c["step"] == 4 and all(torch.equal(b["saved"][k], c["loaded"][k]) for k in b["saved"])
     assert all(abs(x) < 10 for x in c["losses"])
 

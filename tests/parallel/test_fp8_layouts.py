@@ -57,7 +57,7 @@ def test_fp8_with_experts_and_compile(parity_base):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # 90 steps at world 4: ~2 min on a quiet machine, 12 min seen under load
-def test_fp8_tracks_bf16_under_fsdp_x_tp(parity_base):
+def test_fp8_tracks_bf16_under_fsdp_x_tp(parity_base, hang_deadline):
     """World 4, dp_shard=2 x tp=2 with sequence parallel, both recipes, 30 steps."""
     from test_fp8 import LONG, _base, _check_curves
 
@@ -67,7 +67,7 @@ def test_fp8_tracks_bf16_under_fsdp_x_tp(parity_base):
     base = _base(parity_base, LONG)
     specs = ["dp_shard=2,tp=2,mp=bf16", "dp_shard=2,tp=2,mp=fp8", "dp_shard=2,tp=2,mp=fp8,fp8_recipe=rowwise"]
     bf16, tensorwise, rowwise = (r["losses"] for r in run_ranks(4, _run_many, [layout_config(base, s) for s in specs],
-                                                                 LONG.steps)[0])
+                                                                 LONG.steps, timeout_s=hang_deadline(120))[0])
     _check_curves(tensorwise, bf16, "FSDP x TP tensorwise", LONG)
     _check_curves(rowwise, bf16, "FSDP x TP rowwise", LONG)
 

@@ -33,8 +33,8 @@ def _compare_with_gloo():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 4])
-def test_all_to_all_reduce_scatter_matches_gloo(world):
-    ranks = run_ranks(world, _compare_with_gloo)
+def test_all_to_all_reduce_scatter_matches_gloo(world, hang_deadline):
+    ranks = run_ranks(world, _compare_with_gloo, timeout_s=hang_deadline(120))
     for r in ranks:
         assert len(r) == 4
         for key, (ours, theirs) in r.items():
@@ -82,8 +82,8 @@ def _wired_zero3_step():
 
 
 @pytest.mark.timeout(120)
-def test_zero3_on_cpu_uses_the_all_to_all_and_prefetches():
-    for r in run_ranks(2, _wired_zero3_step):
+def test_zero3_on_cpu_uses_the_all_to_all_and_prefetches(hang_deadline):
+    for r in run_ranks(2, _wired_zero3_step, timeout_s=hang_deadline(120)):
         # The root and each block: the all-to-all reduce-scatter, async unshards, and the next block
         # as forward prefetch (the root prefetches the first block; the last block none).
         assert [w[0] for w in r["wiring"]] == ["AllToAllReduceScatter"] * r["modules"]

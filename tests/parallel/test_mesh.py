@@ -57,8 +57,8 @@ def _check(layouts):
 
 
 @pytest.mark.timeout(240)
-def test_groups_only_for_dimensions_in_use_and_the_same_coordinates():
-    results = run_ranks(4, _check, LAYOUTS)
+def test_groups_only_for_dimensions_in_use_and_the_same_coordinates(hang_deadline):
+    results = run_ranks(4, _check, LAYOUTS, timeout_s=hang_deadline(120))
     for rank, per_layout in enumerate(results):
         for (degrees, most), r in zip(LAYOUTS, per_layout):
             assert r["groups"] <= most, (degrees, r["groups"])

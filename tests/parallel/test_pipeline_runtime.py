@@ -33,7 +33,7 @@ def _pp_rank(cfg, steps: int, other) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_checkpoint_reshards_pp_to_world1_and_timeline(parity_base, tmp_path):
+def test_checkpoint_reshards_pp_to_world1_and_timeline(parity_base, tmp_path, hang_deadline):
     from ndtrain.parallel.launch import run_ranks
     from ndtrain.tools.pipeline_report import draw_gantt, measured_panel, summarize
     from ndtrain.train.trainer import Trainer
@@ -54,7 +54,7 @@ def test_checkpoint_reshards_pp_to_world1_and_timeline(parity_base, tmp_path):
 
     looped_cfg = load_config(None, {**base, "parallel": {"pp": 2, "dp_shard": 1, "pp_virtual_stages": 2,
                                                          "pp_schedule": "Interleaved1F1B"}})
-    ranks = run_ranks(2, _pp_rank, pp_cfg, 2, looped_cfg)
+    ranks = run_ranks(2, _pp_rank, pp_cfg, 2, looped_cfg, timeout_s=hang_deadline(120))
     assert sorted(s for r in ranks for s in r["stages"]) == [0, 1, 2, 3] and ranks[0]["stages"] == [0, 3]
     for r in ranks:  # fp32: reduction order only, 1e-5 as derived in conftest's parity_base docstring
         assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) <= 1e-5

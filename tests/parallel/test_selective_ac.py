@@ -214,11 +214,11 @@ def _tp_rank(tokens):
 
 
 @pytest.mark.timeout(180)
-def test_selective_ac_does_not_recompute_tp_reduce_scatter():
+def test_selective_ac_does_not_recompute_tp_reduce_scatter(hang_deadline):
     from ndtrain.parallel.launch import run_ranks
 
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(4))
-    for rank in run_ranks(2, _tp_rank, tokens):
+    for rank in run_ranks(2, _tp_rank, tokens, timeout_s=hang_deadline(120)):
         sel, none = rank["selective"], rank["none"]
         rs = "_c10d_functional.reduce_scatter_tensor.default"
         assert sel.get(rs, 0) == none.get(rs, 0), (sel.get(rs), none.get(rs))

@@ -79,14 +79,14 @@ def _check(results):
 
 
 @pytest.mark.timeout(240)
-def test_tp_blocks_compile_and_match_eager_through_aot_autograd():
+def test_tp_blocks_compile_and_match_eager_through_aot_autograd(hang_deadline):
     """tp=2 with sequence parallel (the default): compiled blocks give the eager loss and every
     parameter's gradient, the embedding's included. Two blocks: the first takes the embedding's
     output, the second a compiled block's. The `aot_eager` backend runs
     the AOTAutograd front end where the ACT input lost its gradient, without inductor's code
     generation (seconds instead of a minute per graph on 2 cores); the slow test runs inductor,
     sequence parallel off, and the layouts around TP through the trainer."""
-    _check(run_ranks(2, _compare, [{"sp": True}], "aot_eager")[0])
+    _check(run_ranks(2, _compare, [{"sp": True}], "aot_eager", timeout_s=hang_deadline(120))[0])
 
 
 # MoE blocks (fixed in model/moe.py) and fully checkpointed blocks (parallel/compose.py checkpoints
@@ -96,8 +96,8 @@ KNOWN = {"moe": {"sp": True, "moe": True, "layers": 1}, "full_ac": {"sp": True, 
 
 
 @pytest.fixture(scope="module")
-def known_failures():
-    return dict(zip(KNOWN, run_ranks(2, _compare, list(KNOWN.values()), "aot_eager")[0]))
+def known_failures(hang_deadline):
+    return dict(zip(KNOWN, run_ranks(2, _compare, list(KNOWN.values()), "aot_eager", timeout_s=hang_deadline(120))[0]))
 
 
 @pytest.mark.heavy

@@ -40,7 +40,7 @@ def _run(cfgs, steps):
 
 
 @pytest.mark.timeout(300)
-def test_uneven_shares_match_one_process(parity_base):
+def test_uneven_shares_match_one_process(parity_base, hang_deadline):
     bases = {preset: {**parity_base, "model": {"preset": preset}} for preset in ("debug", "debug-moe")}
     refs = {preset: run_steps(load_config(None, base), 3) for preset, base in bases.items()}
     cfgs = []
@@ -48,7 +48,7 @@ def test_uneven_shares_match_one_process(parity_base):
         cfg = layout_config(bases[preset], spec)  # micro_batch 4: the 6-row share runs 2 micro-batches
         cfg.parallel.batch_shares = [float(w) for w in shares]
         cfgs.append(cfg)
-    per_rank = run_ranks(2, _run, cfgs, 3)
+    per_rank = run_ranks(2, _run, cfgs, 3, timeout_s=hang_deadline(120))
     for i, (spec, shares, preset) in enumerate(LAYOUTS):
         expected_rows = [6 if w == 3 else 2 for w in shares]
         for rank, got in enumerate(r[i] for r in per_rank):

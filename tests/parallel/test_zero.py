@@ -62,9 +62,9 @@ EXPECTED = {  # (gathered, reduced) before micro-batch 1, before micro-batch 2, 
 
 
 @pytest.mark.timeout(300)
-def test_each_zero_stage_holds_what_the_paper_says(parity_base):
+def test_each_zero_stage_holds_what_the_paper_says(parity_base, hang_deadline):
     specs = list(EXPECTED)
-    per_rank = run_ranks(2, _holdings, [layout_config(parity_base, s) for s in specs])
+    per_rank = run_ranks(2, _holdings, [layout_config(parity_base, s) for s in specs], timeout_s=hang_deadline(120))
     for rank in per_rank:
         for spec, seen in zip(specs, rank):
             assert seen.tolist() == EXPECTED[spec], spec
@@ -107,14 +107,14 @@ def _world2(cfgs: dict, roots: dict) -> dict:
 
 @pytest.mark.heavy
 @pytest.mark.timeout(300)
-def test_zero_and_tied_pipeline_checkpoints_resume_anywhere(parity_base, tmp_path):
+def test_zero_and_tied_pipeline_checkpoints_resume_anywhere(parity_base, tmp_path, hang_deadline):
     """Saved at ZeRO-1 (2 ranks): resumed at ZeRO-2 and in one process. Saved from a tied
     pipeline (pp=2, the weight on both ends): resumed in one process, whose tied weight is one.
     The next steps' losses equal the uninterrupted run's."""
     roots = {"zero": tmp_path / "zero", "tied": tmp_path / "tied"}
     cfgs = {"zero1": _cfg(parity_base, "dp_shard=2,zero=1"), "zero2": _cfg(parity_base, "dp_shard=2,zero=2"),
             "tied_pp": _cfg(parity_base, "pp=2", tie_embeddings=True)}
-    w2 = run_ranks(2, _world2, cfgs, roots)
+    w2 = run_ranks(2, _world2, cfgs, roots, timeout_s=hang_deadline(120))
     reference, tied_reference = w2[0]["zero1"], w2[-1]["tied_pp"]  # the pipeline's loss lives on its last rank
     # fp32 losses, ZeRO stages and one process: reduction order only (conftest's parity_base docstring).
     assert max(abs(a - b) for a, b in zip(w2[0]["zero2"], reference)) <= 1e-5

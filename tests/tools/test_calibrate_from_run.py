@@ -188,7 +188,7 @@ def _train_all(cfgs):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_a_run_of_one_layout_calibrates_the_others_on_this_host(corpus_dir, tmp_path):
+def test_a_run_of_one_layout_calibrates_the_others_on_this_host(corpus_dir, tmp_path, hang_deadline):
     """Four layouts trained here at world 2 (one spawn), each fitted alone: the fit's prediction
     for every other layout is closer to its measured step than the uncalibrated planner's.
 
@@ -209,7 +209,7 @@ def test_a_run_of_one_layout_calibrates_the_others_on_this_host(corpus_dir, tmp_
 
     order = [(name, 1) for name in LAYOUTS] + [(name, 2) for name in reversed(LAYOUTS)]
     cfgs = [_cfg(name, tmp_path / f"{name}-{i}", str(corpus_dir), steps=10) for name, i in order]
-    assert run_ranks(2, _train_all, cfgs, timeout_s=1200) == [[10] * len(cfgs)] * 2
+    assert run_ranks(2, _train_all, cfgs, timeout_s=hang_deadline(1200)) == [[10] * len(cfgs)] * 2
     runs = {name: [read_run(tmp_path / f"{name}-{i}") for i in (1, 2)] for name in LAYOUTS}
     busy = {f"{n}-{i + 1}": x for n, pair in runs.items() for i, r in enumerate(pair) if (x := busy_host(r))}
     base, _ = base_profile(None, None)

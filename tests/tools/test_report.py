@@ -120,7 +120,7 @@ def _rank_train(cfg):
 
 
 @pytest.mark.timeout(240)
-def test_report_draws_pipeline_gantt_moe_load_and_per_rank_rows(corpus_dir, tmp_path):
+def test_report_draws_pipeline_gantt_moe_load_and_per_rank_rows(corpus_dir, tmp_path, hang_deadline):
     from ndtrain.parallel.launch import run_ranks
 
     out = tmp_path / "run"
@@ -130,7 +130,7 @@ def test_report_draws_pipeline_gantt_moe_load_and_per_rank_rows(corpus_dir, tmp_
         "train": {"steps": 6, "global_batch": 8, "micro_batch": 4, "val_interval": 0, "sample_tokens": 0,
                   "straggler_window": 2, "output_dir": str(out)},
         "logging": {"progress": "off", "pipeline_trace_step": 3, "trackers": ["tensorboard", "mlflow"]}})
-    assert run_ranks(2, _rank_train, cfg, timeout_s=120) == [6, 6]
+    assert run_ranks(2, _rank_train, cfg, timeout_s=hang_deadline(120)) == [6, 6]
     run = read_run(out)
     assert run.pipeline["step"] == 3 and len(run.pipeline["ranks"]) == 2
     assert [len(r["rank_peak_memory_mb"]) for r in run.ranks] == [2, 2, 2]

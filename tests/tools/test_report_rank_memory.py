@@ -17,13 +17,13 @@ def _rank_train(cfg):
 
 
 @pytest.mark.timeout(180)
-def test_a_run_shorter_than_the_straggler_window_draws_every_rank(parity_base, tmp_path):
+def test_a_run_shorter_than_the_straggler_window_draws_every_rank(parity_base, tmp_path, hang_deadline):
     from ndtrain.parallel.launch import run_ranks
 
     base = {k: dict(v) for k, v in parity_base.items()}
     base["parallel"] = {"dp_shard": 2}
     base["train"].update(steps=3, straggler_window=20, val_interval=0, sample_tokens=0, output_dir=str(tmp_path / "run"))
-    assert run_ranks(2, _rank_train, load_config(None, base), timeout_s=150) == [3, 3]
+    assert run_ranks(2, _rank_train, load_config(None, base), timeout_s=hang_deadline(150)) == [3, 3]
     run = read_run(tmp_path / "run")
     assert [(r["step"], len(r["rank_peak_memory_mb"])) for r in run.ranks] == [(3, 2)]
     memory = per_rank_memory(run)

@@ -57,14 +57,14 @@ def _job(cfg, run_dir):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_measured_balance_rebalances_records_and_resumes(parity_base, tmp_path):
+def test_measured_balance_rebalances_records_and_resumes(parity_base, tmp_path, hang_deadline):
     base = {k: dict(v) for k, v in parity_base.items()}
     base["train"].update(global_batch=16, micro_batch=16, steps=8, val_interval=0, sample_tokens=0)
     base["data"]["seq_len"] = 32
     base["parallel"] = {"dp_replicate": 2, "dp_shard": 1, "balance": "measured", "compile": False}
     base["checkpoint"] = {"interval_steps": 4}
     cfg = load_config(None, base)
-    per_rank = run_ranks(2, _job, cfg, tmp_path / "run", timeout_s=600.0)
+    per_rank = run_ranks(2, _job, cfg, tmp_path / "run", timeout_s=hang_deadline(600.0))
     rows = [[len(ids) for ids in rank] for rank in per_rank]
     # [8, 8] until the step-4 boundary; rows per busy second 8/8 and 8/16 -> [11, 5], kept
     # (at [11, 5] the ranks' times are 11 and 10: within the 10% threshold) and resumed.

@@ -137,12 +137,12 @@ def _check_exactly_once(before: list[dict], after: list[dict], gb: int, step: in
 
 
 @pytest.mark.timeout(300)
-def test_resume_on_any_layout(parity_base, tmp_path):
+def test_resume_on_any_layout(parity_base, tmp_path, hang_deadline):
     base = job(parity_base, train={"steps": 10, "global_batch": 8, "micro_batch": 2}, checkpoint={"async": True})
     root = tmp_path / "run"  # checkpoints go to run/checkpoints
-    w4 = run_ranks(4, _world4, base, root)
+    w4 = run_ranks(4, _world4, base, root, timeout_s=hang_deadline(120))
     assert (root / "checkpoints" / "step_00000002" / "COMPLETE").exists()
-    w2 = run_ranks(2, _world2, base, root)
+    w2 = run_ranks(2, _world2, base, root, timeout_s=hang_deadline(120))
     w1 = _resume(_layout(base), root)
 
     reference = w4[0]["reference"]["losses"]

@@ -73,13 +73,13 @@ def _rank(base: dict, run: str, async_: bool) -> list:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("async_", [False, True])
-def test_checkpoint_collectives_use_the_io_group(async_, parity_base, tmp_path):
+def test_checkpoint_collectives_use_the_io_group(async_, parity_base, tmp_path, hang_deadline):
     from ckpt_helpers import job
 
     from ndtrain.parallel.launch import run_ranks
     from ndtrain.train.checkpoint.manager import CKPT_TIMEOUT_S
 
-    results = run_ranks(2, _rank, job(parity_base), str(tmp_path / "run"), async_, timeout_s=60)
+    results = run_ranks(2, _rank, job(parity_base), str(tmp_path / "run"), async_, timeout_s=hang_deadline(60))
     for saves, resumes in results:
         # DCP's own plan exchange and ours (barriers, the error check, the retention check) ...
         names = {name for name, _ in saves}

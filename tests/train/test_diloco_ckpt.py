@@ -39,14 +39,14 @@ def _train(base: dict, preempt_at: int | None = None):
 
 
 @pytest.mark.timeout(300)
-def test_preempted_mid_round_resumes_bit_identical(parity_base, tmp_path):
+def test_preempted_mid_round_resumes_bit_identical(parity_base, tmp_path, hang_deadline):
     par = {"parallel": STREAMING, "train": {"steps": 7}}
-    ref = run_ranks(2, _train, job(parity_base, tmp_path / "ref", **par))[0]
+    ref = run_ranks(2, _train, job(parity_base, tmp_path / "ref", **par), timeout_s=hang_deadline(120))[0]
     run = tmp_path / "run"
     # Step 2 sends fragment 0 and applies it at step 3: the save at 2 holds it in flight.
-    first = run_ranks(2, _train, job(parity_base, run, **par), 2)[0]
+    first = run_ranks(2, _train, job(parity_base, run, **par), 2, timeout_s=hang_deadline(120))[0]
     assert first["preempted"] and first["steps"] == 2
-    second = run_ranks(2, _train, job(parity_base, run, **par, checkpoint={"resume": "auto"}))[0]
+    second = run_ranks(2, _train, job(parity_base, run, **par, checkpoint={"resume": "auto"}), timeout_s=hang_deadline(120))[0]
     assert second["steps"] == 7 and not second["preempted"]
     assert_bit_identical(weights(ref["checkpoint"]), weights(second["checkpoint"]))
     losses = [r["loss"] for r in metrics(run) if "loss" in r]
@@ -108,13 +108,13 @@ DILOCO4 = {"replicate_sync": "diloco", "dp_replicate": 2, "dp_shard": 1, "diloco
 
 
 @pytest.mark.timeout(300)
-def test_resume_rules_across_replica_counts_and_sync_modes(parity_base, tmp_path):
+def test_resume_rules_across_replica_counts_and_sync_modes(parity_base, tmp_path, hang_deadline):
     """Saved mid-round (step 3 of H=4, replicas apart) by 2 replicas; loaded by 4 replicas
     (replica r takes replica r mod 2), by a per-step-sync run (θ_sync and replica 0's optimizer),
     and refused with one line by a run with another H. A per-step-sync checkpoint starts DiLoCo
     (θ_sync = its weights)."""
     dl, st = str(tmp_path / "diloco"), str(tmp_path / "step")
-    saved = run_ranks(2, _save, [(_cfg(parity_base, DILOCO4), dl, 3), (_cfg(parity_base, {"dp_shard": 2}), st, 2)])
+    saved = run_ranks(2, _save, [(_cfg(parity_base, DILOCO4), dl, 3), (_cfg(parity_base, {"dp_shard": 2}), st, 2)], timeout_s=hang_deadline(120))
     live = [rank[0]["weights"] for rank in saved]
     assert live[0]["output.weight"].ne(live[1]["output.weight"]).any()  # the replicas are apart
     global_model = weights(list_checkpoints(tmp_path / "diloco" / "checkpoints")[-1])
@@ -123,7 +123,7 @@ def test_resume_rules_across_replica_counts_and_sync_modes(parity_base, tmp_path
     loads = [(_cfg(parity_base, {**DILOCO4, "dp_replicate": 4}), dl), (_cfg(parity_base, {"dp_shard": 4}), dl),
              (_cfg(parity_base, {**DILOCO4, "diloco_inner_steps": 2, "dp_shard": 2}), dl),
              (_cfg(parity_base, {**DILOCO4, "dp_shard": 2}), st)]
-    got = run_ranks(4, _load, loads)
+    got = run_ranks(4, _load, loads, timeout_s=hang_deadline(120))
     for rank in got:
         four, step_sync, other_h, from_step = rank
         assert four["step"] == 3

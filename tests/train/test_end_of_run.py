@@ -63,7 +63,7 @@ def _train(base: dict) -> int:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [1, 2])
-def test_retention_in_a_publish_never_hashes_on_one_rank(world, parity_base, tmp_path, monkeypatch):
+def test_retention_in_a_publish_never_hashes_on_one_rank(world, parity_base, tmp_path, monkeypatch, hang_deadline):
     """Retention counts only checkpoints that verify. One this process has not checked yet must
     be hashed before the save, shared over the ranks (checkpoint/digest.py's verify_shared), not by rank 0
     inside the publish while the others wait for it in a collective."""
@@ -92,7 +92,7 @@ def test_retention_in_a_publish_never_hashes_on_one_rank(world, parity_base, tmp
     # Resuming from step 3 verifies only step 3; step 4 leaves the timeline; step 2 is unchecked.
     resumed = job(parity_base, run, train={"steps": 5},
                   checkpoint={"interval_steps": 1, "keep_last": 3, "resume": str(root / "step_00000003")})
-    steps = run_ranks(world, _train, resumed, timeout_s=60) if world > 1 else [_train(resumed)]
+    steps = run_ranks(world, _train, resumed, timeout_s=hang_deadline(60)) if world > 1 else [_train(resumed)]
     assert steps == [5] * world
     assert not alone.exists(), f"hashed by one rank inside a publish: {alone.read_text().split()}"
     assert [c.name for c in list_checkpoints(root)] == ["step_00000003", "step_00000004", "step_00000005"]

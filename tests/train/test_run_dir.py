@@ -245,7 +245,7 @@ def test_async_save_failure_is_reported_and_cleaned(parity_base, tmp_path, monke
     assert [p.name for p in (out / "checkpoints").iterdir()] == [step_name(2)]
 
 
-def test_verification_is_shared_over_ranks(parity_base, tmp_path):
+def test_verification_is_shared_over_ranks(parity_base, tmp_path, hang_deadline):
     """World 2: each rank hashes about half the bytes; both reach the same verdicts, including
     for a corrupt checkpoint whose bad file only one of them hashed."""
     from ndtrain.parallel.launch import run_ranks
@@ -254,7 +254,7 @@ def test_verification_is_shared_over_ranks(parity_base, tmp_path):
     out = tmp_path / "run"
     _run(parity_base, out, 3)
     _bitflip(out / "checkpoints" / step_name(3))
-    verdicts = run_ranks(2, _verify_both, [str(c) for c in list_checkpoints(out / "checkpoints")])
+    verdicts = run_ranks(2, _verify_both, [str(c) for c in list_checkpoints(out / "checkpoints")], timeout_s=hang_deadline(120))
     assert verdicts[0] == verdicts[1]
     assert verdicts[0][str(out / "checkpoints" / step_name(3))].endswith("fails its SHA-256 checksum (corrupted)")
     assert verdicts[0][str(out / "checkpoints" / step_name(2))] is None
@@ -268,12 +268,12 @@ def _verify_both(paths: list[str]) -> dict:
     return verify_shared([Path(p) for p in paths])
 
 
-def test_each_rank_hashes_what_it_wrote(parity_base, tmp_path):
+def test_each_rank_hashes_what_it_wrote(parity_base, tmp_path, hang_deadline):
     """World 2, FSDP: the manifest combines both ranks' digests and the checkpoint verifies."""
     from ndtrain.parallel.launch import run_ranks
 
     root = tmp_path / "ckpts"
-    run_ranks(2, _save_fsdp, job(parity_base, train={"steps": 2}), str(root), uuid.uuid4().hex)
+    run_ranks(2, _save_fsdp, job(parity_base, train={"steps": 2}), str(root), uuid.uuid4().hex, timeout_s=hang_deadline(120))
     ckpt = root / "checkpoints" / step_name(1)
     manifest = json.loads((ckpt / "manifest.json").read_text())["files"]
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "train_state.json"} <= set(manifest)
