@@ -92,6 +92,11 @@ def activation_bytes(shape: Shape, stack: Stack, seq: int, b: int, t: int = 1, s
     if ac == "full":
         return 2 * sbh / (t if sp else 1)
     r, s, score = activation_terms(shape, stack, ac, fp8)
+    if ac == "selective" and stack.selective == "elementwise" and sp:
+        # ndtrain's policy under TP + SP keeps, of the sequence-sharded part, the block input and
+        # the two reduce-scatter outputs; the norms are recomputed, and so are a row-parallel
+        # matmul's partial sums (parallel/activation.py)
+        r = 6.0
     stored = sbh * (r / (t if sp else 1) + s / t)
     # scores: each device holds its s/cp queries against the full key length
     stored += score * s_loc * seq * b * (elt / 2) / t
