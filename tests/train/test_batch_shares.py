@@ -159,6 +159,7 @@ def test_the_straggler_monitor_compares_busy_time_at_the_mean_share():
 def test_a_checkpoints_shares_for_another_layout_are_dropped_with_a_line():
     from types import SimpleNamespace
 
+    from ndtrain.layout import Layout
     from ndtrain.train.balance import Balancer
     from ndtrain.train.checkpoint import TrainProgress
 
@@ -166,7 +167,7 @@ def test_a_checkpoints_shares_for_another_layout_are_dropped_with_a_line():
     progress = TrainProgress(step=5, batch_shares=[0.5, 0.3, 0.2])  # saved by a run on 3 ranks
     cfg = load_config(None, {"parallel": {"balance": "measured", "batch_shares": [3, 1]}, "train": {"micro_batch": 4}})
     bal = object.__new__(Balancer)  # its clock needs a model; sync reads the state only
-    bal.state = SimpleNamespace(progress=progress, dp_size=2, loader=loader, cfg=cfg)
+    bal.state = SimpleNamespace(progress=progress, dp_size=2, loader=loader, cfg=cfg, layout=Layout(dp_shard=2, mb=4))
     bal.initial, bal.clock, bal.since = [3.0, 1.0], SimpleNamespace(take=lambda: 0.0), 0
     assert "for 3 data-parallel ranks, this run has 2" in bal.sync()
     assert progress.batch_shares is None and loader.shares == ([3.0, 1.0], 4)

@@ -81,8 +81,8 @@ class _Pending:
 
 class DiLoCo:
     def __init__(self, par, mesh, dims, model_parts, total_steps: int, n_layers: int):
-        self.H, self.lr, self.mu = par.diloco_inner_steps, par.diloco_outer_lr, par.diloco_outer_momentum
-        self.F, self.tau, self.dtype = par.diloco_fragments, par.diloco_overlap_steps, DTYPES[par.diloco_outer_dtype]
+        self.H, self.lr, self.mu = dims.inner_steps, par.diloco_outer_lr, par.diloco_outer_momentum
+        self.F, self.tau, self.dtype = dims.fragments, dims.overlap, DTYPES[dims.outer_dtype]
         self.total_steps = total_steps
         self.R = dims.dp_replicate
         self.replica = mesh["dp_replicate"].get_local_rank()

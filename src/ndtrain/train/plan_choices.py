@@ -216,11 +216,10 @@ def compile_choice(cfg: JobConfig, world_size: int, hardware_profile=None) -> di
     from ndtrain.layout import fill_degrees, from_config
     from ndtrain.planner.api import compile_decision
 
-    p = cfg.parallel
     try:
         hw = planned_for(cfg, hardware_profile)
-        return compile_decision(cfg.model, fill_degrees(from_config(p, cfg.train, cfg.data), world_size),
-                                cfg.data.seq_len, cfg.train.global_batch, cfg.train.steps, hw,
-                                precision=p.mixed_precision)
+        lay = fill_degrees(from_config(cfg.parallel, cfg.train, cfg.data), world_size)
+        return compile_decision(cfg.model, lay, cfg.data.seq_len, cfg.train.global_batch, cfg.train.steps, hw,
+                                precision=lay.mp)
     except NdtrainError:  # an unresolvable layout, a GPU the catalog lacks: compile as configured
         return None
