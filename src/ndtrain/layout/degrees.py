@@ -293,10 +293,11 @@ FIELDS = _read_fields()
 FIELD = {f.name: f for f in FIELDS}
 # Layout field -> (config section, config key): the one mapping between the two vocabularies.
 CONFIG_KEYS = {f.name: (f.section, f.key) for f in FIELDS}
-# Other names accepted in the text syntax: the config keys themselves, and a few short forms.
-ALIASES = {**{key: name for name, (_, key) in CONFIG_KEYS.items()},
-           "micro_batch": "mb", "virtual_stages": "v", "raf": "reshard_after_forward",
-           "mixed_precision": "mp", "precision": "mp", "cpu_offload": "offload"}
+# The one table of other spellings a layout key is read under (the text syntax: `plan --layout`,
+# `--fix`, `verify --layouts`): every config key (CONFIG_KEYS, so a renamed field is found by its
+# config name), and three short forms. Code spells a field by its Layout name only.
+KEY_ALIASES = {**{key: name for name, (_, key) in CONFIG_KEYS.items()},
+               "virtual_stages": "v", "raf": "reshard_after_forward", "precision": "mp"}
 
 
 def choices(name: str) -> tuple | None:

@@ -1,7 +1,7 @@
 """One text syntax for a layout everywhere (`plan --layout`, `--fix`, `verify --layouts`,
 `config check`): `key=value` items joined by commas, e.g. `tp=2,pp=4,zero=1,schedule=ZBVZeroBubble`.
 Keys are the Layout's field names (layout/degrees.py), their config names or a few short forms
-(ALIASES); `mb` is `[train] micro_batch`. Each value is coerced by its field's type."""
+(KEY_ALIASES); `mb` is `[train] micro_batch`. Each value is coerced by its field's type."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import dataclasses
 import functools
 
 from ndtrain.errors import NdtrainError
-from ndtrain.layout.degrees import ALIASES, CONFIG_KEYS, FIELD, Layout, choices, fill_degrees, reshard_default
+from ndtrain.layout.degrees import CONFIG_KEYS, FIELD, KEY_ALIASES, Layout, choices, fill_degrees, reshard_default
 from ndtrain.layout.schedules import DEFAULT_INTERLEAVED
 
 
@@ -27,7 +27,7 @@ def parse_items(text: str | dict, what: str = "layout") -> dict:
             raw[key.strip().lower()] = value.strip()
     out: dict = {}
     for key, value in raw.items():
-        name = ALIASES.get(key, key)
+        name = KEY_ALIASES.get(key, key)
         if name not in CONFIG_KEYS:
             known = ", ".join(sorted(CONFIG_KEYS))
             raise NdtrainError(f"{what}: unknown key {key!r}; keys are {known} (or their [parallel] names)")
