@@ -118,7 +118,7 @@ def run_variants(cfgs: list[dict]) -> list[dict]:
         cfg = load_config(None, raw)
         torch.manual_seed(0)
         t = Trainer(cfg, None, log=False)
-        d = t.dims
+        d = t.layout
         per_replica = d.dp_shard * d.cp * d.tp
         meter = CrossReplicaMeter({r: (r // per_replica) % d.dp_replicate for r in range(d.world)})
         times, own, losses, outer = [], 0, [], []

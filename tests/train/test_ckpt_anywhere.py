@@ -84,7 +84,7 @@ def _straggler(base: dict, root: Path) -> list:
     trainer = Trainer(cfg, run_dir=None, log=False)
     guard = Recovery(cfg, None, rt=trainer.rt, progress=trainer.progress, loader=trainer.loader,
                      ckpt=trainer.checkpointer(root / "unused", cfg), logger=trainer.logger,
-                     compute=compute_modules(trainer.model_parts), layout=trainer.dims.describe())
+                     compute=compute_modules(trainer.model_parts), layout=trainer.layout.describe())
     events = []
     guard._event = lambda row, text: events.append(row)
     for _ in range(6):

@@ -40,10 +40,6 @@ class Trainer:
         return getattr(self.state, name)
 
     @property
-    def dims(self):
-        return self.state.layout
-
-    @property
     def step(self) -> int:
         return self.state.progress.step
 
