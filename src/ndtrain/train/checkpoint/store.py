@@ -184,15 +184,11 @@ def checkpoint_config(ckpt: Path, state: dict):
         raise NdtrainError(f"{Path(ckpt) / TRAIN_STATE}: recorded config is invalid: {exc}") from None
 
 
-# Every model key that changes what the weights compute (model/config.py keeps the one list).
-MODEL_KEYS = FUNCTION_KEYS
-
-
 def model_mismatch(model_cfg, state: dict, allowed=()) -> str | None:
     """How the checkpoint's recorded model differs from `model_cfg` in what the weights compute
     (every such key, named), or None. `allowed`: keys the user lets change (a fine-tune)."""
     saved = state.get("config", {}).get("model", {})
-    diff = [k for k in MODEL_KEYS if k in saved and k not in allowed and saved[k] != getattr(model_cfg, k)]
+    diff = [k for k in FUNCTION_KEYS if k in saved and k not in allowed and saved[k] != getattr(model_cfg, k)]
     if not diff:
         return None
     said = ", ".join(f"model.{k}={saved[k]} but this run has {getattr(model_cfg, k)}" for k in diff)
