@@ -134,19 +134,27 @@ def _defined(node: ast.AST) -> list[str]:
 def _names(trees: dict) -> tuple[dict[str, list[str]], list[str]]:
     """(public module-level names defined in more than one module -> those modules, aliases): an
     alias is `A = B` at module or class level where B is a class, function or method defined or
-    imported there (`ParallelDims = Layout`, `world_size = world`), a second name for one thing."""
+    imported there (`ParallelDims = Layout`, `world_size = world`), or `A = module.B` of an
+    imported ndtrain module: a second name for one thing, not a definition."""
     homes: dict[str, list[str]] = {}
     aliases = []
     for rel, tree in trees.items():
         scopes = [(tree.body, "")] + [(n.body, n.name + ".") for n in tree.body if isinstance(n, ast.ClassDef)]
         imported = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+        own_modules = {a.asname or a.name for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+                       and (getattr(n, "module", None) or n.names[0].name).startswith("ndtrain") for a in n.names}
         for body, prefix in scopes:
             callables = {n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
             callables |= {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | imported
             for node in body:
-                if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and node.value.id in callables:
-                    aliases += [f"{rel}: {prefix}{name} = {node.value.id}" for name in _defined(node)
+                value = getattr(node, "value", None)
+                if isinstance(node, ast.Assign) and (
+                        (isinstance(value, ast.Name) and value.id in callables)
+                        or (isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name)
+                            and value.value.id in own_modules)):
+                    aliases += [f"{rel}: {prefix}{name} = {ast.unparse(value)}" for name in _defined(node)
                                 if not name.startswith("_")]
+                    continue
                 if not prefix:
                     for name in _defined(node):
                         if not name.startswith("_") and name not in CONVENTIONS:
