@@ -93,7 +93,7 @@ def test_stage_to_rank_mappings():
 
 # ---- schedules, simulator, formulas --------------------------------------------------------
 
-VALID = [(s, p, v, m) for s in ps.SCHEDULES for p in (2, 4) for v in (1, 2, 3) for m in range(1, 13)
+VALID = [(s, p, v, m) for s in ps.NAMES for p in (2, 4) for v in (1, 2, 3) for m in range(1, 13)
          if not ps.virtual_problem(s, v) and not ps.microbatch_problem(s, p, v, m)]
 
 
@@ -139,7 +139,7 @@ def test_ideal_bubble_matches_the_published_formulas(f, b, w):
 def test_peak_activations_per_schedule():
     p, m = 4, 8
     peak = {s: max(ps.simulate_schedule(s, p, 1 if s in ps.SINGLE else 2, m)["peak_activations"].values())
-            for s in ps.SCHEDULES}
+            for s in ps.NAMES}
     assert peak["GPipe"] == m
     assert peak["1F1B"] == p
     assert peak["Interleaved1F1B"] == pytest.approx(p * (1 + (p - 1) / (p * 2)))

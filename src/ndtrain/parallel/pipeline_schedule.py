@@ -11,10 +11,8 @@ from __future__ import annotations
 
 from ndtrain.layout import schedules as _reg
 from ndtrain.layout.degrees import microbatch_count  # noqa: F401
-from ndtrain.layout.schedules import INTERLEAVED, SINGLE, SPLIT_BACKWARD, V_SHAPED  # noqa: F401
+from ndtrain.layout.schedules import INTERLEAVED, NAMES, SINGLE, SPLIT_BACKWARD, V_SHAPED  # noqa: F401
 from ndtrain.layout.timeline import Action, Event, idle_fractions, peak_activations, simulate, single_order
-
-SCHEDULES = _reg.NAMES
 
 
 def virtual_problem(schedule: str, v: int) -> str | None:

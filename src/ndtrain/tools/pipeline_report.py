@@ -192,11 +192,11 @@ def format_summary(s: dict) -> str:
 # ---- the command ---------------------------------------------------------------------------
 
 def _simulate_main(args) -> int:
-    names = ps.SCHEDULES if args.schedule == "all" else [s.strip() for s in args.schedule.split(",")]
+    names = ps.NAMES if args.schedule == "all" else [s.strip() for s in args.schedule.split(",")]
     panels, rows = [], []
     for name in names:
-        if name not in ps.SCHEDULES:
-            raise NdtrainError(f"unknown schedule {name!r} (choose from {', '.join(ps.SCHEDULES)} or all)")
+        if name not in ps.NAMES:
+            raise NdtrainError(f"unknown schedule {name!r} (choose from {', '.join(ps.NAMES)} or all)")
         v = args.v if args.v else (2 if name in ps.INTERLEAVED + ps.V_SHAPED else 1)
         problem = ps.virtual_problem(name, v) or ps.microbatch_problem(name, args.pp, v, args.microbatches)
         if problem:

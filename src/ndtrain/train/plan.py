@@ -184,7 +184,4 @@ def _choose(cfg: JobConfig, world: int, hardware, measure_host: bool) -> tuple[J
     return work, parts
 
 
-auto_hardware = choices.auto_hardware  # what `auto` prices: re-exported for callers of the resolver
-
-__all__ = ["Plan", "StepPrice", "CompileChoice", "HostChoice", "resolve_plan", "as_written", "planned_config",
-           "auto_hardware"]
+__all__ = ["Plan", "StepPrice", "CompileChoice", "HostChoice", "resolve_plan", "as_written", "planned_config"]
