@@ -16,7 +16,7 @@ from ndtrain.config import load_config
 from ndtrain.errors import ConfigError, NdtrainError
 from ndtrain.model.config import ModelConfig
 from ndtrain.train.checkpoint import MARKER, list_checkpoints, model_mismatch, retention, step_name
-from ndtrain.train.checkpoint.resume import choose, finish_abandoning
+from ndtrain.train.checkpoint.resume import choose_checkpoint, finish_abandoning
 from ndtrain.train.rundir import LOCK_NAME, claim
 
 
@@ -99,15 +99,15 @@ def test_resume_auto_that_finds_only_damaged_checkpoints_stops_and_moves_nothing
     _fake(root, 4)  # no manifest: fails verification
     before = tree(root)
     said: list[str] = []
-    path, error = choose("auto", root, 1, True, {}, said.append)
+    path, error = choose_checkpoint("auto", root, 1, True, {}, said.append)
     assert path is None and "no usable checkpoint under" in error and "--train.overwrite=true" in error
     assert "\n" not in error and tree(root) == before
     # What an earlier ndtrain set aside as damaged counts as a checkpoint that existed.
     (root / "corrupt").mkdir()
     shutil.move(str(root / step_name(4)), str(root / "corrupt" / f"{step_name(4)}-20261201-000000"))
-    _, error = choose("auto", root, 1, True, {}, said.append)
+    _, error = choose_checkpoint("auto", root, 1, True, {}, said.append)
     assert "no usable checkpoint under" in error
-    assert choose("auto", tmp_path / "fresh", 1, True, {}, said.append) == (None, None)  # none ever: fresh start
+    assert choose_checkpoint("auto", tmp_path / "fresh", 1, True, {}, said.append) == (None, None)  # none ever: fresh start
 
 
 def test_keep_last_1_survives_its_newest_checkpoint_corrupted(parity_base, tmp_path):

@@ -94,7 +94,7 @@ def plan_problem(cfg, world: int) -> str:
     return ""
 
 
-def choose(named: list[tuple[int, float]], groups: list[int], hosts: list[str]) -> tuple[int, list[int], str]:
+def slowest_agent(named: list[tuple[int, float]], groups: list[int], hosts: list[str]) -> tuple[int, list[int], str]:
     """The slowest named rank's agent (group rank), every rank it holds, and its host's name."""
     rank, _ = max(named, key=lambda rr: rr[1])
     group = groups[rank]
@@ -129,7 +129,7 @@ class Exclusion:
         """From the all-reduced comparison: every rank decides alike. `event(row, text)` logs."""
         if self.cfg.resilience.on_straggler != "exclude":
             return None
-        group, ranks, host = choose(named, self.groups, self.hosts)
+        group, ranks, host = slowest_agent(named, self.groups, self.hosts)
         worst = max(named, key=lambda rr: rr[1])
         why = f"rank {worst[0]} ran {worst[1]:.2f}x the median busy time in {self.persist} straggler windows running"
         reason = (f"host {host} (agent {group}, ranks {ranks}) excluded at step {step}: {why} "

@@ -49,7 +49,8 @@ from ndtrain.train.checkpoint.digest import (HashingWriter, bytes_entry, collect
                                              write_manifest_from, write_own_digests)
 from ndtrain.train.checkpoint.failure import write_failure
 from ndtrain.train.checkpoint.reader import dcp_load
-from ndtrain.train.checkpoint.resume import check_compatible, choose, continue_timeline, finish_abandoning, new_timeline
+from ndtrain.train.checkpoint.resume import (check_compatible, choose_checkpoint, continue_timeline, finish_abandoning,
+                                             new_timeline)
 from ndtrain.train.checkpoint.retention import Retention, clear_leftovers, clear_partial
 from ndtrain.train.checkpoint.state import FLAT_STATE, json_states, load_states, state_bytes, tensor_state
 from ndtrain.train.checkpoint.store import (FORMAT, TOKENIZER, TRAIN_STATE, fsync_dir, read_train_state, step_name,
@@ -333,7 +334,7 @@ class Checkpointer:
     # ---- resuming ----------------------------------------------------------------------------
     def resume(self, spec: str) -> Path | None:
         batch = max(1, self.cfg.checkpoint.keep_last)  # also pre-verifies what retention will count
-        path, error = choose(spec, self.root, batch, self.is_main, self.verdicts, self._info, self.pg)
+        path, error = choose_checkpoint(spec, self.root, batch, self.is_main, self.verdicts, self._info, self.pg)
         if error:
             raise NdtrainError(error, all_ranks=True)
         if path is None:

@@ -30,8 +30,8 @@ ABANDONING = ".abandoning-from-"
 _JOURNAL = re.compile(r"^\.abandoning-from-\d{8}-\d{8}-\d{6}$")  # ABANDONING + step + stamp(): only ours
 
 
-def choose(spec: str, root: Path, batch: int, is_main: bool, verdicts: dict,
-           info: Callable[[str], None], group=None) -> tuple[Path | None, str | None]:
+def choose_checkpoint(spec: str, root: Path, batch: int, is_main: bool, verdicts: dict,
+                      info: Callable[[str], None], group=None) -> tuple[Path | None, str | None]:
     """Every rank: the newest candidate for `spec` ("auto" or a path) that verifies, the hashing
     shared out over the ranks `batch` candidates at a time; (None, None) when no checkpoint
     ever existed (a fresh start), or (None, why) when the user's choice cannot be used or every
