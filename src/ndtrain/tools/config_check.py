@@ -40,7 +40,7 @@ def check_config(cfg: JobConfig, world: int, build: bool = True) -> tuple[Layout
     if cfg.parallel.batch_shares:  # uneven shares need the data-parallel degree
         from ndtrain.layout.batch_shares import check_shares
 
-        check_shares(list(cfg.parallel.batch_shares), lay.dp, layout_batches(cfg.train), cfg.train.micro_batch)
+        check_shares(list(cfg.parallel.batch_shares), lay.dp, layout_batches(cfg.train), lay.mb)
     ranks = stage_plan(cfg, lay)
     if build:
         for r in ranks:
