@@ -36,7 +36,7 @@ import torch
 from ndtrain.config import load_config
 from ndtrain.errors import ConfigError
 from ndtrain.layout import Layout
-from ndtrain.layout.fp8 import converts, fp8_linears, model_linears, problems
+from ndtrain.layout.fp8 import converts, fp8_linears, fp8_problems, model_linears
 from ndtrain.model.config import preset
 
 
@@ -140,15 +140,15 @@ def test_debug_model_layers_that_qualify():
 
 def test_fp8_refusals_name_their_key():
     fp8 = Layout(mp="fp8")
-    assert problems(fp8, preset("debug"), 64) == []
+    assert fp8_problems(fp8, preset("debug"), 64) == []
     odd = preset("debug", dim=40, n_heads=4, n_kv_heads=2, ffn_dim=120)
-    assert [k for k, _ in problems(fp8, odd, 64)] == ["parallel.mixed_precision"]
-    assert [k for k, _ in problems(fp8, preset("debug"), 40)] == ["data.seq_len"]
-    assert [k for k, _ in problems(Layout(mp="fp8", cp=2), preset("debug"), 48)] == ["data.seq_len"]
+    assert [k for k, _ in fp8_problems(fp8, odd, 64)] == ["parallel.mixed_precision"]
+    assert [k for k, _ in fp8_problems(fp8, preset("debug"), 40)] == ["data.seq_len"]
+    assert [k for k, _ in fp8_problems(Layout(mp="fp8", cp=2), preset("debug"), 48)] == ["data.seq_len"]
     # The rules run inside the one validity check, with the key they name.
-    from ndtrain.layout import problems as layout_problems
+    from ndtrain.layout import problems
 
-    assert [p.key for p in layout_problems(Layout(mp="fp8", dp_shard=1), odd, 1, 64)] == ["parallel.mixed_precision"]
+    assert [p.key for p in problems(Layout(mp="fp8", dp_shard=1), odd, 1, 64)] == ["parallel.mixed_precision"]
     with pytest.raises(ConfigError, match="parallel.fp8_recipe"):
         load_config(None, {"parallel": {"mixed_precision": "fp8", "fp8_recipe": "blockwise"}})
     # 48 is a multiple of 16, not of 16 x tp: known without a world, so the config itself is refused.

@@ -1,6 +1,6 @@
-"""DiLoCo's layout rules and its sync schedule, torch-free: `problems()` is one of the layout's
-RULES (layout/rules.py), so the trainer, `config check`, `verify` and the planner run the same
-check; the runtime (parallel/diloco.py) uses the same schedule.
+"""DiLoCo's layout rules and its sync schedule, torch-free: `diloco_problems()` is one of the
+layout's RULES (layout/rules.py), so the trainer, `config check`, `verify` and the planner run the
+same check; the runtime (parallel/diloco.py) uses the same schedule.
 
 Schedule: fragment f of F (F = 1 is classic DiLoCo) sends its outer gradient after inner step s
 when s % H == ((f + 1) * H / F) % H, so fragments are H/F steps apart and each is synced every H
@@ -18,7 +18,7 @@ def diloco_on(par) -> bool:
     return getattr(par, "replicate_sync", getattr(par, "sync", "step")) == "diloco"
 
 
-def problems(lay, model):
+def diloco_problems(lay, model):
     """(key, message) for every reason this Layout cannot run its replicate_sync; nothing when it
     can (or when it is "step" with DiLoCo's keys at their defaults). One of the layout rules
     (layout/rules.py RULES): the trainer, `config show`/`config check`, `verify` and the planner

@@ -15,7 +15,7 @@ A layer converts when all of these hold:
   whichever dimension the TP plan splits.
 
 The third GEMM dimension of the weight gradient is the token count of a micro-batch
-(micro_batch x seq_len / cp); `problems` asks for seq_len / cp to be a multiple of 16.
+(micro_batch x seq_len / cp); `fp8_problems` asks for seq_len / cp to be a multiple of 16.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def _any_converts(model, tp: int) -> bool:
     return any(converts(n, i, o, tp) for layer in firsts.values() for n, i, o in block_linears(model, layer))
 
 
-def problems(lay, model, seq_len: int | None = None) -> list[tuple[str, str]]:
+def fp8_problems(lay, model, seq_len: int | None = None) -> list[tuple[str, str]]:
     """(config key, one-line reason) for each way this fp8 layout cannot run; [] when it can (or
     when mixed precision is not fp8). `lay` is a resolved ndtrain.layout.Layout (mp, fp8_recipe,
     tp, cp), `model` a ModelConfig. layout.problems() runs this as one of its rules."""

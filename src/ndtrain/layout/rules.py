@@ -232,13 +232,13 @@ def document_mask(c: Context):
 def fp8(c: Context):
     from ndtrain.layout import fp8 as fp8_rules
 
-    yield from fp8_rules.problems(c.lay, c.model, c.seq)
+    yield from fp8_rules.fp8_problems(c.lay, c.model, c.seq)
 
 
 def replicate_sync(c: Context):
     from ndtrain.layout import diloco
 
-    yield from diloco.problems(c.lay, c.model)
+    yield from diloco.diloco_problems(c.lay, c.model)
 
 
 # The rules problems() runs, in order.
