@@ -16,8 +16,9 @@ tensor: see `_wait_embedding_output`.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -55,16 +56,48 @@ def _wait_embedding_output(module: nn.Module, args, out):
     return _Wait.apply(out) if act is not None and isinstance(out, act) else out
 
 
+class VocabParallelEmbedding(nn.Embedding):
+    """The embedding split over tp by vocabulary rows (a Shard(0) DTensor weight, as
+    RowwiseParallel makes it): each rank looks up the tokens in its rows, zeros the others, and
+    the partial sums are reduced to the output layout. RowwiseParallel's DTensor embedding has
+    no row-sharded backward in torch 2.13 (embedding_dense_backward's strategies give the weight
+    gradient replicated or partial), so every tp rank built the gradient of the whole vocabulary
+    and its fp32 copy: llama3-405b, tp 8, 11.7 GiB on the first pipeline stage (tools/dryrun).
+    Here the backward is the local rows' only. Turned into from an nn.Embedding by
+    `vocab_parallel`."""
+
+    tp_mesh = None
+    output_layout = Replicate()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = self.weight.to_local()
+        rows = local.shape[0]
+        # Shard(0) splits like torch.chunk: ceil(vocab / tp) rows a rank, the last one's fewer
+        start = self.tp_mesh.get_local_rank() * -(-self.num_embeddings // self.tp_mesh.size())
+        index = tokens - start
+        outside = (index < 0) | (index >= rows)
+        out = F.embedding(index.masked_fill(outside, 0), local).masked_fill(outside.unsqueeze(-1), 0.0)
+        partial = DTensor.from_local(out, self.tp_mesh, [Partial()], run_check=False)
+        return partial.redistribute(self.tp_mesh, [self.output_layout]).to_local()
+
+
+def vocab_parallel(emb: nn.Embedding, tp_mesh, output_layout) -> None:
+    emb.register_parameter("weight", nn.Parameter(distribute_tensor(emb.weight, tp_mesh, [Shard(0)]),
+                                                  emb.weight.requires_grad))
+    emb.__class__ = VocabParallelEmbedding
+    emb.tp_mesh, emb.output_layout = tp_mesh, output_layout
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
     seq = Shard(1) if sequence_parallel else Replicate()
     root_plan = {
         "norm": SequenceParallel() if sequence_parallel else None,
         "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
     }
     root_plan = {k: v for k, v in root_plan.items() if v is not None and getattr(model, k, None) is not None}
     parallelize_module(model, tp_mesh, root_plan)
-    if model.tok_embeddings is not None:  # after the plan's own output hook, which makes the ACT
+    if model.tok_embeddings is not None:
+        vocab_parallel(model.tok_embeddings, tp_mesh, seq)
         model.tok_embeddings.register_forward_hook(_wait_embedding_output)
     for block in model.layers.values():
         plan = {
