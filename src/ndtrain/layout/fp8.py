@@ -70,7 +70,7 @@ def fp8_linears(model, tp: int = 1) -> list[str]:
     return [n for n, i, o in model_linears(model) if converts(n, i, o, tp)]
 
 
-def summary(model, tp: int = 1) -> str:
+def fp8_summary(model, tp: int = 1) -> str:
     """One line: which Linear layers run in fp8 and which stay bf16, grouped over layers."""
     groups: dict[bool, dict[str, int]] = {True: {}, False: {}}
     for n, i, o in model_linears(model):

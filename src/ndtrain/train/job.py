@@ -245,10 +245,10 @@ def _start(plan, run_dir: Path, progress, rt, ckpt, log, peaks) -> None:
              + f"); run dir {run_dir}")
     log.info(f"{MFU_CONVENTION}: {peaks.flops_per_token / 1e6:.2f} MFLOP/token")
     if peaks.fp8:
-        from ndtrain.layout.fp8 import fp8_linears, summary
+        from ndtrain.layout.fp8 import fp8_linears, fp8_summary
 
         log.info(f"fp8 ({cfg.parallel.fp8_recipe} scaling): {len(fp8_linears(cfg.model, layout.tp))} "
-                 f"Linear layers in float8 ({summary(cfg.model, layout.tp)}); all else bf16")
+                 f"Linear layers in float8 ({fp8_summary(cfg.model, layout.tp)}); all else bf16")
     if plan.compile is not None:
         c = plan.compile
         log.info(c.description)
