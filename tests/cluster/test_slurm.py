@@ -8,7 +8,12 @@ torchrun agent each, one world of 2 across them), and every sample of the stream
 exactly once; with node hostnames as Debian has them (each node's own name -> 127.0.1.1) as
 well as each resolving to its own address. And bad input that only the run sees (a data.path
 that does not exist, which the script's config check passes) ends the job with exit 2 and is not
-requeued: the agents pass their workers' 2 on, instead of torchrun's 1."""
+requeued: the agents pass their workers' 2 on, instead of torchrun's 1. And Slurm's warning
+before the time limit (USR1 to the batch script) saves once, requeues the job, and the requeued
+job resumes there, every sample still trained once.
+
+Each test makes its own cluster and Slurm (a few seconds); the make_cluster fixture removes
+them, daemons and job steps included, pass or fail, and fails if anything is left."""
 
 from __future__ import annotations
 
