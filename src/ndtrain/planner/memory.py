@@ -111,18 +111,19 @@ def in_flight(schedule: str, p: int, v: int, m: int) -> tuple[float, float]:
     return registry.get(schedule).in_flight(p, v, m)
 
 
-def state_bytes(psi: float, zero: int, shard: int, pbytes: int, grads_sharded: bool | None = None
-                ) -> tuple[float, float, float]:
+def state_bytes(psi: float, zero: int, shard: int, pbytes: int, grads_sharded: bool | None = None,
+                whole_grad_bytes: int = 2) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer) bytes for `psi` parameters, ZeRO stage `zero` (0 = DDP)
     over `shard` ranks. Mixed-precision Adam: 2 + 2 + 12 = 16 bytes/param (fp32: 4 + 4 + 8).
     `grads_sharded` overrides whether the stage's gradients are held sharded (a pipeline reduces
-    them once per step, so it holds them whole whatever the stage)."""
+    them once per step, so it holds them whole whatever the stage); a sharded stage holding them
+    whole keeps them at `whole_grad_bytes` (the stack's accumulation dtype) a parameter."""
     pb, gb, ob = (2, 2, 12) if pbytes == 2 else (4, 4, 8)
     if zero == 0 or shard <= 1:
         return pb * psi, gb * psi, ob * psi
     if grads_sharded is None:
         grads_sharded = zero >= 2
-    grads = gb * psi / shard if grads_sharded else gb * psi
+    grads = gb * psi / shard if grads_sharded else max(gb, whole_grad_bytes) * psi
     return (pb * psi / shard if zero == 3 else pb * psi), grads, ob * psi / shard
 
 
@@ -185,8 +186,9 @@ def memory_breakdown(pb: Problem, lay: Layout, split: Split) -> dict:
     best = None
     for name, layers, embed, head, inf in devices:
         dense, expert = device_params(sh, lay, layers, embed, head)
-        dp_, dg, do = state_bytes(dense, zero, shard, pbytes, grads_sharded)
-        ep_, eg, eo = state_bytes(expert, zero if exp_shard > 1 else 0, exp_shard, pbytes, grads_sharded)
+        dp_, dg, do = state_bytes(dense, zero, shard, pbytes, grads_sharded, st.whole_grad_bytes)
+        ep_, eg, eo = state_bytes(expert, zero if exp_shard > 1 else 0, exp_shard, pbytes, grads_sharded,
+                                  st.whole_grad_bytes)
         acts = layers * per_layer * inf + working
         # the loss's backward follows its forward at once, except where all forwards run first
         held = m if p > 1 and registry.get(lay.schedule).forwards_first else 1

@@ -62,6 +62,11 @@ class Stack:
     # HBM traffic on the compute stream. Flat-buffer implementations (FSDP1, DeepSpeed, Megatron's
     # distributed optimizer) gather into and reduce from the parameters' own storage.
     fsdp_copies: bool = False
+    # bytes per element of a gradient held whole across micro-batches (a pipeline reduces once
+    # per step, ZeRO-1 on the last micro-batch): FSDP2 accumulates it unsharded in its reduce
+    # dtype (fp32 in ndtrain: the dry run's first pipeline stage holds it so), 2 where the stack
+    # accumulates in the parameters' bf16
+    whole_grad_bytes: int = 2
     # the loss kernel over the vocabulary (planner/layer.py LOSS_BYTES, planner/memory.py):
     # "eager" PyTorch cross-entropy (fp32 upcast, log-softmax, dense NLL gradient), "fused"
     # (a vocab-parallel fused kernel in fp32: Megatron-Core, TE, fused stacks), "flash"
@@ -82,7 +87,8 @@ STACKS = {
     # in turn (torch's default OVERLAP_F_B), so expert all-to-alls are exposed; eager elementwise
     # ops unless [parallel] compile = true.
     "ndtrain": Stack("ndtrain", flash_attention=True, dropout=False, dp_overlap=True, grad_reduce_bytes=4,
-                     selective="elementwise", fsdp_copies=True, attention_kernel="fa2", source="src/ndtrain/parallel"),
+                     selective="elementwise", fsdp_copies=True, attention_kernel="fa2", whole_grad_bytes=4,
+                     source="src/ndtrain/parallel"),
     # Megatron-LM as of Narayanan et al. 2021: unfused softmax over s x s with dropout, fp16
     # gradients all-reduced after the backward (the local DDP of that release), blocking p2p.
     "megatron-2021": Stack("megatron-2021", flash_attention=False, dropout=True, dp_overlap=False,

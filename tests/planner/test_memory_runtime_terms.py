@@ -1,0 +1,38 @@
+"""Memory terms the dry run (tools/dryrun) measured on ndtrain's runtime and the planner now
+prices as the runtime holds them (docs/dryrun.md, "The published set")."""
+
+import pytest
+
+from ndtrain.layout import Layout
+from ndtrain.model.config import preset
+from ndtrain.planner.memory import activation_bytes, device_params, memory_breakdown
+from ndtrain.planner.problem import make_problem, stage_split
+from ndtrain.planner.shapes import shape_of
+from ndtrain.planner.stack import STACKS
+
+
+def test_a_pipeline_stage_holds_its_whole_gradients_in_the_reduce_dtype():
+    """FSDP2 accumulates a pipeline stage's gradients unsharded in fp32 (its reduce dtype) until
+    the step's one reduce-scatter; a stack accumulating in bf16 holds 2 bytes."""
+    cfg = preset("llama3-405b", n_layers=16)
+    lay = Layout(pp=8, dp_shard=8, tp=8, zero=3, mb=1, ac="selective", schedule="1F1B")
+    for stack, nbytes in (("ndtrain", 4), ("megatron-core-2024", 2)):
+        pb = make_problem(cfg, 8192, 128, 512, "h100", stack=stack)
+        split = stage_split(pb, lay)
+        mem = memory_breakdown(pb, lay, split)
+        assert mem["device"] == "first"  # 1F1B: p micro-batches in flight there
+        dense, expert = device_params(pb.shape, lay, split.first, True, False)
+        assert mem["grads"] == pytest.approx(nbytes * (dense + expert))
+
+
+def test_selective_under_tp_and_sp_keeps_the_sharded_block_input_and_reduce_scatters():
+    """ndtrain's policy under TP + SP: the block input and the two reduce-scatter outputs (6/t) plus
+    Q, K, V, the attention output and w1, w3 (S/t); a row-parallel matmul's partial sums are
+    recomputed."""
+    sh = shape_of(preset("llama3-70b"))
+    s, b, t = 8192, 1, 8
+    sbh = s * b * sh.dim
+    S = 4 + 4 * sh.gqa_ratio + 4 * sh.mlp_act_width / sh.dim
+    lse = 4 * sh.heads * s * b / t
+    got = activation_bytes(sh, STACKS["ndtrain"], s, b, t, True, 1, "selective", 2)
+    assert got == pytest.approx(sbh * (6 + S) / t + lse)
