@@ -45,7 +45,7 @@ def check_config(cfg: JobConfig, world: int, build: bool = True) -> tuple[Layout
     if build:
         for r in ranks:
             r["params"] = sum(_stage_params(cfg.model, tuple(s["layers"]), s["first"], s["last"]) for s in r["stages"])
-    return lay, describe(cfg, lay, world, ranks)
+    return lay, report_lines(cfg, lay, world, ranks)
 
 
 def stage_plan(cfg: JobConfig, lay: Layout) -> list[dict]:
@@ -91,7 +91,7 @@ def _span(ids: list[int]) -> str:
     return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
 
 
-def describe(cfg: JobConfig, lay: Layout, world: int, ranks: list[dict]) -> list[str]:
+def report_lines(cfg: JobConfig, lay: Layout, world: int, ranks: list[dict]) -> list[str]:
     seq, batches = cfg.data.seq_len, layout_batches(cfg.train)
     gb = cfg.train.global_batch
     lines = [f"layout: {lay.describe()} on {world} ranks; mesh [pp, dp_replicate, dp_shard, cp, tp] = {list(lay.shape)}",

@@ -165,7 +165,7 @@ def layout_choice(cfg: JobConfig, world_size: int, hardware_profile=None) -> dic
                          micro_batch_options=options, hardware_profile=planned_for(cfg, hardware_profile),
                          precision=cfg.parallel.mixed_precision,
                          base=from_config(cfg.parallel, cfg.train, cfg.data))
-    return {**choice, "description": describe(choice)}
+    return {**choice, "description": choice_text(choice)}
 
 
 # The [parallel] keys (and the planner's fields of the same names) the defaults' choice sets
@@ -198,10 +198,10 @@ def dp_choice(cfg: JobConfig, world_size: int, hardware_profile=None) -> dict | 
     except NdtrainError:
         return None  # nothing fits the planner's memory model: the static default, as before
     return {**choice, "overrides": {"parallel": {key: choice[key] for key in DP_FIELDS}},
-            "description": "data parallel (defaults): " + describe(choice)}
+            "description": "data parallel (defaults): " + choice_text(choice)}
 
 
-def describe(choice: dict) -> str:
+def choice_text(choice: dict) -> str:
     return (f"{choice['layout'].short()} (as text: {choice['layout'].text()}): predicted "
             f"{choice['predicted_step_time']:.3f} s/step, {choice['predicted_tokens_per_s']:,.0f} tokens/s "
             f"on {choice['hardware']}")
