@@ -21,6 +21,7 @@ DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "scancel", "srun", "sinfo")
 LOCAL = "/tmp/slurm"  # on each node: its own (the node's private /tmp)
 SOCKET = f"{LOCAL}/munge.socket"
+CRED_EXPIRE_S = 30
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
                 "DEADLINE", "PREEMPTED")
 
@@ -38,7 +39,10 @@ def slurm_conf(cluster, cpus: int) -> str:
     lines = [
         "ClusterName=ndtc",
         f"SlurmctldHost={first.name}({first.addr})",
-        "AuthType=auth/munge", f"AuthInfo=socket={SOCKET}", "CredType=cred/munge",
+        # cred_expire: a requeued job waits this long before it may start again (its revoked
+        # credential must expire first; 120 s by default, "Job credential revoked" if released
+        # sooner). Long enough for a step to launch on a loaded host, short for a test.
+        "AuthType=auth/munge", f"AuthInfo=socket={SOCKET},cred_expire={CRED_EXPIRE_S}", "CredType=cred/munge",
         "SlurmUser=root", "SlurmdUser=root",
         f"StateSaveLocation={LOCAL}/state", f"SlurmdSpoolDir={LOCAL}/spool",
         f"SlurmctldPidFile={LOCAL}/slurmctld.pid", f"SlurmdPidFile={LOCAL}/slurmd.pid",
