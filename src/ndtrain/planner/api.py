@@ -129,22 +129,7 @@ def predict(model_cfg: ModelConfig, layout: dict | str, seq_len: int, global_bat
     recompute, exposed_comm with per-dimension comm, bubble, optimizer, total) in seconds and
     .memory the per-device bytes.
     """
-    hw = _hardware(hardware)
-    if isinstance(layout, dict):
-        if precision is None and "mixed_precision" in layout:
-            precision = layout["mixed_precision"]
-        layout = {k: (int(v) if isinstance(v, bool) else v) for k, v in layout.items() if k in PLANNER_KEYS}
-        if "dp_shard" not in layout or int(layout.get("dp_shard", -1)) == -1:
-            if world is None:
-                raise NdtrainError("predict: give dp_shard or world")
-    else:
-        if world is None and "dp_shard=" not in layout:
-            raise NdtrainError("predict: give dp_shard or world")
-    lay = parse_layout(layout, world)
-    if lay.ac not in ("none", "selective", "full"):
-        raise NdtrainError(f"predict: activation checkpoint {lay.ac!r} is not modelled")
-    pb = make_problem(model_cfg, seq_len, global_batch, world or lay.world, hw, stack=stack,
-                      precision=_precision(hw, precision))
+    pb, lay = _problem(model_cfg, layout, seq_len, global_batch, hardware, world, precision, stack)
     return Evaluator(pb)(lay)
 
 
@@ -163,3 +148,37 @@ def compile_decision(model_cfg: ModelConfig, layout: Layout, seq_len: int, globa
     hw = _hardware(hardware_profile)
     pb = make_problem(model_cfg, seq_len, global_batch, layout.world, hw, precision=_precision(hw, precision))
     return compile_choice(pb, layout, steps)
+
+
+def _problem(model_cfg: ModelConfig, layout: dict | str, seq_len: int, global_batch: int, hardware,
+             world: int | None, precision: str | None, stack: str):
+    """predict's problem and layout, from its arguments."""
+    hw = _hardware(hardware)
+    if isinstance(layout, dict):
+        if precision is None and "mixed_precision" in layout:
+            precision = layout["mixed_precision"]
+        layout = {k: (int(v) if isinstance(v, bool) else v) for k, v in layout.items() if k in PLANNER_KEYS}
+        if "dp_shard" not in layout or int(layout.get("dp_shard", -1)) == -1:
+            if world is None:
+                raise NdtrainError("predict: give dp_shard or world")
+    else:
+        if world is None and "dp_shard=" not in layout:
+            raise NdtrainError("predict: give dp_shard or world")
+    lay = parse_layout(layout, world)
+    if lay.ac not in ("none", "selective", "full"):
+        raise NdtrainError(f"predict: activation checkpoint {lay.ac!r} is not modelled")
+    pb = make_problem(model_cfg, seq_len, global_batch, world or lay.world, hw, stack=stack,
+                      precision=_precision(hw, precision))
+    return pb, lay
+
+
+def predict_collective_bytes(model_cfg: ModelConfig, layout: dict | str, seq_len: int, global_batch: int,
+                             hardware=None, *, world: int | None = None, precision: str | None = None,
+                             stack: str = "ndtrain") -> dict[str, dict[str, float]]:
+    """Bytes per step of each collective on each mesh dimension, on the device holding the first
+    pipeline stage (planner/traffic.py), for the layout `predict` takes."""
+    from ndtrain.planner.traffic import collective_bytes
+
+    pb, lay = _problem(model_cfg, layout, seq_len, global_batch, hardware, world, precision, stack)
+    counts = Evaluator(pb)(lay).time["stage_counts"]
+    return collective_bytes(pb, lay, sum(counts[::lay.pp]) if lay.pp > 1 else pb.shape.layers)

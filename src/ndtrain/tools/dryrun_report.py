@@ -18,11 +18,16 @@ UNSEEN = ("overhead", "fragmentation")  # what a fake run cannot see
 def planner_figures(cfg, layout, world: int, hardware: str = "h100") -> dict:
     """The planner's prediction for this layout, in the dry run's terms."""
     from ndtrain.layout.flops import MFU_ATTENTION, flops_per_token, recompute_flops_per_token
-    from ndtrain.planner.api import predict
+    from ndtrain.planner.api import predict, predict_collective_bytes
 
     lay = {k: v for k, v in layout.as_dict().items() if k != "layers_per_stage"}
-    pred = predict(cfg.model, lay, cfg.data.seq_len, cfg.train.global_batch, hardware, world=world,
-                   precision=cfg.parallel.mixed_precision)
+    # The rows a micro-batch holds as the runtime splits them: a rank's rows evenly over its
+    # micro-batches, fewer than train.micro_batch where the rank has fewer rows than that.
+    rows, m = layout.rows(cfg.train.global_batch), layout.micro_batches(cfg.train.global_batch)
+    lay["mb"] = -(-rows // m)
+    args = (cfg.model, lay, cfg.data.seq_len, cfg.train.global_batch, hardware)
+    pred = predict(*args, world=world, precision=cfg.parallel.mixed_precision)
+    traffic = predict_collective_bytes(*args, world=world, precision=cfg.parallel.mixed_precision)
     mem = pred.memory
     memory = dict.fromkeys(dict.fromkeys(PLANNER_CATEGORIES.values()), 0)
     for key, category in PLANNER_CATEGORIES.items():
@@ -33,6 +38,7 @@ def planner_figures(cfg, layout, world: int, hardware: str = "h100") -> dict:
     return {"peak_memory_bytes": int(sum(memory.values())), "memory_bytes": memory,
             "left_out_bytes": {k: int(mem.get(k, 0)) for k in UNSEEN}, "device": mem.get("device"),
             "flops": per_token * tokens / world, "step_time_s": pred.step_time, "time_s": pred.time,
+            "collective_bytes": {kind: {dim: int(b) for dim, b in dims.items()} for kind, dims in traffic.items()},
             "hardware": hardware}
 
 
@@ -51,6 +57,9 @@ def compare(result: dict) -> dict:
     for k, v in result["memory_bytes"].items():
         if k in planner["memory_bytes"]:
             ratios[k] = _ratio(v, planner["memory_bytes"][k])
+    ratios["collective_bytes"] = {
+        kind: {dim: _ratio(row["bytes"], planner["collective_bytes"].get(kind, {}).get(dim, 0)) for dim, row in dims.items()}
+        for kind, dims in result["collective_bytes"].items()}
     return {**result, "planner": planner, "dry_run_over_planner": ratios}
 
 
@@ -75,9 +84,14 @@ def text(out: dict) -> str:
     lines.append(f"  {'TFLOP per step':<24}{out['flops'] / 1e12:>10.2f}{planner['flops'] / 1e12:>10.2f}")
     lines.append(f"  operators launched: {sum(v for k, v in out['operators'].items() if k != 'build')} in the step "
                  f"({', '.join(f'{k} {v}' for k, v in out['operators'].items())})")
-    for kind, dims in out["collective_bytes"].items():
-        for dim, row in dims.items():
-            lines.append(f"  {kind:<15} over {dim:<13} {row['calls']:>6} calls {row['input_bytes'] / GiB:>9.3f} GiB in")
+    predicted = planner.get("collective_bytes", {})
+    lines.append(f"  {'collective (GiB a step)':<30}{'calls':>7}{'dry run':>10}{'planner':>10}")
+    for kind in sorted(set(out["collective_bytes"]) | set(predicted)):
+        seen, priced = out["collective_bytes"].get(kind, {}), predicted.get(kind, {})
+        for dim in sorted(set(seen) | set(priced)):
+            row, p = seen.get(dim), priced.get(dim)
+            lines.append(f"  {kind + ' over ' + dim:<30}{row['calls'] if row else 0:>7}"
+                         f"{(row['bytes'] if row else 0) / GiB:>10.3f}{'' if p is None else f'{p / GiB:10.3f}'}")
     if "routing" in out:
         lines.append(f"  expert routing assumed: {out['routing']}")
     reads = out["host_reads"]

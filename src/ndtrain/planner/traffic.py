@@ -1,0 +1,110 @@
+"""Bytes each collective moves in one training step on the device holding the first pipeline stage
+(the embedding), by collective and mesh dimension, from the counts the step-time model prices
+(planner/layer.py, planner/timing.py): so that `ndtrain dryrun` can put them beside what the real
+step issued (tools/dryrun_watch counts the same way).
+
+Conventions, as planner/comm.py's and the dry run's: an all-reduce counts its buffer, an all-gather
+its gathered output, a reduce-scatter its input, an all-to-all and a send what this rank sends.
+
+Counted: tensor parallel's per-layer pairs (two all-reduces per pass over a layer, or with sequence
+parallel the all-gather and reduce-scatter each stands for) and the embedding's and the head's; context parallel's ring of K/V hops (3 per peer per
+layer: forward, and K/V with their gradients in the backward) or its all-gather and reduce-scatter;
+expert parallel's dispatch and combine; pipeline sends and receives; data-parallel gathers,
+reduce-scatters and all-reduces per ZeRO stage. Left out: the few-byte all-reduces (loss, norms,
+the vocab-parallel loss's statistics).
+
+Where the runtime differs from what the time model prices, this counts the runtime: the ring's
+K/V gradients travel one hop more than the K/V (home to their owner: 3c - 2 hops a layer, the time
+model's overlap rule counts 3(c - 1)), and FSDP2 keeps the root and the last block gathered from
+the forward to the backward. Not modelled (docs/dryrun.md has the measured ratios): ZeRO-3 inside
+a pipeline, where torch's schedules keep a stage's parameters gathered after its first backward,
+so it gathers a few times a step where this counts every micro-batch."""
+
+from __future__ import annotations
+
+from ndtrain.layout import Layout
+from ndtrain.planner.memory import device_params, root_params
+from ndtrain.planner.problem import Problem
+
+
+def _add(out: dict, kind: str, dim: str, nbytes: float) -> None:
+    if nbytes > 0:
+        cell = out.setdefault(kind, {})
+        cell[dim] = cell.get(dim, 0.0) + nbytes
+
+
+def collective_bytes(pb: Problem, lay: Layout, layers: int) -> dict[str, dict[str, float]]:
+    """{collective: {mesh dimension: bytes per step}} on the first stage's device holding `layers`
+    decoder layers (all of them without pipeline parallelism)."""
+    sh, elt = pb.shape, pb.act_bytes
+    t, c, ep = lay.tp, lay.cp, lay.ep
+    m = lay.micro_batches(pb.global_batch)
+    tok = lay.mb * pb.seq / c  # tokens of one micro-batch a tp group works on
+    passes = 3 if lay.ac == "full" else 2  # forward, backward, and the forward again under full AC
+    head_here = lay.pp == 1
+    out: dict[str, dict[str, float]] = {}
+
+    if t > 1:
+        act = tok * sh.dim * elt
+        per_layer = 2 * passes * act * layers * m
+        # The embedding's output (scattered over the sequence, or all-reduced) and, where the head
+        # is, its input's gradient (reduce-scattered, or all-reduced) and its gathered input
+        ends = act * m * (1 + head_here)
+        if lay.sp:  # each all-reduce is a reduce-scatter and an all-gather of the same buffer
+            _add(out, "all_gather", "tp", per_layer + ends)
+            _add(out, "reduce_scatter", "tp", per_layer + ends)
+        else:
+            _add(out, "all_reduce", "tp", per_layer + ends)
+
+    if c > 1:
+        kv = 2 * tok * sh.dim * sh.gqa_ratio * elt / min(t, sh.kv_heads)
+        if lay.cp_attention == "ring":  # K/V around the ring, again in the backward, dK/dV home
+            hops = ((c - 1) * passes + c) * layers * m
+            _add(out, "send", "cp", hops * kv)
+            _add(out, "recv", "cp", hops * kv)
+        else:
+            _add(out, "all_gather", "cp", (passes * kv * c) * layers * m)
+            _add(out, "reduce_scatter", "cp", kv * c * layers * m)
+
+    if ep > 1 and sh.moe_layer_frac:
+        sent = tok * sh.active_experts * sh.dim * elt / t * pb.k["moe_imbalance"]
+        _add(out, "all_to_all", "ep", sent * (2 * passes) * sh.moe_layer_frac * layers * m)
+
+    if lay.pp > 1:
+        msg = tok * sh.dim * elt / t  # scattered over tp, as timing.py prices it
+        _add(out, "send", "pp", msg * m)  # activations forward
+        _add(out, "recv", "pp", msg * m)  # their gradients back
+
+    _data_parallel(pb, lay, layers, m, out)
+    return out
+
+
+def _data_parallel(pb: Problem, lay: Layout, layers: int, m: int, out: dict) -> None:
+    dense, expert = device_params(pb.shape, lay, layers, True, lay.pp == 1)
+    pbytes = 4 if pb.precision == "fp32" else 2
+    gbytes = 4 if pb.precision == "fp32" else pb.stack.grad_reduce_bytes
+    zero, S, R = lay.effective_zero, lay.shard_degree, lay.dp_replicate
+    shard_dim = "dp_shard_cp" if lay.cp > 1 else "dp_shard"
+    if zero == 0:
+        if R * lay.cp > 1:
+            _add(out, "all_reduce", "dp_replicate" if lay.cp == 1 else "dp_cp", gbytes * (dense + expert))
+        return
+    se = max(1, S // lay.ep)
+    per_mb = lay.grads_sharded_per_microbatch
+    # ZeRO-3 gathers every unit for each micro-batch's forward and, where it reshards after the
+    # forward, every block but the last again for its backward (the root, with the embedding and
+    # head, and the last block stay gathered: parallel/data_parallel.py); ZeRO-1/2 gather once a
+    # step. Gradients reduce per micro-batch where they are sharded so, else once.
+    again = (layers - 1) / layers if layers and zero == 3 and lay.reshards_after_forward else 0.0
+    root = root_params(pb.shape, lay, True, lay.pp == 1)
+    gathers = m if zero == 3 else 1
+    reduces = m if per_mb else 1
+    if S > 1:
+        _add(out, "all_gather", shard_dim, gathers * pbytes * (dense + again * (dense - root)))
+        _add(out, "reduce_scatter", shard_dim, reduces * gbytes * dense)
+    if se > 1 and expert:
+        expert_dim = "ep_shard" if lay.ep > 1 else shard_dim
+        _add(out, "all_gather", expert_dim, gathers * pbytes * expert * (1 + again))
+        _add(out, "reduce_scatter", expert_dim, reduces * gbytes * expert)
+    if R > 1:
+        _add(out, "all_reduce", "dp_replicate", gbytes * (dense / S + expert / se))
