@@ -14,9 +14,10 @@ reduce-scatters and all-reduces per ZeRO stage. Left out: the few-byte all-reduc
 the vocab-parallel loss's statistics).
 
 Where the runtime differs from what the time model prices, this counts the runtime: the ring's
-K/V gradients travel one hop more than the K/V (home to their owner: 3c - 2 hops a layer, the time
-model's overlap rule counts 3(c - 1)), and FSDP2 keeps the root and the last block gathered from
-the forward to the backward. Not modelled (docs/dryrun.md has the measured ratios): ZeRO-3 inside
+K/V gradients travel one hop more than the K/V (home to their owner) and in fp32; selective
+checkpointing recomputes tensor parallel's gathers, the ring's attention and the experts'
+dispatch (the time model counts none of them); FSDP2 keeps the root and the last block gathered
+from the forward to the backward. Not modelled (docs/dryrun.md has the measured ratios): ZeRO-3 inside
 a pipeline, where torch's schedules keep a stage's parameters gathered after its first backward,
 so it gathers a few times a step where this counts every micro-batch."""
 
@@ -41,6 +42,9 @@ def collective_bytes(pb: Problem, lay: Layout, layers: int) -> dict[str, dict[st
     m = lay.micro_batches(pb.global_batch)
     tok = lay.mb * pb.seq / c  # tokens of one micro-batch a tp group works on
     passes = 3 if lay.ac == "full" else 2  # forward, backward, and the forward again under full AC
+    # Selective checkpointing keeps matmul outputs, not their gathered inputs or the ring's
+    # attention: its recompute gathers again (parallel/activation.py's policy)
+    regathers = 3 if lay.ac in ("full", "selective") else 2
     head_here = lay.pp == 1
     out: dict[str, dict[str, float]] = {}
 
@@ -51,24 +55,26 @@ def collective_bytes(pb: Problem, lay: Layout, layers: int) -> dict[str, dict[st
         # is, its input's gradient (reduce-scattered, or all-reduced) and its gathered input
         ends = act * m * (1 + head_here)
         if lay.sp:  # each all-reduce is a reduce-scatter and an all-gather of the same buffer
-            _add(out, "all_gather", "tp", per_layer + ends)
+            _add(out, "all_gather", "tp", 2 * regathers * act * layers * m + ends)
             _add(out, "reduce_scatter", "tp", per_layer + ends)
         else:
             _add(out, "all_reduce", "tp", per_layer + ends)
 
     if c > 1:
         kv = 2 * tok * sh.dim * sh.gqa_ratio * elt / min(t, sh.kv_heads)
-        if lay.cp_attention == "ring":  # K/V around the ring, again in the backward, dK/dV home
-            hops = ((c - 1) * passes + c) * layers * m
-            _add(out, "send", "cp", hops * kv)
-            _add(out, "recv", "cp", hops * kv)
+        if lay.cp_attention == "ring":
+            # K/V around the ring in the forward, its recompute and the backward; dK/dV, summed
+            # in fp32, around it and home to their owner
+            sent = ((c - 1) * regathers * kv + c * kv * 4 / elt) * layers * m
+            _add(out, "send", "cp", sent)
+            _add(out, "recv", "cp", sent)
         else:
             _add(out, "all_gather", "cp", (passes * kv * c) * layers * m)
             _add(out, "reduce_scatter", "cp", kv * c * layers * m)
 
     if ep > 1 and sh.moe_layer_frac:
         sent = tok * sh.active_experts * sh.dim * elt / t * pb.k["moe_imbalance"]
-        _add(out, "all_to_all", "ep", sent * (2 * passes) * sh.moe_layer_frac * layers * m)
+        _add(out, "all_to_all", "ep", sent * (2 * regathers) * sh.moe_layer_frac * layers * m)
 
     if lay.pp > 1:
         msg = tok * sh.dim * elt / t  # scattered over tp, as timing.py prices it
