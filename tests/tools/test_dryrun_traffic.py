@@ -1,6 +1,7 @@
 """Bytes per collective: what the dry run's real step issued, by collective and mesh dimension,
 against the planner's count of the same (planner/traffic.py), for the layouts the planner models
-exactly. Each comparison is one `ndtrain dryrun --json` of the debug model at world 8."""
+exactly. Each comparison is one `ndtrain dryrun --json` of the debug model (world 8 unless the
+case says; a later --world wins)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ def traffic(*args: str, hang_deadline) -> dict:
     # context parallel's ring (K/V forward, again backward, dK/dV home) and HSDP's all-reduce
     (("--parallel.dp_shard=2", "--parallel.cp=4"), {("send", "cp"), ("recv", "cp"), ("all_gather", "dp_shard_cp")}),
     (("--parallel.dp_shard=2", "--parallel.dp_replicate=4"), {("all_gather", "dp_shard"), ("all_reduce", "dp_replicate")}),
+    # ZeRO-3 inside 1F1B: a stage's blocks stay gathered between backwards (8 micro-batches, 3
+    # blocks a stage); the activations and their gradients over pp
+    (("--world", "4", "--parallel.pp=2", "--parallel.dp_shard=2", "--model.n_layers=6", "--train.micro_batch=1"),
+     {("all_gather", "dp_shard"), ("reduce_scatter", "dp_shard"), ("send", "pp"), ("recv", "pp")}),
 ])
 def test_the_planner_counts_the_bytes_the_step_moves(args, compared, hang_deadline):
     got = traffic(*args, hang_deadline=hang_deadline)

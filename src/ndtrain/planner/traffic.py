@@ -17,9 +17,8 @@ Where the runtime differs from what the time model prices, this counts the runti
 K/V gradients travel one hop more than the K/V (home to their owner) and in fp32; selective
 checkpointing recomputes tensor parallel's gathers, the ring's attention and the experts'
 dispatch (the time model counts none of them); FSDP2 keeps the root and the last block gathered
-from the forward to the backward. Not modelled (docs/dryrun.md has the measured ratios): ZeRO-3 inside
-a pipeline, where torch's schedules keep a stage's parameters gathered after its first backward,
-so it gathers a few times a step where this counts every micro-batch."""
+from the forward to the backward, and a pipeline's schedule keeps a stage's parameters gathered
+between its backwards (_gathers)."""
 
 from __future__ import annotations
 
@@ -101,16 +100,35 @@ def _data_parallel(pb: Problem, lay: Layout, layers: int, m: int, out: dict) -> 
     # forward, every block but the last again for its backward (the root, with the embedding and
     # head, and the last block stay gathered: parallel/data_parallel.py); ZeRO-1/2 gather once a
     # step. Gradients reduce per micro-batch where they are sharded so, else once.
-    again = (layers - 1) / layers if layers and zero == 3 and lay.reshards_after_forward else 0.0
     root = root_params(pb.shape, lay, True, lay.pp == 1)
-    gathers = m if zero == 3 else 1
+    block_gathers, root_gathers = _gathers(lay, m, layers)
     reduces = m if per_mb else 1
     if S > 1:
-        _add(out, "all_gather", shard_dim, gathers * pbytes * (dense + again * (dense - root)))
+        blocks = (dense - root) / max(1, layers)
+        _add(out, "all_gather", shard_dim, pbytes * (root_gathers * root + block_gathers * blocks))
         _add(out, "reduce_scatter", shard_dim, reduces * gbytes * dense)
     if se > 1 and expert:
         expert_dim = "ep_shard" if lay.ep > 1 else shard_dim
-        _add(out, "all_gather", expert_dim, gathers * pbytes * expert * (1 + again))
+        _add(out, "all_gather", expert_dim, pbytes * block_gathers * expert / max(1, layers))
         _add(out, "reduce_scatter", expert_dim, reduces * gbytes * expert)
     if R > 1:
         _add(out, "all_reduce", "dp_replicate", gbytes * (dense / S + expert / se))
+
+
+def _gathers(lay: Layout, m: int, layers: int) -> tuple[float, float]:
+    """(whole-block gathers summed over the device's `layers` blocks, gathers of the root) a step.
+
+    ZeRO-1/2: once a step. ZeRO-3: every unit for each micro-batch's forward and, where blocks
+    reshard after the forward, every block but the last again for its backward (the root and the
+    last block stay gathered, parallel/data_parallel.py). Inside a plain pipeline schedule (one
+    stage a device) torch keeps a stage's parameters gathered after a backward until the last
+    (set_reshard_after_backward(False)): measured on the dry run (1F1B, pp 2 and 8, m 4-16, 2-4
+    blocks a stage), each block but the last is gathered m + 2 times a step, the last block and the
+    root twice. Interleaved and zero-bubble schedules are counted as without a pipeline."""
+    if lay.effective_zero != 3:
+        return float(layers), 1.0
+    if not lay.reshards_after_forward:
+        return float(m * layers), float(m)
+    if lay.pp > 1 and lay.v == 1:
+        return float((layers - 1) * (m + 2) + 2), 2.0
+    return float(m * (2 * layers - 1)), float(m)
