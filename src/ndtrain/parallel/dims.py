@@ -97,7 +97,10 @@ class Meshes:
             d = self.dims
             edp = unflatten_mesh(self["dp_cp"], 0, (d.dp_replicate, d.dp_shard * d.cp // d.ep, d.ep),
                                  ("ep_replicate", "ep_shard", "ep"))
-            return {"ep": edp["ep"], "ep_fsdp": edp["ep_replicate", "ep_shard"]}
+            # Without replicas the experts' FSDP mesh is the shard dimension alone: a 2-D mesh
+            # with a replicate dimension of 1 has FSDP2 all-reduce every gradient over one rank.
+            fsdp = edp["ep_shard"] if d.dp_replicate == 1 else edp["ep_replicate", "ep_shard"]
+            return {"ep": edp["ep"], "ep_fsdp": fsdp}
         parts = tuple(n for n in VIEWS[name] if n in self.used)
         if not parts:
             return {name: ONE}

@@ -180,7 +180,7 @@ def expert_shard_dim(local_shape: tuple[int, ...], degree: int) -> int:
 
 
 def shard_experts(block: nn.Module, ep_fsdp_mesh, fsdp_kwargs: dict, reshard_after_forward: bool) -> None:
-    """FSDP for expert-parallel weights over their own mesh (Meshes['ep_fsdp']: replicate x
+    """FSDP for expert-parallel weights over their own mesh (Meshes['ep_fsdp']: shard, or replicate x
     shard); call before sharding `block`. Checkpoints hold global tensors (DCP), so the
     dimension each shards along does not change what is saved."""
     from torch.distributed.fsdp import fully_shard
