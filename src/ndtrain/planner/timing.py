@@ -23,6 +23,7 @@ from ndtrain.planner.layer import layer_costs, tp_head  # noqa: F401  (layer_cos
 from ndtrain.planner.memory import device_params
 from ndtrain.planner.problem import Problem, Split
 from ndtrain.planner.problem import stage_split as _stage_split
+from ndtrain.planner.traffic import whole_gathers
 
 OPTIMIZER_BYTES_PER_PARAM = 30  # Adam: read fp32 param, m, v, grad; write param, m, v, bf16 copy
 
@@ -82,27 +83,29 @@ def dp_comm(pb: Problem, lay: Layout, layers_on_device: int) -> tuple[float, flo
     per_mb = lay.grads_sharded_per_microbatch
     if zero in (1, 2):  # parameters gathered once per step, for the first forward
         return 0.0, (rs if per_mb else 0.0), (rep if per_mb else rs + rep), ag
-    again = ag if lay.reshards_after_forward else 0.0  # gathered again for the backward
+    # ZeRO-3: the gathers the runtime issues a step (planner/traffic.py), at most one whole one in
+    # each micro-batch's forward, the rest for its backward
+    per_mb_gathers = whole_gathers(pb, lay, layers_on_device) / lay.micro_batches(pb.global_batch)
+    fwd = min(1.0, per_mb_gathers)
+    again = ag * (per_mb_gathers - fwd)
     if per_mb:
-        return ag, again + rs, rep, 0.0
-    return ag, again, rs + rep, 0.0
+        return ag * fwd, again + rs, rep, 0.0
+    return ag * fwd, again, rs + rep, 0.0
 
 
-def fsdp_copy_seconds(pb: Problem, lay: Layout, params: float, m: int) -> float:
+def fsdp_copy_seconds(pb: Problem, lay: Layout, params: float, m: int, layers: int) -> float:
     """HBM seconds per step of FSDP2's copies on the compute stream (Stack.fsdp_copies): each
     all-gather copied out of its flat buffer into `params` parameters (read + write), each
     reduce-scatter's input copied in and cast to the reduce dtype (read the gradient, write it).
-    ZeRO-3 gathers every micro-batch (twice when it reshards after the forward), ZeRO-1/2 once
-    per step; gradients reduce every micro-batch where they are sharded per micro-batch."""
+    The gathers are planner/traffic.py's (ZeRO-3: about two a micro-batch, fewer inside a
+    pipeline; ZeRO-1/2: one a step); gradients reduce every micro-batch where they are sharded
+    per micro-batch."""
     if not pb.gpu or not pb.stack.fsdp_copies or not lay.effective_zero or lay.shard_degree <= 1:
         return 0.0
     pbytes = 4 if pb.precision == "fp32" else 2
     gbytes = 4 if pb.precision == "fp32" else pb.stack.grad_reduce_bytes
     gather, reduce = 2 * pbytes * params, (pbytes + gbytes) * params
-    if lay.effective_zero == 3:
-        gathers = m * (2 if lay.reshards_after_forward else 1)
-    else:
-        gathers = 1
+    gathers = whole_gathers(pb, lay, layers)
     reduces = m if lay.grads_sharded_per_microbatch else 1
     return (gathers * gather + reduces * reduce) / (pb.hw.hbm_bw * pb.k["hbm_eff"])
 
@@ -174,7 +177,7 @@ def step_breakdown(pb: Problem, lay: Layout, lc: dict | None = None, split: Spli
             pp += actions * pb.hw.pp_action_s
 
     key = ("dp", lay.tp, lay.cp, lay.ep, lay.effective_zero, lay.shard_degree, lay.dp_replicate, p, n_dev,
-           lay.grads_sharded_per_microbatch, lay.reshards_after_forward,
+           lay.grads_sharded_per_microbatch, lay.reshards_after_forward, lay.v, lay.micro_batches(pb.global_batch),
            lay.on_ddp_reducer(pb.cfg.is_moe, pb.precision))
     mb_f, mb_b, grad_c, param_c = _memo(cache, key, dp_comm, pb, lay, n_dev)
     # gathers hide behind the forward, gradient reductions behind the backward that produces them;
@@ -196,7 +199,7 @@ def step_breakdown(pb: Problem, lay: Layout, lc: dict | None = None, split: Spli
         expert / (lay.expert_shard_degree if lay.effective_zero else 1)
     optimizer = local * pb.hw.optimizer_s_per_param or OPTIMIZER_BYTES_PER_PARAM * local / pb.hw.hbm_bw
 
-    copies = fsdp_copy_seconds(pb, lay, dense + expert, m)
+    copies = fsdp_copy_seconds(pb, lay, dense + expert, m, n_dev)
     busy = m * dev + copies
     head_here = p == 1 or split.last_work * per_layer + lc["head"] >= split.first_work * per_layer
     tp_fixed = m * tp_head(pb, lay) if head_here else 0.0  # in lc["head"], so in busy: move it to comm

@@ -18,7 +18,8 @@ K/V gradients travel one hop more than the K/V (home to their owner) and in fp32
 checkpointing recomputes tensor parallel's gathers, the ring's attention and the experts'
 dispatch (the time model counts none of them); FSDP2 keeps the root and the last block gathered
 from the forward to the backward, and a pipeline's schedule keeps a stage's parameters gathered
-between its backwards (_gathers)."""
+between its backwards (gathers_per_step, which the step-time
+model prices too)."""
 
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def _data_parallel(pb: Problem, lay: Layout, layers: int, m: int, out: dict) -> 
     # head, and the last block stay gathered: parallel/data_parallel.py); ZeRO-1/2 gather once a
     # step. Gradients reduce per micro-batch where they are sharded so, else once.
     root = root_params(pb.shape, lay, True, lay.pp == 1)
-    block_gathers, root_gathers = _gathers(lay, m, layers)
+    block_gathers, root_gathers = gathers_per_step(lay, m, layers)
     reduces = m if per_mb else 1
     if S > 1:
         blocks = (dense - root) / max(1, layers)
@@ -115,7 +116,7 @@ def _data_parallel(pb: Problem, lay: Layout, layers: int, m: int, out: dict) -> 
         _add(out, "all_reduce", "dp_replicate", gbytes * (dense / S + expert / se))
 
 
-def _gathers(lay: Layout, m: int, layers: int) -> tuple[float, float]:
+def gathers_per_step(lay: Layout, m: int, layers: int) -> tuple[float, float]:
     """(whole-block gathers summed over the device's `layers` blocks, gathers of the root) a step.
 
     ZeRO-1/2: once a step. ZeRO-3: every unit for each micro-batch's forward and, where blocks
@@ -132,3 +133,11 @@ def _gathers(lay: Layout, m: int, layers: int) -> tuple[float, float]:
     if lay.pp > 1 and lay.v == 1:
         return float((layers - 1) * (m + 2) + 2), 2.0
     return float(m * (2 * layers - 1)), float(m)
+
+
+def whole_gathers(pb: Problem, lay: Layout, layers: int) -> float:
+    """gathers_per_step in whole gathers of the device's parameters (root and blocks)."""
+    dense, _ = device_params(pb.shape, lay, layers, True, lay.pp == 1)
+    root = root_params(pb.shape, lay, True, lay.pp == 1)
+    blocks, roots = gathers_per_step(lay, lay.micro_batches(pb.global_batch), layers)
+    return (roots * root + blocks * (dense - root) / max(1, layers)) / dense if dense else 0.0
