@@ -106,11 +106,16 @@ def test_plan_new_flags_bad_values_are_one_line(capsys, bad):
 
 def test_plan_says_whether_the_token_budget_repays_a_compile(capsys, monkeypatch, tmp_path):
     """Each shown layout gets compile_auto's decision for a run of --tokens: GPUs price it (the
-    catalog's compile time, the fused-elementwise saving); an uncalibrated CPU gets no line."""
+    catalog's compile time, the fused-elementwise saving), a layout whose compiled blocks the
+    runtime refuses says so; an uncalibrated CPU gets no line."""
     base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--seq", "8192",
-            "--global-batch-tokens", "1M", "--top", "1"]
+            "--global-batch-tokens", "1M", "--top", "1", "--layout", "dp_shard=8,mb=1,ac=selective"]
     assert cli([*base, "--tokens", "15T"]) == 0
     assert "torch.compile on:" in capsys.readouterr().out
+    zero_bubble = [*base[:-1], "dp_shard=4,pp=2,schedule=InterleavedZeroBubble,v=2,mb=1,ac=none"]
+    assert cli([*zero_bubble, "--tokens", "15T"]) == 0
+    assert "torch.compile off: InterleavedZeroBubble runs the backward in separate input and weight passes" \
+        in capsys.readouterr().out
     assert cli([*base, "--tokens", "16M", "--json"]) == 0  # 16 steps repay no 60 s compile
     decision = json.loads(capsys.readouterr().out)["layouts"][0]["compile"]
     assert decision["compile"] is False and decision["steps"] == 15 and decision["breakeven_steps"] > 15

@@ -56,8 +56,11 @@ def test_what_cannot_be_priced_gets_no_decision():
     # fully checkpointed TP blocks compile (parallel/compose.py checkpoints the compiled block)
     assert compile_choice(pb, parse_layout("tp=2,dp_shard=1,mb=4,ac=full", 2), 10**6) is not None
     assert compile_choice(pb, parse_layout("dp_replicate=2,dp_shard=1,mb=4,ac=every_n", 2), 10**6) is None
+    # a schedule whose compiled blocks the runtime refuses: off, and why (not "cannot be priced")
     split_bwd = parse_layout("pp=2,dp_shard=1,mb=1,schedule=ZBVZeroBubble,v=2", 2)
-    assert compile_choice(pb, split_bwd, 10**6) is None
+    d = compile_choice(pb, split_bwd, 10**6)
+    assert d["compile"] is False and d["breakeven_steps"] is None and d["compiled_step_s"] == d["eager_step_s"]
+    assert d["description"].startswith("torch.compile off: ZBVZeroBubble runs the backward in separate")
 
 
 def test_gpus_price_compile_as_fused_elementwise_kernels():

@@ -57,9 +57,15 @@ def compile_choice(pb: Problem, lay: Layout, steps: int) -> dict | None:
                 "description": f"torch.compile off: {pb.hw.compile_unmeasured} (on {pb.hw.name})"}
     try:
         eager = ev(dataclasses.replace(lay, compile=False)).step_time
-        compiled = ev(dataclasses.replace(lay, compile=True)).step_time
-    except NdtrainError:  # the layout (or its compiled form) is one the runtime refuses
+    except NdtrainError:  # a layout the runtime refuses
         return None
+    try:
+        compiled = ev(dataclasses.replace(lay, compile=True)).step_time
+    except NdtrainError as e:  # compiled blocks the runtime refuses here (a zero-bubble schedule): off, and why
+        why = str(e).split(": ", 1)[-1].split(";")[0]
+        return {"compile": False, "eager_step_s": eager, "compiled_step_s": eager, "compile_s": 0.0,
+                "breakeven_steps": None, "steps": steps,
+                "description": f"torch.compile off: {why} (on {pb.hw.name})"}
     cost = block_kinds(pb) * pb.hw.compile_s
     saved = eager - compiled
     breakeven = math.ceil(cost / saved) if saved > 0 else None
