@@ -43,11 +43,11 @@ def _rank(tokens, sp: bool):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("sp", [True, False])
-def test_each_tp_rank_builds_its_own_rows_gradient(sp):
+def test_each_tp_rank_builds_its_own_rows_gradient(sp, hang_deadline):
     from ndtrain.parallel.launch import run_ranks
 
     # 250 rows over 2 ranks: 125 each; every token id on both sides of the split
     tokens = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(5))
-    for rows, local, grad_rows, vocab in run_ranks(2, _rank, tokens, sp):
+    for rows, local, grad_rows, vocab in run_ranks(2, _rank, tokens, sp, timeout_s=hang_deadline(120)):
         assert local == vocab // 2 and grad_rows == local
         assert rows == [local], rows  # one backward, of this rank's rows (the whole vocabulary before)
