@@ -90,6 +90,30 @@ def test_selective_ac_does_not_recompute_fp8_matmuls_or_amax():
     assert diff[aten.sin.default] == 2, diff  # the recompute ran: one cheap op per block
 
 
+class _ExpertsBlock(nn.Module):
+    """The experts' grouped GEMM (model/moe.py's fused path: bf16) beside a cheap op."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.w = nn.Parameter(torch.randn(2, 16, 16, generator=g).to(torch.bfloat16))
+
+    def forward(self, x):
+        offs = torch.tensor([4, 8], dtype=torch.int32)
+        y = torch.nn.functional.grouped_mm(x, self.w, offs=offs)
+        return torch.sin(y) * y  # the product's backward needs sin(y): recomputed, or kept
+
+
+@pytest.mark.timeout(60)
+def test_selective_ac_keeps_the_experts_grouped_gemm():
+    """Recomputing it reran every expert's forward in the backward (mixtral in the dry run: +27%
+    FLOPs over the planner's selective count)."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).requires_grad_()
+    diff = recomputed(lambda: _Layers(_ExpertsBlock(), _ExpertsBlock()), (x,))
+    assert diff[torch.ops.aten._grouped_mm.default] == 0, diff
+    assert diff[torch.ops.aten.sin.default] == 2, diff  # the recompute ran: one cheap op per block
+
+
 @pytest.mark.timeout(60)
 def test_selective_ac_keeps_every_matmul_of_the_model():
     """The debug Llama, fp32 on CPU: its linears run through oneDNN (`mkldnn._linear_pointwise`,

@@ -21,8 +21,9 @@ _ops = present_ops
 # What selective checkpointing keeps: outputs that are expensive to recompute and small beside
 # what they cost. torchtitan's save list is the reference for the GPU entries.
 _SAVE_OPS = _ops(
-    # Every matmul: aten's, oneDNN's fp32 linears on CPU (model/linear.py) and fp8's scaled mm.
-    "aten.mm", "aten.addmm", "aten.bmm", "mkldnn._linear_pointwise", "aten._scaled_mm",
+    # Every matmul: aten's, oneDNN's fp32 linears on CPU (model/linear.py), fp8's scaled mm and
+    # the experts' grouped GEMM (model/moe.py; recomputing it reran every expert's forward).
+    "aten.mm", "aten.addmm", "aten.bmm", "mkldnn._linear_pointwise", "aten._scaled_mm", "aten._grouped_mm",
     # Attention: SDPA's fused kernels on CPU and CUDA, the math fallback, and flex attention (the
     # document-masked path on CUDA), whose recompute would be a second attention forward.
     "aten._scaled_dot_product_flash_attention_for_cpu", "aten._scaled_dot_product_efficient_attention",
