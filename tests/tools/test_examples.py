@@ -18,12 +18,15 @@ import pytest
 yaml = pytest.importorskip("yaml")
 
 from ndtrain.config import load_config  # noqa: E402
+from ndtrain.errors import NdtrainError  # noqa: E402
 from ndtrain.parallel.dims import checked_layout  # noqa: E402
+from ndtrain.train.signals import EXIT_PREEMPTED  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
 K8S = ROOT / "examples" / "kubernetes"
 TORCHRUN_DEFAULT_SHUTDOWN_S = 30  # torch 2.13, torch/distributed/launcher/api.py
+AGENT = ["python", "-m", "ndtrain.train.agent"]  # torchrun with ndtrain's exit codes (train/agent.py)
 
 
 def _flag(args: list[str], name: str) -> str | None:
@@ -248,12 +251,32 @@ def test_kubernetes_pods_have_shm_grace_and_the_config(name):
             mount = str(Path(config_path).parent)
             assert volumes[mounts[mount]]["configMap"]["name"] == cm["metadata"]["name"]
             assert Path(config_path).name in cm["data"]
-            # torchrun must give the workers time to save after SIGTERM, within the pod's grace.
-            assert container["command"] == ["torchrun"]
+            # The agent (torchrun underneath) must give the workers time to save after SIGTERM,
+            # within the pod's grace.
+            assert container["command"] == AGENT
             shutdown = int(_flag(container["args"], "--shutdown-timeout"))
             assert TORCHRUN_DEFAULT_SHUTDOWN_S * 4 <= shutdown < spec["terminationGracePeriodSeconds"]
             env = {e["name"]: e["value"] for e in container["env"]}
             assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
+def test_kubernetes_jobs_fail_on_bad_input_and_retry_a_saved_preemption():
+    """Both jobs read the agent's exit codes: the workers' 2 (bad input) ends the job, 143 (a
+    preemption that saved) restarts the pod. Plain torchrun exits 1 for both."""
+    bad, saved = NdtrainError.exit_code, EXIT_PREEMPTED
+    assert __import__("importlib").util.find_spec(AGENT[-1]) is not None
+    (job,) = [d for d in _docs("indexed-job.yaml") if d["kind"] == "Job"]
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"  # podFailurePolicy needs it
+    rules = job["spec"]["podFailurePolicy"]["rules"]
+    fail = [r for r in rules if r["action"] == "FailJob"]
+    assert [r["onExitCodes"]["values"] for r in fail] == [[bad]]
+    assert fail[0]["onExitCodes"]["operator"] == "In"
+    assert fail[0]["onExitCodes"]["containerName"] == job["spec"]["template"]["spec"]["containers"][0]["name"]
+    assert not any(saved in r.get("onExitCodes", {}).get("values", []) for r in rules)  # 143 is retried
+    (pt,) = [d for d in _docs("pytorchjob.yaml") if d["kind"] == "PyTorchJob"]
+    worker = pt["spec"]["pytorchReplicaSpecs"]["Worker"]
+    # The training operator's ExitCode policy: 1-127 are permanent, 128-255 (signals) retried.
+    assert worker["restartPolicy"] == "ExitCode" and 1 <= bad <= 127 and 128 <= saved <= 255
 
 
 def test_indexed_job_states_the_version_backoff_limit_per_index_needs():

@@ -4,6 +4,7 @@ tests/cluster/test_preemption_across_nodes.py)."""
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
@@ -34,6 +35,17 @@ def test_a_stop_signal_is_the_workers_code(monkeypatch, sig, code):
     signal.signal(signal.SIGTERM, before)
     for other in (signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(other, signal.default_int_handler if other == signal.SIGINT else signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("user", [None, "0"])
+def test_each_restart_gets_its_own_store_unless_the_user_says(monkeypatch, user):
+    seen = []
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", user or "")  # teardown restores what was there
+    if user is None:
+        monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+    monkeypatch.setattr(torchrun, "main", lambda args: seen.append(os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")))
+    assert agent.main(["--standalone"]) == 0
+    assert seen == [user or "1"]  # what torchrun (and the workers it starts) read
 
 
 def test_a_run_that_ends_is_zero_and_gives_the_handlers_back(monkeypatch):

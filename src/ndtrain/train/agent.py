@@ -11,6 +11,10 @@ When its workers fail for good (every restart used), it exits with their code as
 a launch script must not retry; plain torchrun raises its ChildFailedError and exits 1 whatever
 the workers said. Its failure report is printed as torchrun prints it, without the traceback.
 
+It also gives each restart its own rendezvous store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 unless
+the environment says otherwise), as `ndtrain train --nproc` does: a restarted worker that reuses
+the agent's shared store can be handed a stale address and never join.
+
 Everything else is torchrun's own: its arguments, its rendezvous and restarts.
 """
 
@@ -22,6 +26,12 @@ import sys
 from ndtrain.train.signals import TORCHRUN_KEEPS, LauncherSignals
 
 
+def store_per_attempt() -> None:
+    """A rendezvous store per restart attempt for the workers torchrun starts from this process,
+    unless the user set it (torch 2.13 shares the agent's store with them by default)."""
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+
 def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -29,6 +39,7 @@ def main(argv: list[str]) -> int:
 
     from ndtrain.train.command import child_failure_code
 
+    store_per_attempt()
     # torchrun installs its own handlers for the signals it is told to handle, over ours: it keeps
     # only those ndtrain leaves to it (an explicit --signals-to-handle later in argv wins).
     args = [f"--signals-to-handle={','.join(s.name for s in TORCHRUN_KEEPS)}", *argv]
