@@ -31,7 +31,7 @@ def _share_of_a_cpu() -> float:
     plus its wait for a CPU), from a fixed amount of work."""
     import time
 
-    from ndtrain.train.metrics import thread_demand_s
+    from ndtrain.train.busy_time import thread_demand_s
 
     d0, c0 = thread_demand_s(), time.thread_time()
     x = 0

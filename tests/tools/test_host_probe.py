@@ -90,7 +90,7 @@ def test_another_cpu_torch_or_isa_cap_is_another_probe(tmp_path):
 def test_the_uncalibrated_planner_and_the_mfu_peak_use_the_probe(cache, monkeypatch):
     """Before: the planner priced an uncalibrated CPU at 20 GFLOP/s fp32 (bf16 a quarter of it)
     and the runtime measured its own peak; now both read the cached probe."""
-    from ndtrain.train import metrics
+    from ndtrain.train import metrics, peak_flops
 
     no_probe = hardware.this_machine()
     assert (no_probe.peak("fp32"), no_probe.peak("bf16")) == (20e9, 5e9)  # nothing cached: the defaults
@@ -103,13 +103,13 @@ def test_the_uncalibrated_planner_and_the_mfu_peak_use_the_probe(cache, monkeypa
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert metrics.probe_matmul_flops(torch.float32) == hw.peak("fp32")
-        assert metrics.probe_matmul_flops(torch.bfloat16) == hw.peak("bf16")
+        assert peak_flops.probe_matmul_flops(torch.float32) == hw.peak("fp32")
+        assert peak_flops.probe_matmul_flops(torch.bfloat16) == hw.peak("bf16")
         # fp8's emulated rate: the runtime's fp8 "peak" falls back to bf16's (run_peaks)
         peak, _, fp8, note = metrics.run_peaks(torch.device("cpu"), torch.bfloat16, fp8=True)
         assert peak == fp8 == 1452e9 and "below it" in note
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 4 ranks on 2 cores: each has half a core
-        assert metrics.probe_matmul_flops(torch.float32) == pytest.approx(hw.peak("fp32") / 2)
+        assert peak_flops.probe_matmul_flops(torch.float32) == pytest.approx(hw.peak("fp32") / 2)
     finally:
         torch.set_num_threads(threads)
 

@@ -87,7 +87,7 @@ def test_cuda_busy_times_are_read_once_a_straggler_window():
     taken, not at every step's end."""
     import torch.nn as nn
 
-    from ndtrain.train.metrics import CudaBusyTimer
+    from ndtrain.train.busy_time import CudaBusyTimer
     from ndtrain.train.recovery import StragglerMonitor
 
     class Block(nn.Module):

@@ -17,7 +17,7 @@ from torch import nn
 
 from ndtrain.config import load_config
 from ndtrain.planner.hardware import CATALOG, GiB, catalog_name
-from ndtrain.train import metrics, recovery
+from ndtrain.train import busy_time, metrics, peak_flops, recovery
 
 pytestmark = pytest.mark.timeout(120)
 CUDA = torch.device("cuda")  # a device object only: nothing here touches a GPU
@@ -57,36 +57,36 @@ def test_h100_variants_carry_their_datasheet_figures():
 
 
 def test_mfu_peaks_come_from_the_planners_catalog(monkeypatch):
-    assert not any(hasattr(metrics, n) for n in ("GPU_PEAK_BF16", "GPU_PEAK_FP8", "gpu_peak_flops"))
+    assert not any(hasattr(peak_flops, n) for n in ("GPU_PEAK_BF16", "GPU_PEAK_FP8", "gpu_peak_flops"))
     _fake_gpu(monkeypatch, "NVIDIA H100 PCIe")
-    assert metrics.peak_flops(CUDA, torch.bfloat16) == (756e12, "catalog h100-pcie")
-    assert metrics.peak_flops(CUDA, metrics.FP8) == (1513e12, "catalog h100-pcie")
+    assert peak_flops.peak_flops(CUDA, torch.bfloat16) == (756e12, "catalog h100-pcie")
+    assert peak_flops.peak_flops(CUDA, peak_flops.FP8) == (1513e12, "catalog h100-pcie")
     _fake_gpu(monkeypatch, "NVIDIA H100 NVL", 93.6)
-    assert metrics.peak_flops(CUDA, torch.bfloat16)[0] == 835e12
+    assert peak_flops.peak_flops(CUDA, torch.bfloat16)[0] == 835e12
 
 
 def test_a_gpu_missing_from_the_catalog_is_measured_on_that_gpu(monkeypatch):
     _fake_gpu(monkeypatch, "Tesla T4", 15)
     seen = []
-    monkeypatch.setattr(metrics, "probe_matmul_flops",
+    monkeypatch.setattr(peak_flops, "probe_matmul_flops",
                         lambda dtype, device=None, **kw: seen.append((dtype, device)) or 1e12)
-    assert metrics.peak_flops(CUDA, torch.bfloat16) == (1e12, "measured")
-    assert metrics.peak_flops(CUDA, metrics.FP8) == (1e12, "measured")
+    assert peak_flops.peak_flops(CUDA, torch.bfloat16) == (1e12, "measured")
+    assert peak_flops.peak_flops(CUDA, peak_flops.FP8) == (1e12, "measured")
     assert [d.type for _, d in seen] == ["cuda", "cuda"]
-    assert seen[1][0] == metrics.FP8
+    assert seen[1][0] == peak_flops.FP8
     # The probe itself takes the device it measures (here the CPU: a small real run).
-    assert metrics._probe_rate(torch.device("cpu"), torch.bfloat16, n=64, reps=2) > 0
+    assert peak_flops._probe_rate(torch.device("cpu"), torch.bfloat16, n=64, reps=2) > 0
 
 
 # ---- MFU never above 100% -----------------------------------------------------------------
 def test_the_fp8_peak_is_never_below_the_bf16_one(monkeypatch):
     """On CPU torch._scaled_mm is emulated (~7x below bf16 here, ~50,000x on an AMX host), so a
     run whose bf16 work outpaces it printed '185.8% of fp8 peak'."""
-    rates = {torch.bfloat16: 200e9, metrics.FP8: 30e9}
-    monkeypatch.setattr(metrics, "probe_matmul_flops", lambda dtype, device=None, **kw: rates[dtype])
+    rates = {torch.bfloat16: 200e9, peak_flops.FP8: 30e9}
+    monkeypatch.setattr(peak_flops, "probe_matmul_flops", lambda dtype, device=None, **kw: rates[dtype])
     peak, source, fp8, fp8_source = metrics.run_peaks(torch.device("cpu"), torch.bfloat16, fp8=True)
     assert (peak, fp8) == (200e9, 200e9) and "bf16" in fp8_source and source == "measured"
-    rates[metrics.FP8] = 400e9  # fp8 tensor cores: the fp8 rate stands
+    rates[peak_flops.FP8] = 400e9  # fp8 tensor cores: the fp8 rate stands
     assert metrics.run_peaks(torch.device("cpu"), torch.bfloat16, fp8=True)[2] == 400e9
     assert metrics.run_peaks(torch.device("cpu"), torch.bfloat16, fp8=False)[2] == 0.0
 
@@ -186,7 +186,7 @@ def _step(clock, blocks, wait):
 
 _STARVED = """
 import os, subprocess, sys, time
-from ndtrain.train.metrics import CpuBusyTimer
+from ndtrain.train.busy_time import CpuBusyTimer
 cpu = min(os.sched_getaffinity(0))
 os.sched_setaffinity(0, {cpu})  # inherited: the competitor below takes turns with this thread
 rival = subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -220,11 +220,11 @@ def test_cpu_busy_time_counts_waiting_for_a_cpu_not_blocking(hang_deadline):
 
 
 def test_busy_timer_selection_and_arithmetic():
-    assert isinstance(metrics.busy_timer(torch.device("cpu"), []), metrics.CpuBusyTimer)
+    assert isinstance(busy_time.busy_timer(torch.device("cpu"), []), busy_time.CpuBusyTimer)
     clock = Clock()
     blocks = [Block(clock, 0.25), Block(clock, 0.5)]
-    timer = metrics.busy_timer(CUDA, blocks, event=clock.event)
-    assert isinstance(timer, metrics.CudaBusyTimer)
+    timer = busy_time.busy_timer(CUDA, blocks, event=clock.event)
+    assert isinstance(timer, busy_time.CudaBusyTimer)
     _step(clock, blocks, wait=3.0)  # outside a timed step: not counted
     timer.start()
     _step(clock, blocks, wait=5.0)

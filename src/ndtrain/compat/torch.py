@@ -94,7 +94,7 @@ PRIVATE: dict[str, Private] = {
         ("efficient", "efficient_attention"), ("efficient_backward", "efficient_attention_backward"))},
     "grouped_mm_op": _p("torch", "ops.aten._grouped_mm", "the dry run's FLOPs of MoE experts (compat/fake.py)",
                         "fallback: the experts' grouped GEMMs are not counted"),
-    "scaled_mm": _p("torch", "_scaled_mm", "fp8 peak probes (train/metrics.py, host_probe.py, tools/calibrate_gpu.py)",
+    "scaled_mm": _p("torch", "_scaled_mm", "fp8 peak probes (train/peak_flops.py, host_probe.py, tools/calibrate_gpu.py)",
                     "fallback: the host probe reports no fp8; metrics and calibration refuse fp8"),
     **{f"foreach_{op}": _p("torch", f"_foreach_{op}",
                            "DiLoCo's outer Nesterov step (parallel/diloco.py), clipping (parallel/grad_norm.py)", _LOOP)

@@ -1,90 +1,21 @@
-"""Step metrics: JSONL + experiment trackers + a progress bar, and the peak FLOP/s that MFU divides by."""
+"""Step metrics: metrics.jsonl, the experiment trackers and a progress bar, and what a row reports
+beside the step's figures: the peaks its MFU divides by (measured in train/peak_flops.py) and
+the peak memory."""
 
 from __future__ import annotations
 
 import json
 import resource
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 
-from ndtrain.compat.torch import require
 from ndtrain.layout.flops import mfu  # noqa: F401  (the trainer's MFU; the rule lives with the FLOP count)
-from ndtrain.planner.hardware import CATALOG, catalog_name
+from ndtrain.train.peak_flops import FP8, peak_flops
 from ndtrain.train.run_length import TimeLeft, duration
 from ndtrain.train.trackers import open_trackers, scalars
-
-FP8 = torch.float8_e4m3fn  # the dtype that asks peak_flops for the fp8 peak
-
-
-def _probe_rate(device: torch.device, dtype: torch.dtype, n: int, reps: int) -> float:
-    """Best-of-`reps` FLOP/s of an n x n x n matmul in `dtype` on `device` (fp8 through
-    torch._scaled_mm, what torchao's Float8Linear calls). One path for CPU and CUDA: on CUDA each
-    timing waits for the kernel (synchronize), on CPU that wait is a no-op."""
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    if dtype == FP8:
-        a = torch.randn(n, n, device=device).to(FP8)
-        b = torch.randn(n, n, device=device).to(FP8).t().contiguous().t()  # column-major, as _scaled_mm wants
-        one = torch.ones((), device=device)
-        scaled_mm = require("scaled_mm")  # private torch: compat.torch; looked up outside the timing
-
-        def mm():
-            return scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    else:
-        a = torch.randn(n, n, dtype=dtype, device=device)
-        b = torch.randn(n, n, dtype=dtype, device=device)
-
-        def mm():
-            return a @ b
-    mm()  # warm-up: first call pays for allocation and kernel selection
-    sync()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        mm()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
-def probe_matmul_flops(dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> float:
-    """Matmul throughput of this process on `device` (default the CPU). A CPU probe runs with the
-    process's thread count: ranks probe concurrently, so on a shared host each sees its share of
-    the cores. A GPU probe needs a shape that fills the chip (8192: ~1.4 ms at 790 TFLOP/s).
-    On CPU the cached host probe's figures come first (train/host_probe.py): the same the planner's
-    uncalibrated model uses, so MFU and the plan divide by one measurement; measured here only
-    where the probe never ran on this host."""
-    device = device or torch.device("cpu")
-    if device.type == "cuda":
-        return _probe_rate(device, dtype, n=8192, reps=5)
-    from ndtrain.train.host_probe import cpu_peak
-
-    peak = cpu_peak(dtype)
-    if peak is not None:
-        return peak
-    if dtype == FP8:  # emulated on some CPUs (0.03 GFLOP/s on an AMX host: ~9 s per 512^3 call)
-        return _probe_rate(device, dtype, n=128, reps=3)
-    return _probe_rate(device, dtype, n=512, reps=8)
-
-
-def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """(peak FLOP/s of one device for matmuls in `dtype`, where it came from); `FP8` asks for the
-    fp8 peak. A CUDA device is looked up in the planner's catalog (the one table of datasheet
-    peaks, matched by name and memory to its variant); one missing there, and a CPU, are measured
-    on the device itself. On CUDA a non-fp8 run is measured against the bf16 peak, as MFU
-    conventionally is (an fp32 run on tensor cores runs TF32 or slower). A CPU's is the host
-    probe's (probe_matmul_flops)."""
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        name = catalog_name(props.name, props.total_memory)
-        peak = 0.0 if name is None else (CATALOG[name].peak_fp8 if dtype == FP8 else CATALOG[name].peak_bf16)
-        if peak:
-            return peak, f"catalog {name}"
-        return probe_matmul_flops(FP8 if dtype == FP8 else torch.bfloat16, device), "measured"
-    return probe_matmul_flops(dtype, device), "measured"
 
 
 def run_peaks(device: torch.device, dtype: torch.dtype, fp8: bool) -> tuple[float, str, float, str]:
@@ -137,105 +68,14 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-# ---- per-rank busy time (the straggler monitor's input) --------------------------------------
-def thread_demand_s() -> float:
-    """Seconds the calling thread has run or waited to run: its CPU time plus its run-queue wait
-    (Linux /proc/.../schedstat; the CPU time alone where that file is missing). A thread blocked in
-    a collective is neither; a thread whose node is throttled (a cgroup CPU quota) or whose cores
-    other work takes waits on the run queue: CPU time alone cannot see that node as slow, since
-    the work costs the same CPU time however long it waits for it."""
-    try:
-        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
-            ran_ns, waited_ns = f.read().split()[:2]
-        return (int(ran_ns) + int(waited_ns)) / 1e9
-    except (OSError, ValueError):
-        return time.thread_time()
-
-
-class CpuBusyTimer:
-    """The training thread's demand for a CPU (thread_demand_s): time blocked in a collective
-    waiting for a slow peer is not counted, so the slow rank stands out though every rank's wall
-    time is the same, whether it is slow from more work or from less CPU."""
-
-    def start(self) -> None:
-        self._t0 = thread_demand_s()
-
-    def stop(self, lazy: bool = False) -> float:
-        return thread_demand_s() - self._t0  # the CPU's clock: read at once, lazy or not
-
-    def close(self) -> None:
-        pass
-
-
-class CudaBusyTimer:
-    """GPU time of each rank's own compute, from CUDA events recorded on the current stream around
-    every forward of `modules` (the decoder blocks and the head).
-    A step's wall time, and the GPU time from its start to its end, include waiting for the
-    slowest peer in the step's collectives and so are the same on every rank; inside a block the
-    stream runs only that rank's kernels (FSDP2's pre-forward hook, prepended to ours, has already
-    made the stream wait for its all-gather before the start event). Collectives inside a block
-    (TP, CP's ring, EP's all-to-alls) are timed with it. The step itself never waits for the
-    device (train/step_values.py), so reading the events is a sync: `stop(lazy=True)` leaves it
-    to the caller, who reads a whole straggler window's steps at once."""
-
-    def __init__(self, modules, event=None):
-        self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
-        self._pairs: list | None = None  # None: not timing (outside a step, e.g. validation)
-        self._open: dict[int, object] = {}
-        self._hooks = []
-        # Host-side bookkeeping that compiled blocks must run eagerly around their graph. Wrapped
-        # here, not by a decorator at import: torch.compiler.disable imports torch._dynamo, ~3 s of
-        # CPU in every process that imports this module, though only a CUDA run builds this timer.
-        eager = torch.compiler.disable
-        for m in modules:
-            self._hooks.append(m.register_forward_pre_hook(eager(self._begin)))
-            self._hooks.append(m.register_forward_hook(eager(self._end)))
-
-    def _begin(self, module, args) -> None:
-        if self._pairs is not None:
-            self._open[id(module)] = ev = self._event()
-            ev.record()
-
-    def _end(self, module, args, output) -> None:
-        start = self._open.pop(id(module), None)
-        if self._pairs is not None and start is not None:
-            end = self._event()
-            end.record()
-            self._pairs.append((start, end))
-
-    def start(self) -> None:
-        self._pairs, self._open = [], {}
-
-    def stop(self, lazy: bool = False):
-        """The step's busy seconds; `lazy`: a callable that reads them when called."""
-        pairs, self._pairs = self._pairs or [], None
-
-        def busy() -> float:
-            if pairs:
-                pairs[-1][1].synchronize()  # the host waits for the step's last block
-            return sum(a.elapsed_time(b) for a, b in pairs) / 1e3  # elapsed_time is in ms
-
-        return busy if lazy else busy()
-
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks, self._pairs = [], None
-
-
 def compute_modules(model_parts) -> list:
-    """What a CUDA busy timer brackets: every decoder block and the head of this rank's parts."""
+    """What a CUDA busy timer (train/busy_time.py) brackets: every decoder block and the head of this rank's parts."""
     found = []
     for part in model_parts:
         found += list(getattr(part, "layers", {}).values())
         if getattr(part, "output", None) is not None:
             found.append(part.output)
     return found
-
-
-def busy_timer(device: torch.device, modules, event=None):
-    """The straggler monitor's clock for `device`: compute time, never wall time."""
-    return CudaBusyTimer(modules, event) if device.type == "cuda" else CpuBusyTimer()
 
 
 class MetricsLogger:

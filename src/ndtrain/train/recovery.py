@@ -28,7 +28,8 @@ from ndtrain.train import resilience
 from ndtrain.train.distributed import broadcast_object, gather_objects, host_group, restart_count, run_id
 from ndtrain.train.heartbeat import Heartbeat
 from ndtrain.train.balance import busy_at_mean_rows
-from ndtrain.train.metrics import busy_timer, peak_memory_mb
+from ndtrain.train.busy_time import busy_timer
+from ndtrain.train.metrics import peak_memory_mb
 from ndtrain.train.signals import Preemption
 
 EXIT_HANG = 70  # a watchdog abort: nonzero, so torchrun restarts the group
@@ -113,7 +114,7 @@ class StragglerMonitor:
     """Per-rank busy time per step, compared every `window` steps. Busy time is each rank's own
     compute, never wall time (the step's collectives make wall time the same on every rank): the
     training thread's CPU time on CPU, the GPU time of its blocks from CUDA events on CUDA
-    (metrics.busy_timer). A rank over the median by more than `threshold` in `persist`
+    (train/busy_time.py). A rank over the median by more than `threshold` in `persist`
     consecutive windows is named."""
 
     def __init__(self, threshold: float, window: int, persist: int = 3):
