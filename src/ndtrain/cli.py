@@ -16,15 +16,15 @@ import sys
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("ndtrain.train.command", "main", "train a model (single process, --nproc N, or under torchrun)"),
     "prepare": ("ndtrain.tools.prepare_command", "main", "tokenize text files into a binary token shard"),
-    "generate": ("ndtrain.train.generate", "main", "sample text from a checkpoint"),
+    "generate": ("ndtrain.tools.generate_command", "main", "sample text from a checkpoint"),
     "config": ("ndtrain.tools.config_check", "config_main", "`config show`: the resolved config; `config check --world N`: check it for N ranks"),
     "verify": ("ndtrain.tools.verify", "main", "check that parallel layouts match a single process"),
     "plan": ("ndtrain.planner.command", "plan_main", "predict memory/time/MFU of layouts and pick the best"),
     "goodput": ("ndtrain.tools.goodput_costs", "main", "expected goodput and optimal checkpoint interval"),
     "calibrate": ("ndtrain.tools.calibrate_gpu", "main", "measure this machine (its GPUs, or its CPU ranks) for the planner"),
     "pipeline-report": ("ndtrain.tools.pipeline_report", "main", "draw a pipeline schedule timeline"),
-    "export": ("ndtrain.train.interop", "export_main", "export a checkpoint (safetensors or Hugging Face)"),
-    "import": ("ndtrain.train.interop", "import_main", "import Hugging Face Llama weights"),
+    "export": ("ndtrain.tools.interop", "export_main", "export a checkpoint (safetensors or Hugging Face)"),
+    "import": ("ndtrain.tools.interop", "import_main", "import Hugging Face Llama weights"),
     "report": ("ndtrain.tools.report", "main", "draw runs (loss, throughput, memory, restarts...) into one HTML file"),
     "dryrun": ("ndtrain.tools.dryrun", "main", "build one rank of an N-rank job and train one step on fake tensors: memory, FLOPs, traffic vs the planner"),
 }

@@ -732,7 +732,7 @@ CASES += HEADER_AND_ENV_CASES
 @pytest.fixture(scope="module")
 def results(corpus_dir, tmp_path_factory, hang_deadline):
     from ndtrain.config import load_config
-    from ndtrain.train.interop import export
+    from ndtrain.tools.interop import export
     from ndtrain.train.rundir import RunLock
     from ndtrain.train.trainer import train
 

@@ -49,7 +49,7 @@ def _resume_train_save(base: dict, load_from: str | None, save_to: str, steps: i
 def test_fp8_checkpoint_resumes_in_bf16_and_back(parity_base, tmp_path, fp8_cheap_peak, hang_deadline):
     from ndtrain.parallel.launch import run_ranks
     from ndtrain.train.checkpoint import load_model_weights
-    from ndtrain.train.interop import export
+    from ndtrain.tools.interop import export
 
     layers = 2 if fp8_cheap_peak.slow else 4
     fp8_fsdp = _job(parity_base, layers, mixed_precision="fp8", dp_shard=2)

@@ -14,7 +14,7 @@ from ckpt_helpers import cfg_of, job
 from ndtrain.errors import NdtrainError
 from ndtrain.model.llama import build_model
 from ndtrain.train.checkpoint import load_model_weights, read_train_state
-from ndtrain.train.interop import export, import_hf
+from ndtrain.tools.interop import export, import_hf
 from ndtrain.train.trainer import train
 
 transformers = pytest.importorskip("transformers")

@@ -71,7 +71,7 @@ def test_the_checkpoint_carries_the_corpus_tokenizer_in_its_manifest(bpe_run):
 @pytest.mark.timeout(120)
 def test_generate_and_export_read_the_checkpoints_copy(bpe_run, tmp_path):
     from ndtrain.train.generate import generate_from_checkpoint
-    from ndtrain.train.interop import export
+    from ndtrain.tools.interop import export
 
     run, corpus = _copy(bpe_run, tmp_path)
     before = generate_from_checkpoint(run, "def ", 6, temperature=0)
@@ -107,7 +107,7 @@ def _as_old(ckpt: Path) -> None:
 @pytest.mark.timeout(120)
 def test_an_old_checkpoint_reads_its_corpus_and_without_it_says_so_in_one_line(bpe_run, tmp_path):
     from ndtrain.train.generate import generate_from_checkpoint
-    from ndtrain.train.interop import export
+    from ndtrain.tools.interop import export
 
     run, corpus = _copy(bpe_run, tmp_path)
     before = generate_from_checkpoint(run, "def ", 6, temperature=0)

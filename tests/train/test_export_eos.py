@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ndtrain.data.tokenizer import ByteTokenizer
-from ndtrain.train.interop import export, import_hf
+from ndtrain.tools.interop import export, import_hf
 
 FIXTURE = Path(__file__).parent / "fixtures" / "ckpt_dc37512" / "checkpoints" / "step_00000002"
 

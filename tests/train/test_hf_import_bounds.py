@@ -15,7 +15,8 @@ from ndtrain.errors import NdtrainError
 from ndtrain.model import llama
 from ndtrain.model.config import ModelConfig
 from ndtrain.train import host_memory
-from ndtrain.train.interop import export, hf_config, import_hf, to_hf_name
+from ndtrain.tools.hf_weights import to_hf_name
+from ndtrain.tools.interop import export, hf_config, import_hf
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,9 +11,7 @@ torch, the model and the checkpoint package are imported inside the functions th
 
 from __future__ import annotations
 
-import argparse
 import gc
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -302,31 +300,3 @@ def generate_from_checkpoint(path, prompt: str, n: int, temperature: float = 0.8
     out = sample(model, tok.encode(prompt), n, temperature, top_k, seed, getattr(tok, "eos_id", None))
     return tok.decode(out)
 
-
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="ndtrain generate", description="Sample text from a checkpoint.")
-    p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoints/ or run directory")
-    p.add_argument("--prompt", default="def ")
-    p.add_argument("--tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", help="auto (cuda if there is one), cpu, cuda or cuda:N")
-    a = p.parse_args(argv)
-    if not 0 <= a.tokens <= 1_000_000:
-        raise UsageError(f"--tokens must be between 0 and 1000000, got {a.tokens}")
-    if not (math.isfinite(a.temperature) and a.temperature >= 0):
-        raise UsageError(f"--temperature must be a finite number >= 0 (0 = greedy), got {a.temperature}")
-    if a.top_k < 0:
-        raise UsageError(f"--top-k must be >= 0 (0 = no limit), got {a.top_k}")
-    if a.seed < 0:
-        raise UsageError(f"--seed must be >= 0, got {a.seed}")
-    if not a.prompt:
-        raise UsageError("--prompt must not be empty (the model needs at least one token to continue)")
-    resolve_checkpoint(a.checkpoint)  # a mistyped path is refused before torch is imported
-    try:
-        device = sample_device(a.device)
-    except RuntimeError:
-        raise UsageError(f"--device must be auto, cpu, cuda or cuda:N, got {a.device!r}") from None
-    print(generate_from_checkpoint(a.checkpoint, a.prompt, a.tokens, a.temperature, a.top_k, a.seed, device))
-    return 0

@@ -24,17 +24,6 @@ from pathlib import Path
 from ndtrain.errors import NdtrainError
 from ndtrain.model.config import ModelConfig
 
-_FROM_HF_WEIGHTS = ("from_hf_name", "to_hf_name")  # re-exported (tests, tools), imported when first asked for
-
-
-def __getattr__(name: str):
-    if name in _FROM_HF_WEIGHTS:
-        from ndtrain.train import hf_weights
-
-        return getattr(hf_weights, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def hf_config(m: ModelConfig, dtype: str) -> dict:
     if m.is_moe:
         raise NdtrainError("Hugging Face Llama export covers dense models; this checkpoint is mixture-of-experts")
@@ -209,7 +198,7 @@ def export(checkpoint: str | Path, to: str, out: str | Path, dtype: str = "float
     from safetensors.torch import save_file
 
     from ndtrain.train.checkpoint import checkpoint_config, load_model_weights
-    from ndtrain.train.hf_weights import to_hf_name
+    from ndtrain.tools.hf_weights import to_hf_name
 
     weights, state = load_model_weights(ckpt)
     cfg = checkpoint_config(ckpt, state)
@@ -297,7 +286,7 @@ def read_hf(src: str | Path) -> tuple[ModelConfig, dict[str, tuple[tuple[int, ..
                            f"Hugging Face model directory")
     if not (src / "config.json").is_file():
         raise NdtrainError(f"{src}: no config.json; expected a Hugging Face model directory")
-    from ndtrain.train import hf_weights
+    from ndtrain.tools import hf_weights
 
     cfg = model_config_from_hf(_read_json(src / "config.json"))
     headers = hf_weights.headers(src, _weight_files(src))
@@ -310,7 +299,7 @@ def import_hf(src: str | Path, out_root: str | Path) -> Path:
 
     from ndtrain.config import JobConfig, to_dict
     from ndtrain.paths import check_creatable
-    from ndtrain.train import hf_weights
+    from ndtrain.tools import hf_weights
     from ndtrain.train.checkpoint import FORMAT, TRAIN_STATE, fsync_dir, step_name, write_manifest, write_marker
     from ndtrain.train import host_memory
 
