@@ -130,10 +130,12 @@ def materialize(model: nn.Module, seed: int, device: str | torch.device = "cpu")
         if tied and name == "output.weight":
             # A pipeline's last stage holds its own copy of the tied weight: the embedding's values.
             name = "tok_embeddings.weight"
-        global_shape, offset, local_shape = _local_window(param)
         local = param.to_local() if hasattr(param, "to_local") else param
-        if is_fake(local):  # a dry run's tensor (tools/dryrun.py): a shape with no values to fill
+        # A dry run's tensor (tools/dryrun.py): a shape with no values to fill. Checked before the
+        # window: a strided shard's offsets come from reading an index tensor, one fake read per row.
+        if is_fake(local):
             continue
+        global_shape, offset, local_shape = _local_window(param)
         vals = init_values(name, global_shape, init_std(name, n_layers, base_std), seed, offset, local_shape)
         local.copy_(vals.to(local.dtype))
     for module in model.modules():
