@@ -8,7 +8,7 @@ One process builds one Trainer per mode (bf16, fp8 tensorwise, and fp8 rowwise w
 then runs interleaved rounds: a few steps of each mode in turn, so clock and thermal drift hit
 every mode alike. Blocks are torch.compile'd (as fp8 is meant to run: the casts fuse into the
 neighbouring kernels) unless --no-compile. Reports tokens/s, MFU against the bf16 peak for every
-mode and against the fp8 peak for fp8 modes (catalog peaks, train/peak_flops.py), peak memory, and the
+mode and against the fp8 peak for fp8 modes (catalog peaks, calibrate/peak_flops.py), peak memory, and the
 fp8/bf16 speed ratio. Exit 0 when every mode ran.
 """
 
@@ -86,7 +86,7 @@ def main() -> int:
     from ndtrain.config import load_config
     from ndtrain.layout.flops import flops_per_token
     from ndtrain.model.config import PRESETS, num_params
-    from ndtrain.train.peak_flops import FP8, peak_flops
+    from ndtrain.calibrate.peak_flops import FP8, peak_flops
     from ndtrain.train.trainer import Trainer
 
     t_start = time.time()

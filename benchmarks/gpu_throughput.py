@@ -47,7 +47,7 @@ def main() -> int:
     from ndtrain.model.config import PRESETS, num_params
     from ndtrain.planner.api import predict
     from ndtrain.planner.hardware import catalog_name
-    from ndtrain.train.peak_flops import peak_flops
+    from ndtrain.calibrate.peak_flops import peak_flops
     from ndtrain.train.trainer import Trainer
 
     t_start = time.time()

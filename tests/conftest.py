@@ -148,7 +148,7 @@ def fp8_speed() -> Fp8Speed:
 
 @pytest.fixture
 def fp8_cheap_peak(fp8_speed, monkeypatch) -> Fp8Speed:
-    """`fp8_speed`; where fp8 is slow, the trainer's fp8 peak probe (train/peak_flops.py: 9 calls of
+    """`fp8_speed`; where fp8 is slow, the trainer's fp8 peak probe (calibrate/peak_flops.py: 9 calls of
     a 512^3 `_scaled_mm`, ~80 s at 0.03 GFLOP/s, in every fp8 Trainer) is skipped. There the probe
     yields the bf16 peak anyway (fp8 measures below it), which is what this returns, so only tests
     that do not read MFU use it (test_fp8_mfu_names_both_peaks runs the real probe)."""

@@ -1,7 +1,9 @@
 """The floors of the package, read from its source with ast (nothing is imported):
 
     tools      commands and tools that drive the trainer or the planner      -> anything
-    train      the loop, optimizer, checkpoints, recovery, metrics           -> planner, parallel, model, data, layout, config
+    train      the loop, optimizer, checkpoints, recovery, metrics           -> calibrate, planner, parallel, model, data, layout, config
+    calibrate  measuring this machine with torch (host probe, MFU peak,      -> planner, parallel, model, layout
+               `ndtrain calibrate`'s measurements)
     planner    pure Python predictions                                       -> layout, model (torch-free parts)
     parallel   one file per dimension and the composer                       -> model, layout, config
     config     the job config                                                -> model, layout
@@ -10,10 +12,10 @@
     model      pure torch.nn                                                 -> (itself)
     compat     torch's private names, behind one door (compat/torch.py)      -> (itself)
 
-Every floor may also use `errors`, and those that use torch (model, parallel, train) `compat`;
-train, data and config use `paths` (checks that an output path can be written, before work starts,
-and that a name is one path component); train and parallel read the launcher's variables through
-`launch_env`, torch-free.
+Every floor may also use `errors`, and those that use torch (model, parallel, calibrate, train)
+`compat`; train, data and config use `paths` (checks that an output path can be written, before
+work starts, and that a name is one path component); train, calibrate and parallel read the
+launcher's variables through `launch_env`, torch-free.
 Imports inside functions count like module-level ones, for the floors, for torch and for cycles
 between files: an import deferred into a function hides a cycle from Python, not from the reader.
 Each check is shown to fail on a small package with the violation in it.
@@ -32,8 +34,9 @@ ALLOWED = {
     "tools": None,  # anything
     "cli": None,  # dispatches by module name, imports nothing of the package at module level
     "__main__": None,
-    "train": {"train", "planner", "parallel", "model", "data", "layout", "config", "compat", "errors", "paths",
-              "launch_env"},
+    "train": {"train", "calibrate", "planner", "parallel", "model", "data", "layout", "config", "compat", "errors",
+              "paths", "launch_env"},
+    "calibrate": {"calibrate", "planner", "parallel", "model", "layout", "compat", "errors", "launch_env"},
     "planner": {"planner", "layout", "model", "errors"},
     "parallel": {"parallel", "model", "layout", "config", "compat", "errors", "launch_env"},
     "config": {"config", "model", "layout", "errors", "paths"},

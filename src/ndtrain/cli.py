@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "verify": ("ndtrain.tools.verify", "main", "check that parallel layouts match a single process"),
     "plan": ("ndtrain.planner.command", "plan_main", "predict memory/time/MFU of layouts and pick the best"),
     "goodput": ("ndtrain.tools.goodput_costs", "main", "expected goodput and optimal checkpoint interval"),
-    "calibrate": ("ndtrain.tools.calibrate_gpu", "main", "measure this machine (its GPUs, or its CPU ranks) for the planner"),
+    "calibrate": ("ndtrain.tools.calibrate_command", "main", "measure this machine (its GPUs, or its CPU ranks) for the planner"),
     "pipeline-report": ("ndtrain.tools.pipeline_report", "main", "draw a pipeline schedule timeline"),
     "export": ("ndtrain.tools.interop", "export_main", "export a checkpoint (safetensors or Hugging Face)"),
     "import": ("ndtrain.tools.interop", "import_main", "import Hugging Face Llama weights"),

@@ -78,7 +78,7 @@ def test_a_missing_name_is_one_line_naming_it_and_the_version(monkeypatch):
         .apply_ddp(nn.Linear(2, 2), None)),
     ("checkpoint_wrapper", lambda: __import__("ndtrain.parallel.activation", fromlist=["x"])
         .apply_activation_checkpointing(nn.Module(), "full")),
-    ("scaled_mm", lambda: __import__("ndtrain.train.peak_flops", fromlist=["x"])._probe_rate(
+    ("scaled_mm", lambda: __import__("ndtrain.calibrate.peak_flops", fromlist=["x"])._probe_rate(
         torch.device("cpu"), torch.float8_e4m3fn, 16, 1)),
 ])
 def test_a_missing_name_that_has_no_fallback_is_refused(monkeypatch, key, call):

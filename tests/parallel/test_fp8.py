@@ -180,7 +180,7 @@ def _counting_scaled_mm(calls: list):
     scaled_mm = torch._scaled_mm
 
     def counting(a, b, **kw):
-        if not a.shape == b.shape == (512, 512):  # the trainer's fp8 peak probe (train/peak_flops.py)
+        if not a.shape == b.shape == (512, 512):  # the trainer's fp8 peak probe (calibrate/peak_flops.py)
             calls.append((a.dtype, b.dtype))
         return scaled_mm(a, b, **kw)
     return counting

@@ -4,7 +4,7 @@ import pytest
 
 from ndtrain.planner.comm import collective_time
 from ndtrain.planner.hardware import from_profile
-from ndtrain.tools.calibrate_host import SHAPES, fit_dp, layer_param_bytes
+from ndtrain.calibrate.host_costs import SHAPES, fit_dp, layer_param_bytes
 
 
 def _timed(per_byte: float, alpha: float) -> dict:
@@ -65,7 +65,7 @@ def test_optimizer_is_timed_as_the_trainer_runs_it(monkeypatch):
     import torch
 
     from ndtrain.config import OptimizerConfig
-    from ndtrain.tools.calibrate_host import optimizer_seconds_per_param
+    from ndtrain.calibrate.host_costs import optimizer_seconds_per_param
 
     seen = []
     real = torch.optim.AdamW
@@ -86,8 +86,8 @@ def test_bf16_layers_get_their_own_gemm_efficiency():
     from ndtrain.layout import Layout
     from ndtrain.planner.problem import make_problem
     from ndtrain.planner.timing import layer_costs
-    from ndtrain.tools.calibrate import fit_mm_eff
-    from ndtrain.tools.calibrate_host import BATCH, _config
+    from ndtrain.calibrate.cpu import fit_mm_eff
+    from ndtrain.calibrate.host_costs import BATCH, _config
 
     dim, seq = SHAPES[-1]
     prof = {"cores": 2, "matmul": {"fp32_1thread": 100e9, "bf16_1thread": 220e9},

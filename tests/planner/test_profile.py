@@ -9,10 +9,10 @@ import pytest
 from ndtrain.cli import main as cli
 from ndtrain.model.config import preset
 from ndtrain.planner import profile, profile_fit
-from ndtrain.tools.calibrate import fit_alpha_beta
+from ndtrain.calibrate.cpu import fit_alpha_beta
 from ndtrain.planner.hardware import CATALOG, GiB
 from ndtrain.planner.problem import make_problem
-from ndtrain.tools import calibrate_gpu
+from ndtrain.calibrate import gpu as calibrate_gpu
 
 H100 = CATALOG["h100"]
 TRUE = {"gemm_eff": 0.70, "gemm_k0": 96.0, "fp8_gemm_eff": 0.55}

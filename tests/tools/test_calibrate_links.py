@@ -1,4 +1,4 @@
-"""`ndtrain calibrate --links` (tools/calibrate_links.py): the link between nodes is recorded apart
+"""`ndtrain calibrate --links` (calibrate/links.py): the link between nodes is recorded apart
 from the link inside a node, in the profile section the planner reads (planner/links.py).
 
 The split is checked with the timing faked (a slow link between nodes, a fast one inside), on a
@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from ndtrain.errors import NdtrainError
 from ndtrain.planner import links
 from ndtrain.planner.hardware import from_profile
-from ndtrain.tools import calibrate_links as cl
+from ndtrain.calibrate import links as cl
 
 INTRA = {"alpha": 20e-6, "beta": 1.0e9}
 INTER = {"alpha": 150e-6, "beta": 12.5e6}  # 100 Mbit/s
@@ -63,7 +63,7 @@ def test_collectives_across_nodes_get_their_own_fits(one_rank, tmp_path):
     def fake(kind, group, nbytes, reps):  # a 2-node all-gather: alpha + n/2 / beta
         return gather["alpha"] + nbytes / 2 / gather["beta"]
 
-    got = cl.measure_collectives(0, 1, 1, (1 << 20, 1 << 22), 1, timer=fake)
+    got = cl.collectives_across_nodes(0, 1, 1, (1 << 20, 1 << 22), 1, timer=fake)
     assert set(got) == set(links.KINDS)
     # the fake says 2 nodes, as measured on a real pair (this group has one rank)
     fitted = cl.fits({"inter": [(n, INTER["alpha"] + n / INTER["beta"]) for n in cl.SIZES]},
@@ -85,7 +85,7 @@ def _worker(rank, world, local, port, out):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo")
     samples = cl.measure(rank, local, sizes=(1 << 10, 1 << 16), reps=2)
-    samples.update(cl.measure_collectives(rank, world, local, (1 << 16,), 2))
+    samples.update(cl.collectives_across_nodes(rank, world, local, (1 << 16,), 2))
     dist.destroy_process_group()
     if rank == 0:
         Path(out).write_text(json.dumps(samples))
@@ -131,9 +131,9 @@ def test_a_missing_or_foreign_base_profile_is_refused_and_left_alone(tmp_path, t
 
 
 def test_the_cli_dispatches_links_and_refuses_outside_torchrun(monkeypatch, tmp_path):
-    from ndtrain.tools import calibrate_gpu
+    from ndtrain.tools import calibrate_command
 
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(NdtrainError, match="runs under torchrun"):
-        calibrate_gpu.main(["--links", "--out", str(tmp_path / "p.json")])
+        calibrate_command.main(["--links", "--out", str(tmp_path / "p.json")])
     assert not (tmp_path / "p.json").exists()

@@ -1,4 +1,4 @@
-"""The measurements the CPU and the GPU calibration share (tools/calibrate_measure.py): the count
+"""The measurements the CPU and the GPU calibration share (calibrate/measure.py): the count
 of calls a timing makes, and causal attention's rows, on every device this host has (the CUDA
 case runs where a GPU is; the collectives run in tests/planner/test_command.py's calibration)."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ndtrain.tools import calibrate_gpu
-from ndtrain.tools.calibrate import attention_rates
-from ndtrain.tools.calibrate_measure import measure_attention, seconds_per_call
+from ndtrain.calibrate import gpu as calibrate_gpu
+from ndtrain.calibrate.cpu import attention_rates
+from ndtrain.calibrate.measure import measure_attention, seconds_per_call
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -90,7 +90,8 @@ def test_another_cpu_torch_or_isa_cap_is_another_probe(tmp_path):
 def test_the_uncalibrated_planner_and_the_mfu_peak_use_the_probe(cache, monkeypatch):
     """Before: the planner priced an uncalibrated CPU at 20 GFLOP/s fp32 (bf16 a quarter of it)
     and the runtime measured its own peak; now both read the cached probe."""
-    from ndtrain.train import metrics, peak_flops
+    from ndtrain.calibrate import peak_flops
+    from ndtrain.train import metrics
 
     no_probe = hardware.this_machine()
     assert (no_probe.peak("fp32"), no_probe.peak("bf16")) == (20e9, 5e9)  # nothing cached: the defaults
@@ -194,7 +195,7 @@ def test_the_trainer_sets_the_chosen_attention_kernel_on_its_model(parity_base):
 
 @pytest.mark.timeout(120)
 def test_a_real_probe_is_cached_and_reused(cache, monkeypatch):
-    from ndtrain.train import host_probe
+    from ndtrain.calibrate import host_probe
 
     first = host_probe.ensure()
     path = host_cache.cache_path(host_cache.host_key(), hardware.probe_dir())

@@ -15,9 +15,10 @@ import pytest
 import torch
 from torch import nn
 
+from ndtrain.calibrate import peak_flops
 from ndtrain.config import load_config
 from ndtrain.planner.hardware import CATALOG, GiB, catalog_name
-from ndtrain.train import busy_time, metrics, peak_flops, recovery
+from ndtrain.train import busy_time, metrics, recovery
 
 pytestmark = pytest.mark.timeout(120)
 CUDA = torch.device("cuda")  # a device object only: nothing here touches a GPU
@@ -274,7 +275,7 @@ def test_calibrate_measures_nccl_memory_before_the_parent_holds_cuda_memory(monk
     whatever the parent process holds there (its context, cached blocks of the GEMM and HBM
     measurements) was counted as NCCL's. The parent must spawn them before it allocates, with
     its cache empty."""
-    from ndtrain.tools import calibrate_gpu as cal
+    from ndtrain.calibrate import gpu as cal
 
     order = []
     props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=int(79.6 * GiB))

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from ndtrain.planner import host_cache
-from ndtrain.train import host_probe, metrics
+from ndtrain.calibrate import host_probe
+from ndtrain.train import metrics
 from ndtrain.train.step import Peaks, StepResult, metrics_row
 
 AVX2 = host_cache.host_key("model name\t: old\nflags\t\t: fpu avx2\n", "2.13.0+cpu", env={}, cores=2)

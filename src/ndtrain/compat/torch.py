@@ -94,7 +94,7 @@ PRIVATE: dict[str, Private] = {
         ("efficient", "efficient_attention"), ("efficient_backward", "efficient_attention_backward"))},
     "grouped_mm_op": _p("torch", "ops.aten._grouped_mm", "the dry run's FLOPs of MoE experts (compat/fake.py)",
                         "fallback: the experts' grouped GEMMs are not counted"),
-    "scaled_mm": _p("torch", "_scaled_mm", "fp8 peak probes (train/peak_flops.py, host_probe.py, tools/calibrate_gpu.py)",
+    "scaled_mm": _p("torch", "_scaled_mm", "fp8 peak probes (calibrate/peak_flops.py, host_probe.py, calibrate/gpu.py)",
                     "fallback: the host probe reports no fp8; metrics and calibration refuse fp8"),
     **{f"foreach_{op}": _p("torch", f"_foreach_{op}",
                            "DiLoCo's outer Nesterov step (parallel/diloco.py), clipping (parallel/grad_norm.py)", _LOOP)
@@ -102,7 +102,7 @@ PRIVATE: dict[str, Private] = {
     "amp_scaling_step": _p("torch.optim", "AdamW._step_supports_amp_scaling",
                            "skipping a non-finite step on the device, through GradScaler's `found_inf` (train/step.py)",
                            "fallback: the step's values are read on the host every step", instance=True),
-    "foreach_norm": _p("torch", "_foreach_norm", "calibration's optimizer timing (tools/calibrate_host.py)", _LOOP),
+    "foreach_norm": _p("torch", "_foreach_norm", "calibration's optimizer timing (calibrate/host_costs.py)", _LOOP),
     "dcp_set_element": _p("torch.distributed.checkpoint._nested_dict", "set_element",
                           "loading non-tensor values with weights_only=True (train/checkpoint/store.py)"),
     "dcp_storage_info": _p("torch.distributed.checkpoint.filesystem", "_StorageInfo", *_ALLOW),

@@ -8,7 +8,7 @@ and the input gradient 1.00-1.20x faster, the weight gradient (both operands tra
 1.06x, so that one stays on the BLAS; the whole model's forward + backward 1.07x
 (benchmarks/cpu_matmul.py). Both are IEEE fp32; only the order of the sums differs
 (docs/results/benchmarks.md, "oneDNN for the fp32 linears"). Another CPU may rank them the other way, so
-`ndtrain train` takes the host probe's choice (train/host_probe.py times this Linear with each
+`ndtrain train` takes the host probe's choice (calibrate/host_probe.py times this Linear with each
 kernel; docs/host-probe.md) unless `[parallel] cpu_matmul` is given.
 
 Everything else takes nn.Linear's own path: other dtypes and devices, autocast, tensor

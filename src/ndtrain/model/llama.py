@@ -75,7 +75,7 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 # The dtypes bf16 CPU attention may run in: whichever the host probe measured faster
-# (train/host_probe.py), chosen per model by the runtime (set_cpu_bf16_attention).
+# (calibrate/host_probe.py), chosen per model by the runtime (set_cpu_bf16_attention).
 CPU_BF16_ATTENTION = ("fp32", "bf16")
 
 
@@ -88,7 +88,7 @@ def plain_kernel(sdpa) -> bool:
 def set_cpu_bf16_attention(model: nn.Module, dtype: str) -> None:
     """Every Attention of `model` that runs the model's own kernel attends bf16 CPU inputs in
     `dtype` ("fp32" | "bf16"): a per-model kernel choice, like linear.set_cpu_kernel, made by the
-    runtime from the host probe (train/host_probe.py), which found either faster depending on
+    runtime from the host probe (calibrate/host_probe.py), which found either faster depending on
     the host and head size. fp32 unless told."""
     if dtype not in CPU_BF16_ATTENTION:
         raise ValueError(f"bf16 CPU attention runs in fp32 or bf16, got {dtype!r}")

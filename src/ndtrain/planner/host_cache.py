@@ -1,5 +1,5 @@
 """The host probe's cache and what its rates decide. Torch-free: the planner reads the cached
-probe as it reads a calibration profile, and train/host_probe.py (which runs torch) measures it.
+probe as it reads a calibration profile, and calibrate/host_probe.py (which runs torch) measures it.
 
 One probe per host: the file name is a hash of what makes two hosts' kernels differ (the CPU
 model and its matmul ISA flags, the cores, the torch build, the ISA caps oneDNN and MKL read from
@@ -113,7 +113,7 @@ def write(data: dict, directory: Path) -> Path:
 
 
 def decide(rates: dict, flags=()) -> dict:
-    """The host's defaults from the probe's rates (FLOP/s; see train/host_probe.py for the keys):
+    """The host's defaults from the probe's rates (FLOP/s; see calibrate/host_probe.py for the keys):
     cpu_matmul: "onednn" only where its fp32 linears measured ONEDNN_MARGIN faster than the BLAS;
     bf16_attention: the dtype a bf16 run's CPU attention runs in, whichever measured faster;
     fp8_ratio: fp8 _scaled_mm over bf16 at the same small shape, fp8_emulated below 1%;

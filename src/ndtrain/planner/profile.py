@@ -1,5 +1,5 @@
 """GPU calibration profiles: what `ndtrain calibrate` measured on a GPU, turned into the planner's
-constants. Torch-free: the measuring is src/ndtrain/tools/calibrate_gpu.py's; this module fits
+constants. Torch-free: the measuring is src/ndtrain/calibrate/gpu.py's; this module fits
 and reads what it wrote, so a profile made on a GPU node plans on a laptop.
 
 A profile (JSON, "kind": "gpu") holds the raw measurements and the constants fitted from them:

@@ -1,4 +1,4 @@
-"""Fitting a GPU calibration profile: the planner's constants from what tools/calibrate_gpu.py
+"""Fitting a GPU calibration profile: the planner's constants from what calibrate/gpu.py
 measured (pure arithmetic, torch-free). Apart from planner/profile.py, which only reads profiles,
 because fitting runs the GEMM model (planner/gemm.py), which sits above the hardware catalog."""
 
@@ -50,7 +50,7 @@ def fit_attention(hw: Hardware, samples: list) -> float | None:
 
 
 def build(hw: Hardware, measured: dict, fit_alpha_beta) -> dict:
-    """The profile JSON from raw measurements (tools/calibrate_gpu.py's dict): fits every constant
+    """The profile JSON from raw measurements (calibrate/gpu.py's dict): fits every constant
     it can. `fit_alpha_beta(kind, [(world, bytes, seconds)])` is the CPU calibration's fit (same
     hop counts as planner/comm.py)."""
     base = consts.resolve(hw.generation)

@@ -1,5 +1,5 @@
 """Step metrics: metrics.jsonl, the experiment trackers and a progress bar, and what a row reports
-beside the step's figures: the peaks its MFU divides by (measured in train/peak_flops.py) and
+beside the step's figures: the peaks its MFU divides by (measured in calibrate/peak_flops.py) and
 the peak memory."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ndtrain.layout.flops import mfu  # noqa: F401  (the trainer's MFU; the rule lives with the FLOP count)
-from ndtrain.train.peak_flops import FP8, peak_flops
+from ndtrain.calibrate.peak_flops import FP8, peak_flops
 from ndtrain.train.run_length import TimeLeft, duration
 from ndtrain.train.trackers import open_trackers, scalars
 

@@ -144,7 +144,7 @@ def _choose(cfg: JobConfig, world: int, hardware, measure_host: bool) -> tuple[J
 
     on_cpu = choices.on_cpu(cfg) and not cfg.parallel.auto_hardware
     if measure_host and on_cpu and not given_a_rank():  # a launcher's workers: their launcher probed
-        from ndtrain.train.host_probe import ensure
+        from ndtrain.calibrate.host_probe import ensure
 
         ensure()
     host = choices.host_choice(work, world, hardware) if on_cpu else None

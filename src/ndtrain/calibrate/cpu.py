@@ -1,5 +1,5 @@
-"""`ndtrain calibrate`: measure this machine and write the hardware profile the planner's
-"this-machine" entry loads. It runs torch, so it sits in tools/ above the torch-free planner.
+"""`ndtrain calibrate` on CPU ranks: measure this machine for the hardware profile the planner's
+"this-machine" entry loads (tools/calibrate_command.py writes it).
 
 Measured: matmul FLOP/s (fp32, bf16; 1 and 2 threads), causal attention FLOP/s, copy bandwidth,
 the host time of a decoder layer (plain and DTensor tensor-parallel), and Gloo all-reduce,
@@ -13,19 +13,13 @@ collective depends on how many ranks share the cores.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import time
 from functools import partial
-from pathlib import Path
 
-from ndtrain.errors import NdtrainError
-from ndtrain.paths import check_output_file
-from ndtrain.tools.calibrate_host import (SHAPES, dp_host, fit_dp, fit_tp, optimizer_seconds_per_param, plain_host,
-                                            tp_host, typical)
-from ndtrain.tools.calibrate_measure import KINDS, measure_attention, measure_collectives
-from ndtrain.planner.hardware import DEFAULT_PROFILE
+from ndtrain.calibrate.host_costs import (SHAPES, dp_host, fit_dp, fit_tp, optimizer_seconds_per_param, plain_host,
+                                          tp_host, typical)
+from ndtrain.calibrate.measure import KINDS, measure_attention, measure_collectives
 
 
 def _hops_share(kind: str, k: int) -> tuple[float, float]:
@@ -54,7 +48,7 @@ def fit_alpha_beta(kind: str, samples: list[tuple[int, float, float]]) -> dict:
 
 def _in_situ(rank: int, world: int, reps: int, tp_degrees: tuple = ()) -> list:
     """On the collectives' ranks: ("tp_host", world, tp, {shape: [per layer, per micro-batch]})
-    from calibrate_host.tp_host, and the runtime's data parallelism, ("dp_host", world, mode, ...)."""
+    from host_costs.tp_host, and the runtime's data parallelism, ("dp_host", world, mode, ...)."""
     results = []
     for tp in tp_degrees:
         if world % tp == 0 and tp <= world:
@@ -154,7 +148,7 @@ def fit_mm_eff(prof: dict, precision: str = "fp32") -> float:
     norms, RoPE, attention and casts the layer keeps in fp32 do not, and the time model's
     elementwise bytes (half of fp32's) miss them; fitted on the bf16 layer, the residual lands
     here as it does for fp32."""
-    from ndtrain.tools.calibrate_host import BATCH, _config
+    from ndtrain.calibrate.host_costs import BATCH, _config
     from ndtrain.planner.hardware import from_profile
     from ndtrain.layout import Layout
     from ndtrain.planner.problem import make_problem
@@ -180,7 +174,7 @@ def calibrate(worlds=(2, 4, 8), sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), reps
               min_time: float = 0.15, attention_seqs=(256, 1024), overhead_reps: int = 15, tp_degrees=(2, 4)) -> dict:
     start = time.perf_counter()
     from ndtrain.planner.host_cache import bf16_attention
-    from ndtrain.train.host_probe import ensure
+    from ndtrain.calibrate.host_probe import ensure
 
     probe = ensure(refresh=True)  # the host probe is refreshed with the calibration, and cached with it
     matmul = {f"{d}_{t}thread": measure_matmul(d, t, matmul_sizes, min_time) for d in ("fp32", "bf16") for t in (1, 2)}
@@ -230,56 +224,3 @@ def calibrate(worlds=(2, 4, 8), sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), reps
     prof["mm_eff_bf16"] = fit_mm_eff(prof, "bf16")
     prof["seconds"] = time.perf_counter() - start
     return prof
-
-
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="ndtrain calibrate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=str(DEFAULT_PROFILE), help=f"profile path (default {DEFAULT_PROFILE})")
-    p.add_argument("--worlds", default="2,4,8", help="process counts for the collectives")
-    p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (a few seconds)")
-    args = p.parse_args(argv)
-    try:
-        worlds = tuple(int(w) for w in args.worlds.split(","))
-    except ValueError as exc:
-        raise NdtrainError(f"--worlds must be a comma list of integers, got {args.worlds!r}") from exc
-    if any(not 2 <= w <= 64 for w in worlds):
-        raise NdtrainError(f"--worlds: each world needs 2 to 64 processes, got {args.worlds!r}")
-    out = Path(args.out).expanduser()
-    check_output_file(out, "--out")  # before minutes of measuring, not after
-    if args.quick:
-        prof = calibrate(worlds, sizes=(1 << 12, 1 << 18), reps=3, matmul_sizes=(128, 256), min_time=0.05,
-                         attention_seqs=(256,), overhead_reps=3, tp_degrees=(2,))
-    else:
-        prof = calibrate(worlds)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")  # a reader never sees half a profile
-    tmp.write_text(json.dumps(prof, indent=1))
-    os.replace(tmp, out)
-    print(f"wrote {out} ({prof['seconds']:.1f} s)")
-    from ndtrain.planner.hardware import host_probe
-    from ndtrain.planner.host_cache import summary
-
-    print("  " + summary(host_probe()))
-    for name, flops in prof["matmul"].items():
-        print(f"  matmul {name:<12} {flops / 1e9:8.1f} GFLOP/s")
-    print(f"  copy bandwidth        {prof['memory']['copy_bw'] / 1e9:8.2f} GB/s")
-    print(f"  eager op overhead     {prof['op_overhead_s'] * 1e6:8.1f} us")
-    for dtype, rates in prof["attention"].items():
-        print(f"  attention {dtype:<5}       " + ", ".join(f"seq {s} {r / 1e9:.1f}" for s, r in rates.items()) + " GFLOP/s")
-    print(f"  grad norm + AdamW     {prof['optimizer_s_per_param'] * 1e9:8.2f} ns per parameter")
-    print(f"  training GEMMs        {prof['mm_eff']:8.2f} of the square-matmul rate (mm_eff; bf16 layer: "
-          f"{prof.get('mm_eff_bf16', prof['mm_eff']):.2f})")
-    host = prof["host_s"]
-    print(f"  host per micro-batch  {host['layer'] * 1e3:8.2f} ms per layer + {host['head'] * 1e3:.2f} ms (one process)")
-    for world, by_tp in prof["tp_host"].items():
-        for t, fit in by_tp.items():
-            print(f"  TP(+SP) tp={t}, world {world}: per layer {fit['layer']['alpha'] * 1e3:.2f} ms + "
-                  f"{fit['layer']['per_byte'] * 1e9:.2f} ns/byte, per micro-batch {fit['head']['alpha'] * 1e3:.2f} ms"
-                  f" + {fit['head']['per_byte'] * 1e9:.2f} ns/byte (bytes: one activation)")
-    for world, fits in prof["dp_in_situ"].items():
-        print(f"  FSDP/DDP in situ, world {world}: " + ", ".join(
-            f"{k} alpha {f['alpha'] * 1e6:.0f} us beta {f['beta'] / 1e9:.2f} GB/s" for k, f in fits.items() if k != "measured"))
-    for kind, fit in prof["collectives"].items():
-        print(f"  {kind:<14} alpha {fit['alpha'] * 1e6:8.1f} us   beta {fit['beta'] / 1e9:6.2f} GB/s   " + "   ".join(
-            f"w{w}: {f['alpha'] * 1e6:.0f} us {f['beta'] / 1e9:.2f} GB/s" for w, f in fit["by_world"].items()))
-    return 0

@@ -6,7 +6,7 @@ Run under torchrun on every node, with the same ranks per node (LOCAL_WORLD_SIZE
 
 Rank 0 times point-to-point ping-pongs with rank 1 (the same node, where a node has two ranks) and
 with the first rank of the next node (the link between nodes), at a few message sizes, while the
-other ranks wait; each pair gets an alpha-beta fit (tools/calibrate.py's, so t = alpha + n / beta
+other ranks wait; each pair gets an alpha-beta fit (calibrate/cpu.py's, so t = alpha + n / beta
 one way). A ping-pong, not a timed send: a send returns once the kernel holds the bytes, which on a
 slow link is long before they arrive. Then the data-parallel collectives over one rank per node,
 as the runtime issues them, each with its own fit: on Gloo over TCP they need not reach what one
@@ -55,7 +55,7 @@ def ping_pong_seconds(rank: int, peer_of_0: int, nbytes: int, reps: int) -> floa
     import torch
     import torch.distributed as dist
 
-    from ndtrain.tools.calibrate_host import typical
+    from ndtrain.calibrate.host_costs import typical
 
     buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
     times = []
@@ -93,7 +93,7 @@ def collective_seconds(kind: str, group, nbytes: int, reps: int) -> float:
     import torch
     import torch.distributed as dist
 
-    from ndtrain.tools.calibrate_measure import seconds_per_call
+    from ndtrain.calibrate.measure import seconds_per_call
 
     k = dist.get_world_size(group)
     full = torch.ones(max(k, nbytes // 4 // k * k))
@@ -109,8 +109,8 @@ def collective_seconds(kind: str, group, nbytes: int, reps: int) -> float:
     return seconds_per_call(op, "cpu", reps)
 
 
-def measure_collectives(rank: int, world: int, ranks_per_node: int, sizes, reps: int,
-                        timer=collective_seconds) -> dict:
+def collectives_across_nodes(rank: int, world: int, ranks_per_node: int, sizes, reps: int,
+                             timer=collective_seconds) -> dict:
     """{kind: [(nodes, bytes, seconds), ...]} on rank 0: each kind over one rank per node, the
     others waiting (every rank makes the group)."""
     import torch.distributed as dist
@@ -132,7 +132,7 @@ def measure_collectives(rank: int, world: int, ranks_per_node: int, sizes, reps:
 def fits(samples: dict, collectives: dict | None = None) -> dict:
     """{link: {"alpha", "beta"}} from {link: [(bytes, one-way seconds), ...]}, and "collectives":
     {kind: {"alpha", "beta"}} from {kind: [(nodes, bytes, seconds), ...]} where given."""
-    from ndtrain.tools.calibrate import fit_alpha_beta
+    from ndtrain.calibrate.cpu import fit_alpha_beta
 
     out = {name: fit_alpha_beta("p2p", [(2, n, t) for n, t in rows]) for name, rows in samples.items()}
     if collectives:
@@ -167,21 +167,8 @@ def add_to_profile(out: Path, ranks_per_node: int, fitted: dict, samples: dict) 
     return prof
 
 
-def cli(argv: list[str]) -> int:
-    import argparse
-
-    from ndtrain.planner.hardware import DEFAULT_PROFILE
-
-    p = argparse.ArgumentParser(prog="ndtrain calibrate --links", description=__doc__.split("\n\n")[0])
-    p.add_argument("--links", action="store_true", required=True)
-    p.add_argument("--out", default=str(DEFAULT_PROFILE), help=f"the profile to add to (default {DEFAULT_PROFILE})")
-    p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
-    p.add_argument("--device", choices=("auto", "cpu"), default="auto", help="CPU ranks only")
-    args = p.parse_args(argv)
-    return main(Path(args.out).expanduser(), args.quick)
-
-
-def main(out: Path, quick: bool) -> int:
+def calibrate_links(out: Path, quick: bool) -> int:
+    """Measure the links on every rank (under torchrun) and, on rank 0, add their fits to `out`."""
     import torch
     import torch.distributed as dist
 
@@ -192,7 +179,7 @@ def main(out: Path, quick: bool) -> int:
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     try:
         samples = measure(rank, local, QUICK_SIZES if quick else SIZES, reps=3 if quick else 5)
-        colls = measure_collectives(rank, world, local, QUICK_SIZES[1:] if quick else SIZES[2:], reps=3)
+        colls = collectives_across_nodes(rank, world, local, QUICK_SIZES[1:] if quick else SIZES[2:], reps=3)
     finally:
         dist.destroy_process_group()
     if rank != 0:

@@ -1,4 +1,4 @@
-"""The measurements the CPU and the GPU calibration share (tools/calibrate.py, tools/calibrate_gpu.py),
+"""The measurements the CPU and the GPU calibration share (calibrate/cpu.py, calibrate/gpu.py),
 written once with the device as a parameter: how one call is timed, causal attention's forward and
 backward, and the collectives over a group of ranks on this machine. What differs by device is
 said where it differs: the clock, the backend, the dtype runs communicate in, the reduce-scatter
@@ -15,7 +15,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from ndtrain.tools.calibrate_host import typical
+from ndtrain.calibrate.host_costs import typical
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 

@@ -1,4 +1,4 @@
-"""`ndtrain calibrate`: measure this machine and write the profile the planner reads.
+"""`ndtrain calibrate` on a GPU node: measure what the planner reads.
 
 On a CUDA GPU (or with --device gpu) it measures what the planner's GPU model needs and writes a
 GPU profile (planner/profile.py fits the constants from the raw measurements):
@@ -11,23 +11,20 @@ GPU profile (planner/profile.py fits the constants from the raw measurements):
     (layer activations kept for the backward, freed in reverse, several micro-batches);
   * NCCL all-reduce, all-gather, reduce-scatter, all-to-all and p2p over the node's GPUs at message
     sizes from 4 KiB to 256 MiB (spawned processes, one per GPU), fitted alpha-beta per collective.
-Without a GPU (or with --device cpu) it runs the CPU calibration of "this-machine"
-(ndtrain.tools.calibrate), as before.
-
-The planner itself never imports torch: this module sits on the top floor and only writes JSON.
+Without a GPU (or with --device cpu) the command runs the CPU calibration of "this-machine"
+(calibrate/cpu.py) instead. tools/calibrate_command.py writes the profile; the planner, which
+never imports torch, only reads it.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import time
 from pathlib import Path
 
 from ndtrain.compat.torch import find, require
 from ndtrain.errors import NdtrainError
-from ndtrain.tools.calibrate_measure import KINDS, measure_attention, measure_collectives, seconds_per_call
+from ndtrain.calibrate.measure import KINDS, measure_attention, measure_collectives, seconds_per_call
 
 DEFAULT_GPU_PROFILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ndtrain" / "gpu.json"
 GEMM_SHAPES = [(m, n, k) for m in (1024, 4096, 16384) for n in (1024, 4096, 8192) for k in (512, 2048, 8192)] + \
@@ -143,62 +140,3 @@ def calibrate_gpu(quick: bool = False):
         # with NCCL's communicator and buffers the memory outside the allocator is larger
         measured["memory"]["overhead_bytes"] = max(measured["memory"]["overhead_bytes"], got["overhead_bytes"])
     return hw, measured
-
-
-def main(argv: list[str]) -> int:
-    if any(a == "--from-run" or a.startswith("--from-run=") for a in argv):
-        from ndtrain.tools import run_calibrate  # fits recorded runs: no torch, no measuring
-
-        return run_calibrate.main(argv)
-    if "--links" in argv:
-        from ndtrain.tools import calibrate_links  # under torchrun across nodes: the link between them
-
-        return calibrate_links.cli(argv)
-    p = argparse.ArgumentParser(prog="ndtrain calibrate", description=__doc__.split("\n\n")[0], add_help=False)
-    p.add_argument("--device", default="auto", choices=("auto", "gpu", "cpu"),
-                   help="gpu: measure the GPUs of this node; cpu: this machine's CPU ranks; auto: gpu if CUDA is there")
-    p.add_argument("--out", help="profile path (default ~/.cache/ndtrain/gpu.json on a GPU, hardware.json on CPU)")
-    p.add_argument("--quick", action="store_true", help="fewer shapes, sizes and repetitions")
-    p.add_argument("-h", "--help", action="store_true")
-    args, rest = p.parse_known_args(argv)
-    device = args.device
-    if device != "cpu":
-        import torch
-
-        if not torch.cuda.is_available():
-            if device == "gpu":
-                raise NdtrainError("--device gpu: no CUDA device is visible")
-            device = "cpu"
-        else:
-            device = "gpu"
-    if device == "cpu" or args.help:
-        from ndtrain.tools import calibrate as cpu
-
-        if args.help:
-            p.print_help()
-            print("\nFit the profile to recorded runs instead of measuring (docs/calibrate-from-runs.md):\n"
-                  "  ndtrain calibrate --from-run RUN_DIR [RUN_DIR ...] [--gpu NAME] [--profile BASE] [--out PATH]")
-            print("\nAdd the link between nodes to a CPU profile (under torchrun on every node):\n"
-                  "  ndtrain calibrate --links [--out PATH] [--quick]")
-            print("\nCPU options (this-machine):")
-        forwarded = rest + (["--out", args.out] if args.out else []) + (["--quick"] if args.quick else [])
-        return cpu.main(forwarded + (["--help"] if args.help else []))
-    if rest:
-        raise NdtrainError(f"unknown option(s) for the GPU calibration: {' '.join(rest)}")
-    from ndtrain.planner import profile_fit as profile
-    from ndtrain.tools.calibrate import fit_alpha_beta
-
-    start = time.perf_counter()
-    hw, measured = calibrate_gpu(args.quick)
-    prof = profile.build(hw, measured, fit_alpha_beta)
-    prof["seconds"] = time.perf_counter() - start
-    out = Path(args.out or DEFAULT_GPU_PROFILE).expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(prof, indent=1))
-    print(f"wrote {out} ({prof['seconds']:.0f} s): {prof['device_name']} -> catalog {prof['catalog']}")
-    for name, value in sorted(prof["constants"].items()):
-        print(f"  {name:<14} {value:.4g}")
-    for kind, fit in prof["collectives"].items():
-        print(f"  {kind:<14} alpha {fit['alpha'] * 1e6:.1f} us, beta {fit['beta'] / 1e9:.1f} GB/s")
-    print(f"plan with it: ndtrain plan --gpu {prof['catalog']} --profile {out} ...")
-    return 0

@@ -47,13 +47,13 @@ def probe_matmul_flops(dtype: torch.dtype = torch.float32, device: torch.device 
     """Matmul throughput of this process on `device` (default the CPU). A CPU probe runs with the
     process's thread count: ranks probe concurrently, so on a shared host each sees its share of
     the cores. A GPU probe needs a shape that fills the chip (8192: ~1.4 ms at 790 TFLOP/s).
-    On CPU the cached host probe's figures come first (train/host_probe.py): the same the planner's
+    On CPU the cached host probe's figures come first (calibrate/host_probe.py): the same the planner's
     uncalibrated model uses, so MFU and the plan divide by one measurement; measured here only
     where the probe never ran on this host."""
     device = device or torch.device("cpu")
     if device.type == "cuda":
         return _probe_rate(device, dtype, n=8192, reps=5)
-    from ndtrain.train.host_probe import cpu_peak
+    from ndtrain.calibrate.host_probe import cpu_peak
 
     peak = cpu_peak(dtype)
     if peak is not None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 
 from ndtrain.compat.torch import find
 from ndtrain.launch_env import local_world_size
