@@ -281,7 +281,7 @@ def test_the_command_and_the_python_api_resolve_the_same_plan(case, tmp_path, mo
     import copy
 
     from ndtrain import cli
-    from ndtrain.train import trainer
+    from ndtrain.train import job, trainer
 
     args, world = {
         "defaults": ([], 1),
@@ -296,9 +296,9 @@ def test_the_command_and_the_python_api_resolve_the_same_plan(case, tmp_path, mo
         seen.append(resolve(cfg, w, *a, **k))
         raise _Resolved
 
-    resolve = trainer.resolve_plan
-    monkeypatch.setattr(trainer, "resolve_plan", resolve_and_stop)
-    monkeypatch.setattr(trainer, "env_world_size", lambda: world)  # the world a launcher would give
+    resolve = job.resolve_plan  # job.train resolves the plan, for the command and the API alike
+    monkeypatch.setattr(job, "resolve_plan", resolve_and_stop)
+    monkeypatch.setattr(job, "env_world_size", lambda: world)  # the world a launcher would give
     with pytest.raises(_Resolved):
         cli.main(["train", *args])
     cfg = load_config(None, args)

@@ -126,23 +126,36 @@ def _fit_to_data(cfg, overrides: list[str]):
 
 
 def _run(cfg) -> int:
-    from ndtrain.train.trainer import train
+    from ndtrain.train.job import train
 
     try:
         summary = train(cfg)  # resolves the plan for this world (train/plan.py), as the Python API does
     except KeyboardInterrupt as exc:  # Ctrl-C outside the loop's own handling (start-up, a failing collective)
-        if launch.rank() == 0:
-            from ndtrain.train.checkpoint import list_checkpoints
-            from ndtrain.train.rundir import checkpoint_root
+        return _interrupted_outside_the_loop(cfg, exc)
+    return _ended(cfg, summary)
 
-            step = getattr(exc, "step", None)
-            found = list_checkpoints(checkpoint_root(cfg, cfg.train.output_dir or "."))
-            last = f"last checkpoint {found[-1]}" if found else "no checkpoint was saved"
-            print(f"ndtrain train: interrupted{f' at step {step}' if step is not None else ''}; {last}",
-                  file=sys.stderr, flush=True)
-        if _under_launcher():
-            os._exit(EXIT_INTERRUPTED)
-        return EXIT_INTERRUPTED
+
+def _interrupted_outside_the_loop(cfg, exc: KeyboardInterrupt) -> int:
+    """Ctrl-C before the loop ran or where it cannot answer (start-up, a failing collective):
+    one line with the step reached and the last checkpoint, then 130."""
+    if launch.rank() == 0:
+        from ndtrain.train.checkpoint import list_checkpoints
+        from ndtrain.train.rundir import checkpoint_root
+
+        step = getattr(exc, "step", None)
+        found = list_checkpoints(checkpoint_root(cfg, cfg.train.output_dir or "."))
+        last = f"last checkpoint {found[-1]}" if found else "no checkpoint was saved"
+        print(f"ndtrain train: interrupted{f' at step {step}' if step is not None else ''}; {last}",
+              file=sys.stderr, flush=True)
+    if _under_launcher():
+        os._exit(EXIT_INTERRUPTED)
+    return EXIT_INTERRUPTED
+
+
+def _ended(cfg, summary: dict) -> int:
+    """How the run ended (done, interrupted, stopped by a signal, a host taken out) as the exit
+    code and the one line a scheduler or a user reads; a finished run also tears its process
+    groups down and samples (rank 0)."""
     rank0 = launch.rank() == 0
     ckpt = summary.get("checkpoint")
     again = f"continue with --checkpoint.resume=auto --train.output_dir={summary['run_dir']}"

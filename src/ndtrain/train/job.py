@@ -1,8 +1,9 @@
-"""One training job: build the state (build.py), then own what runs around its steps (step.py)
-and hand each what it needs: the logger, the checkpointer (resume, saves), the recovery guard
-(watchdog, non-finite rollback, stragglers, preemption), the signals (signals.py), the job
-hooks (hooks.py), validation and the closing sample; a dead peer or Ctrl-C becomes one clear
-error. trainer.train() resolves the plan and claims the run directory, then calls `run`."""
+"""One training job, `train(cfg)`: resolve the plan (plan.py), claim the run directory, build the
+state (build.py), then own what runs around its steps (step.py) and hand each what it needs: the
+logger, the checkpointer (resume, saves), the recovery guard (watchdog, non-finite rollback,
+stragglers, preemption), the signals (signals.py), the job hooks (hooks.py), validation and the
+closing sample; a dead peer or Ctrl-C becomes one clear error. `ndtrain train` and the Python
+API (trainer.py) both call `train`."""
 
 from __future__ import annotations
 
@@ -22,13 +23,32 @@ from ndtrain.train.balance import Balancer
 from ndtrain.train.build import build
 from ndtrain.train.checkpoint import list_checkpoints
 from ndtrain.train.gc_schedule import GcSchedule
-from ndtrain.train.distributed import group_active
+from ndtrain.train.distributed import env_world_size, group_active
 from ndtrain.train.metrics import compute_modules
 from ndtrain.train.optim import extend_schedule
 from ndtrain.train.noise_scale import grow
+from ndtrain.train.plan import Plan, resolve_plan
 from ndtrain.train.state import checkpointer
 
-def run(plan, run_dir: Path) -> dict:
+
+def train(cfg: JobConfig, plan: Plan | None = None) -> dict:
+    """Run a whole job: train, validate, checkpoint, sample. Returns a summary (rank 0's view).
+    `plan`: the job resolved for this world; by default resolved here (train/plan.py), so
+    `ndtrain train` and the Python API build the same run. `cfg` is not changed: the run trains
+    with the plan's config."""
+    from ndtrain.train.rundir import claim_for_group, group_run_dir
+
+    plan = plan if plan is not None else resolve_plan(cfg, env_world_size())
+    run_dir = group_run_dir(plan.config)
+    lock = claim_for_group(plan.config, run_dir)
+    try:
+        return run(plan, run_dir)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def run(plan: Plan, run_dir: Path) -> dict:
     """Train `plan` (train/plan.py: the job resolved for this world) in `run_dir` (already
     claimed); a dead peer or Ctrl-C becomes one clear error."""
     cfg = plan.config
@@ -105,7 +125,7 @@ def make_logger(cfg: JobConfig, rt, run_dir: Path | None, log: bool = True):
                          cfg.logging, to_dict(cfg))
 
 
-def _loop(plan, run_dir: Path, reached: dict) -> dict:
+def _loop(plan: Plan, run_dir: Path, reached: dict) -> dict:
     cfg = plan.config
     state = build(cfg, plan.layout, host=plan.host)
     peaks = steps.measure_peaks(state)
@@ -116,8 +136,7 @@ def _loop(plan, run_dir: Path, reached: dict) -> dict:
     cfg.data.path = os.path.abspath(cfg.data.path)
     ckpt = checkpointer(state, run_dir, info=log.info, record=log.log)
     _start(plan, run_dir, progress, rt, ckpt, log, peaks)
-    step_times: list[float] = []
-    timing: list = []  # steps not read yet: their time is final once read (step_values.read_steps)
+    times = StepTimes()
     last_val, preempted, interrupted, path = None, False, False, None
     job_hooks = hooks.load(rt.rank, run_dir)  # tests and drills: faults at the step and checkpoint points
     ckpt.set_fault_hook(lambda point, step: job_hooks.at_checkpoint(step, point))
@@ -146,28 +165,18 @@ def _loop(plan, run_dir: Path, reached: dict) -> dict:
             # checkpoint reads every unread step at once (step_values.py): one sync per interval.
             action = guard.after_step(result, read=logged or ckpt.due(result.step))
             if action == "rollback":
-                timing.clear()
+                times.undo()
                 continue
             job_hooks.after_step(result)
-            timing.append(result)
-            if not result.unread:  # read, and every step before it
-                step_times += [r.seconds for r in timing]
-                timing.clear()
+            times.add(result)
             if logged:
                 log.log({**steps.metrics_row(result, peaks, progress.tokens_seen, rt.device), "last": last,
                          "time": time.time()})
             if cfg.train.val_interval and (result.step % cfg.train.val_interval == 0 or last):
                 last_val = steps.validation_loss(state)
                 log.log({"step": result.step, "val_loss": last_val})
-            if cfg.train.batch_ramp == "auto" and ckpt.due(result.step):
-                # A new batch only at a checkpoint boundary, decided before any save there (a stop's
-                # too), so the checkpoint records it and a resume continues the same batches.
-                said = grow(cfg, progress, result.extra.get("grad_noise_scale"), result.extra["global_batch"])
-                if said:
-                    log.info(said)
-            if balancer and ckpt.due(result.step) and (change := balancer.at_boundary()):
-                log.log(change[0])  # likewise decided before any save there, so the checkpoint records it
-                log.info(change[1])
+            if ckpt.due(result.step):  # decided before any save there (a stop's too): the checkpoint records it
+                _at_checkpoint_boundary(cfg, progress, result, balancer, log)
             if action == "leave":  # a host is taken out (resilience.py): save, then the group re-forms
                 break
             if action == "stop":
@@ -189,11 +198,7 @@ def _loop(plan, run_dir: Path, reached: dict) -> dict:
             balancer.close()
         job_hooks.close()
         guard.close()
-    if plan.prediction is not None and len(step_times) > 3:
-        measured = statistics.median(step_times[3:])  # the first steps pay for warm-up
-        note = plan.prediction.uncalibrated  # said in the same line: how far an uncalibrated plan may be off
-        log.info(f"planned layout: measured {measured:.3f} s/step vs predicted "
-                 f"{plan.prediction.step_s:.3f} s/step" + (f" ({note})" if note else ""))
+    _measured_against_plan(plan, times.final, log)
     # How this attempt ended (a crash writes nothing): the report tells a user's resume after it
     # from a failure's restart.
     log.log({"step": progress.step, "event": "end", "how": "interrupted" if interrupted else "stopped" if preempted
@@ -209,6 +214,49 @@ def _loop(plan, run_dir: Path, reached: dict) -> dict:
     steps.close(state)
     log.close()
     return summary
+
+
+class StepTimes:
+    """The measured step times. A step returns before its device work is done; its time is final
+    once it is read (step_values.read_steps adds its share of the wait), so a step waits in
+    `pending` until then."""
+
+    def __init__(self):
+        self.final: list[float] = []
+        self.pending: list = []
+
+    def add(self, result) -> None:
+        self.pending.append(result)
+        if not result.unread:  # read, and every step before it
+            self.final += [r.seconds for r in self.pending]
+            self.pending.clear()
+
+    def undo(self) -> None:
+        """A rollback: the steps not read yet are undone."""
+        self.pending.clear()
+
+
+def _at_checkpoint_boundary(cfg: JobConfig, progress, result, balancer: Balancer | None, log) -> None:
+    """What changes only where a checkpoint falls, decided before any save there so that the
+    checkpoint records it and a resume continues alike: batch_ramp = "auto"'s next batch, and the
+    measured balance's new shares."""
+    if cfg.train.batch_ramp == "auto":
+        said = grow(cfg, progress, result.extra.get("grad_noise_scale"), result.extra["global_batch"])
+        if said:
+            log.info(said)
+    if balancer and (change := balancer.at_boundary()):
+        log.log(change[0])
+        log.info(change[1])
+
+
+def _measured_against_plan(plan: Plan, step_times: list[float], log) -> None:
+    """Where the planner chose the layout: its predicted step time against the measured one."""
+    if plan.prediction is None or len(step_times) <= 3:
+        return
+    measured = statistics.median(step_times[3:])  # the first steps pay for warm-up
+    note = plan.prediction.uncalibrated  # said in the same line: how far an uncalibrated plan may be off
+    log.info(f"planned layout: measured {measured:.3f} s/step vs predicted "
+             f"{plan.prediction.step_s:.3f} s/step" + (f" ({note})" if note else ""))
 
 
 def _start(plan, run_dir: Path, progress, rt, ckpt, log, peaks) -> None:

@@ -12,8 +12,8 @@ from ndtrain.config import JobConfig
 from ndtrain.errors import NdtrainError
 from ndtrain.train import job, step as steps
 from ndtrain.train.build import build
-from ndtrain.train.distributed import env_world_size
-from ndtrain.train.plan import Plan, as_written, resolve_plan
+from ndtrain.train.job import train  # noqa: F401  (the API's name: a whole job)
+from ndtrain.train.plan import Plan, as_written
 from ndtrain.train.state import TrainState, checkpointer, full_weights
 from ndtrain.train.step import StepResult, split_micro  # noqa: F401  (the API's names)
 
@@ -75,19 +75,3 @@ class Trainer:
         steps.close(self.state)
         self.logger.close()
 
-
-def train(cfg: JobConfig, plan: Plan | None = None) -> dict:
-    """Run a whole job: train, validate, checkpoint, sample. Returns a summary (rank 0's view).
-    `plan`: the job resolved for this world; by default resolved here, as `ndtrain train` resolves
-    it (train/plan.py), so the Python API and the command build the same run. `cfg` is not changed:
-    the run trains with the plan's config."""
-    from ndtrain.train.rundir import claim_for_group, group_run_dir
-
-    plan = plan if plan is not None else resolve_plan(cfg, env_world_size())
-    run_dir = group_run_dir(plan.config)
-    lock = claim_for_group(plan.config, run_dir)
-    try:
-        return job.run(plan, run_dir)
-    finally:
-        if lock is not None:
-            lock.release()
