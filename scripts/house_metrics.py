@@ -9,7 +9,9 @@ them, reads two attributes deep into another object (`x.a.b` where x is a traine
 private torch symbols used outside ndtrain/compat/; the public names defined in more than one
 module (one name, two things) and the aliases (two names, one thing); and how far a reader walks (house_paths.py):
 the files and function-body lines from `ndtrain train` to one optimizer step, and from the
-`parallel.tp` key to the module it changes. Compare two commits with git worktrees:
+`parallel.tp` key to the module it changes, each three ways (house_paths.py's docstring has the
+rules): every branch walked, the default config's path (features it leaves off listed as
+branches, not walked), and what a reader opens. Compare two commits with git worktrees:
 
     git worktree add /tmp/before 350ea51 && python scripts/house_metrics.py /tmp/before .
 """
@@ -200,13 +202,17 @@ def measure(root: Path) -> dict:
 def _paths(root: Path) -> dict:
     out = {}
     m = measure_paths(root)
-    for name in ("path_to_one_step", "path_of_parallel.tp"):
+    for name in [f"{path}{view}" for path in ("path_to_one_step", "path_of_parallel.tp")
+                 for view in ("", "_default", "_opened")]:
         path = m[name]
         spine = path.get("spine")
+        calls = f"{path['calls_to_the_step']} calls from the command to the step, " if "calls_to_the_step" in path else ""
         out[name] = (f"{path['files']} files, {path['functions']} functions, {path['body_lines']} body lines"
-                     + (f"; {path['calls_to_the_step']} calls from the command to the step, through "
-                        f"{spine['files']} files and {spine['body_lines']} body lines" if spine else ""))
+                     + (f"; {calls}spine through {spine['files']} files and {spine['body_lines']} body lines"
+                        if spine else ""))
         out[f"{name}_by_file"] = {f: [f"{n} lines"] for f, n in path["by_file"].items()}
+        if "branches" in path:  # features the default config leaves off: listed, not walked
+            out[f"{name}_branches"] = {b: entries for b, entries in path["branches"].items()}
     out["path_hops_gone"] = m["stale_hops"]
     return out
 

@@ -18,6 +18,25 @@ module (function-local imports included), `module.name`, `Class.name`, `self.nam
 What only runs dynamically is listed in HOPS, each with why. Calls inside a `raise` are not
 followed (an error class is not a step of the path). A function's body lines: from its first
 statement after the docstring to its last line, nested functions included in their parent.
+
+Each path is given three ways, from the widest to what a reader opens:
+
+- **every branch** (`path_to_one_step`, `path_of_parallel.tp`): the whole transitive closure
+  above, every feature's branch walked (MoE routing, DiLoCo's outer step, the pipeline's
+  schedule, a tracker's set-up, ...).
+- **the default config's** (`..._default`): the same walk, but a call into a feature the default
+  config (`ndtrain train` with no `--config`) leaves off is listed as a branch (OFF_BY_DEFAULT:
+  the feature, the config value that keeps it off, the functions only it runs) and not walked.
+  tests/tools/test_house_paths.py checks the default config holds each value.
+- **what a reader opens** (`..._opened`, on the default config's path): for the step, the spine
+  (every chain from `ndtrain train` to the step) and the step's own file (STEP_FILE) followed
+  through, then each function that file's functions call elsewhere, opened and read once but not
+  followed further (the loader's next_batch, the model's forward, the optimizer's lr, the
+  logger's log): the step read top to bottom with one look at each thing it hands work to. For
+  the key: the chain's functions that name the key, the functions the chain calls that name it,
+  and the statements that declare it, with the route's stops (KEY_ROUTES) always in: the files a
+  reader opens by following the key itself, not the spine it rides on (which the step's figure
+  counts).
 """
 
 from __future__ import annotations
@@ -33,6 +52,21 @@ STEP_STAGES = ("ndtrain.train.step:next_batch", STEP, "ndtrain.train.step:metric
                "ndtrain.train.metrics:MetricsLogger.log")
 KEY_ROUTES = {"tp": ("ndtrain.config:load_config", "ndtrain.layout.rules:tensor_parallel",
                      "ndtrain.parallel.dims:build_mesh", "ndtrain.parallel.tensor:apply_tensor_parallel")}
+STEP_FILE = "train/step.py"  # the step's own room: followed through on the reader's path
+# Features the default config leaves off: name -> ((config key, the value that keeps it off),
+# the functions only the feature runs: `module:` for a whole module, `module:Class.` for a class).
+OFF_BY_DEFAULT = {
+    "MoE": (("model.n_experts", 0), ("ndtrain.model.moe:",)),
+    "DiLoCo": (("parallel.replicate_sync", "step"), ("ndtrain.parallel.diloco:", "ndtrain.layout.diloco:")),
+    "pipeline": (("parallel.pp", 1), ("ndtrain.parallel.pipeline:", "ndtrain.parallel.pipeline_schedule:",
+                                      "ndtrain.layout.schedules:")),
+    "context parallel": (("parallel.cp", 1), ("ndtrain.parallel.context:",)),
+    "fp8": (("parallel.mixed_precision", "fp32"), ("ndtrain.parallel.float8:", "ndtrain.layout.fp8:")),
+    "gradient noise scale": (("train.batch_ramp", []), ("ndtrain.train.noise_scale:",)),
+    "document masking": (("data.document_mask", False), ("ndtrain.data.packing:", "ndtrain.model.doc_attention:")),
+    "W&B": (("logging.trackers", ["tensorboard"]), ("ndtrain.train.trackers:WandbTracker.",)),
+    "MLflow": (("logging.trackers", ["tensorboard"]), ("ndtrain.train.trackers:MlflowTracker.",)),
+}
 DECLARED_IN = ("config/", "layout/")  # the packages that declare config keys and layout fields
 # Calls the ast cannot see through, as the code makes them: (caller, callee, why).
 HOPS = [
@@ -40,8 +74,6 @@ HOPS = [
     ("ndtrain.model.llama:Transformer.forward", "ndtrain.model.llama:Block.forward",
      "layer(...) over self.layers, an nn.ModuleDict of Blocks"),
     ("ndtrain.train.job:_loop", "ndtrain.train.metrics:MetricsLogger.log", "log = make_logger(...)"),
-    ("ndtrain.train.step:next_batch", "ndtrain.data.loader:StatefulLoader.next_batch",
-     "state.loader, where TrainState leaves the field untyped (the data stage of any tree)"),
     ("ndtrain.layout.rules:problems", "ndtrain.layout.rules:tensor_parallel", "for rule in RULES: rule(ctx)"),
 ]
 
@@ -237,18 +269,26 @@ class Graph:
                     yield self._class_method(holder, f.attr) or ""
 
     # ---- paths -------------------------------------------------------------------------------
-    def reach(self, roots) -> set[str]:
+    def reach(self, roots, skip=None, branches: dict | None = None) -> set[str]:
+        """Every function the roots call, transitively. `skip(key)`: the branch a callee belongs
+        to (not walked; recorded in `branches`: branch -> callees), or None."""
         seen, todo = set(), deque(r for r in roots if r in self.fns)
         while todo:
             k = todo.popleft()
-            if k not in seen:
-                seen.add(k)
-                todo.extend(self.fns[k].calls)
+            if k in seen:
+                continue
+            seen.add(k)
+            for c in self.fns[k].calls:
+                if skip is not None and (branch := skip(c)):
+                    if branches is not None:
+                        branches.setdefault(branch, set()).add(c)
+                    continue
+                todo.append(c)
         return seen
 
-    def chains(self, start: str, target: str) -> set[str]:
+    def chains(self, start: str, target: str, skip=None) -> set[str]:
         """Every function on some call chain from start to target."""
-        down = self.reach([start])
+        down = self.reach([start], skip)
         callers: dict[str, set] = {}
         for k, fn in self.fns.items():
             for c in fn.calls:
@@ -275,18 +315,69 @@ def summary(g: Graph, keys: set[str], extra_lines: dict[str, int] | None = None)
             "by_file": dict(sorted(by_file.items(), key=lambda kv: -kv[1]))}
 
 
-def step_path(g: Graph) -> dict:
-    spine = g.chains(ENTRY, STEP)
-    step = g.reach(STEP_STAGES)
+def off_by_default(key: str) -> str | None:
+    """The feature (OFF_BY_DEFAULT) whose functions `key` is one of, or None."""
+    return next((name for name, (_, only) in OFF_BY_DEFAULT.items() if key.startswith(only)), None)
+
+
+def _branches(g: Graph, found: dict) -> dict:
+    """branch -> its entry functions, as `file: name, ...`."""
+    return {b: sorted(f"{g.fns[k].file}: {k.split(':')[1]}" for k in keys) for b, keys in sorted(found.items())}
+
+
+def step_path(g: Graph, default: bool = False) -> dict:
+    """Every branch walked; `default`: the default config's path (OFF_BY_DEFAULT not walked)."""
+    skip, found = (off_by_default if default else None), {}
+    spine = g.chains(ENTRY, STEP, skip)
+    step = g.reach(STEP_STAGES, skip, found)
     out = summary(g, spine | step)
     out["calls_to_the_step"] = _depth(g, ENTRY, STEP)
     out["spine"] = summary(g, spine)
+    if default:
+        out["branches"] = _branches(g, found)
     return out
 
 
-def key_path(g: Graph, key: str = "tp") -> dict:
-    chain = set().union(*(_shortest(g, "ndtrain.train.command:main", stop) for stop in KEY_ROUTES[key]))
+def opened_step_path(g: Graph) -> dict:
+    """What a reader opens on the default config's path: the spine, the step's own file followed
+    through from the stages, and each function it calls elsewhere, opened but not followed."""
+    spine = g.chains(ENTRY, STEP, off_by_default)
+    own, opened, found = set(), set(), {}
+    todo = deque(k for k in STEP_STAGES if k in g.fns)
+    while todo:
+        k = todo.popleft()
+        if k in own or k in opened:
+            continue
+        if g.fns[k].file != STEP_FILE:  # a stage elsewhere (the logger's log): opened, not followed
+            opened.add(k)
+            continue
+        own.add(k)
+        for c in g.fns[k].calls:
+            if branch := off_by_default(c):
+                found.setdefault(branch, set()).add(c)
+            elif g.fns[c].file == STEP_FILE:
+                todo.append(c)
+            else:
+                opened.add(c)
+    out = summary(g, spine | own | opened)
+    out["spine"] = summary(g, spine)
+    out["branches"] = _branches(g, found)
+    return out
+
+
+def key_path(g: Graph, key: str = "tp", view: str = "all") -> dict:
+    """`view`: "all" (every branch), "default" (OFF_BY_DEFAULT's readers left out) or "opened"
+    (of the chain, only the functions that name the key, and the route's stops)."""
+    stops = KEY_ROUTES[key]
+    chain = set().union(*(_shortest(g, "ndtrain.train.command:main", stop) for stop in stops))
     readers = {c for k in chain for c in g.fns[k].calls if _reads_key(g.fns[c].node, key)}
+    found = {}
+    if view != "all":
+        for c in [c for c in readers if off_by_default(c)]:
+            readers.discard(c)
+            found.setdefault(off_by_default(c), set()).add(c)
+    if view == "opened":
+        chain = {k for k in chain if k in stops or _reads_key(g.fns[k].node, key)}
     declared = {}
     for mod, (rel, tree) in g.trees.items():
         for node in tree.body if rel.startswith(DECLARED_IN) else []:  # module-level statements (a field list, a generated config model)
@@ -296,7 +387,10 @@ def key_path(g: Graph, key: str = "tp") -> dict:
                 for s in stmts:
                     if isinstance(s, (ast.Assign, ast.AnnAssign)) and _reads_key(s, key):
                         declared[rel] = declared.get(rel, 0) + s.end_lineno - s.lineno + 1
-    return summary(g, chain | readers, declared)
+    out = summary(g, chain | readers, declared)
+    if view != "all":
+        out["branches"] = _branches(g, found)
+    return out
 
 
 def _shortest(g: Graph, start: str, target: str) -> list[str]:
@@ -328,4 +422,7 @@ def measure(root: Path) -> dict:
     g = Graph(root / "src" / "ndtrain")
     # A hop whose ends are gone (renamed, moved) would silently shorten a path: name it instead.
     stale = [f"{a} -> {b}" for a, b, _ in HOPS if a not in g.fns or b not in g.fns]
-    return {"path_to_one_step": step_path(g), "path_of_parallel.tp": key_path(g, "tp"), "stale_hops": stale}
+    return {"path_to_one_step": step_path(g), "path_to_one_step_default": step_path(g, default=True),
+            "path_to_one_step_opened": opened_step_path(g),
+            "path_of_parallel.tp": key_path(g, "tp"), "path_of_parallel.tp_default": key_path(g, "tp", "default"),
+            "path_of_parallel.tp_opened": key_path(g, "tp", "opened"), "stale_hops": stale}

@@ -149,3 +149,65 @@ def test_the_key_path_is_the_chain_to_its_module_and_the_key_declared(tmp_path, 
 
 def test_every_hop_of_the_real_tree_lands():
     assert house_paths.measure(ROOT)["stale_hops"] == []
+
+
+BRANCHED = {
+    "train/step.py": '''
+        from ndtrain.train.helpers import Clip
+        from ndtrain.train.experts import route
+
+
+        def next_batch(state):
+            return state
+
+
+        def train_step(state):
+            clip = Clip(1.0)
+            clip.apply(state)
+            if state.moe:
+                route(state)
+            return _norm(state)
+
+
+        def _norm(state):
+            return state
+
+
+        def metrics_row(result):
+            return {}
+    ''',
+    "train/experts.py": '''
+        def route(state):
+            return _gate(state)
+
+
+        def _gate(state):
+            return state
+    ''',
+}
+
+
+def test_the_default_path_lists_a_feature_left_off_as_a_branch_and_the_opened_path_reads_one_level(
+        tmp_path, monkeypatch):
+    _write(tmp_path, {**TREE, **BRANCHED})
+    monkeypatch.setattr(house_paths, "OFF_BY_DEFAULT", {"MoE": (("model.n_experts", 0), ("ndtrain.train.experts:",))})
+    g = house_paths.Graph(tmp_path / "src" / "ndtrain")
+    every = house_paths.step_path(g)
+    default = house_paths.step_path(g, default=True)
+    assert "train/experts.py" in every["by_file"] and "train/experts.py" not in default["by_file"]
+    assert default["branches"] == {"MoE": ["train/experts.py: route"]}
+    opened = house_paths.opened_step_path(g)
+    # The step's own file followed through (train_step, _norm, next_batch, metrics_row), each
+    # function it calls elsewhere opened (Clip.__init__, Clip.apply) but not followed (Norm.forward).
+    assert "ndtrain.train.helpers:Norm.forward" in g.reach([house_paths.STEP])
+    assert opened["by_file"]["train/helpers.py"] == 2 + 2
+    assert opened["branches"] == {"MoE": ["train/experts.py: route"]}
+
+
+def test_the_default_config_leaves_each_listed_feature_off():
+    from ndtrain.config import load_config
+
+    cfg = load_config(None, [])
+    for feature, ((key, off), _) in house_paths.OFF_BY_DEFAULT.items():
+        section, name = key.split(".")
+        assert getattr(getattr(cfg, section), name) == off, feature
