@@ -36,3 +36,21 @@ def test_selective_under_tp_and_sp_keeps_the_sharded_block_input_and_reduce_scat
     lse = 4 * sh.heads * s * b / t
     got = activation_bytes(sh, STACKS["ndtrain"], s, b, t, True, 1, "selective", 2)
     assert got == pytest.approx(sbh * (6 + S) / t + lse)
+
+
+def test_fsdp_files_the_fp32_master_as_the_parameter():
+    """FSDP2's mixed precision keeps the fp32 shard as the parameter and fp32 gradients (4 + 4 + 8
+    a parameter under ZeRO-3, as the dry run counts them); a stack with a bf16 model and the
+    master in the optimizer files 2 + 2 + 12. The same 16 bytes either way."""
+    cfg = preset("llama3-8b")
+    lay = Layout(dp_shard=8, zero=3, mb=1, ac="selective")
+    got = {}
+    for stack in ("ndtrain", "megatron-core-2024"):
+        pb = make_problem(cfg, 8192, 32, 8, "h100", stack=stack)
+        mem = memory_breakdown(pb, lay, stage_split(pb, lay))
+        got[stack] = mem
+        psi = mem["params"] + mem["grads"] + mem["optimizer"]
+        split = (4, 4, 8) if stack == "ndtrain" else (2, 2, 12)
+        assert [mem[k] / psi for k in ("params", "grads", "optimizer")] == pytest.approx([b / 16 for b in split])
+    assert sum(got["ndtrain"][k] for k in ("params", "grads", "optimizer")) == pytest.approx(
+        sum(got["megatron-core-2024"][k] for k in ("params", "grads", "optimizer")))

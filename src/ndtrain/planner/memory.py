@@ -112,19 +112,29 @@ def in_flight(schedule: str, p: int, v: int, m: int) -> tuple[float, float]:
 
 
 def state_bytes(psi: float, zero: int, shard: int, pbytes: int, grads_sharded: bool | None = None,
-                whole_grad_bytes: int = 2) -> tuple[float, float, float]:
+                whole_grad_bytes: int = 2, master_in_params: bool = False) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer) bytes for `psi` parameters, ZeRO stage `zero` (0 = DDP)
     over `shard` ranks. Mixed-precision Adam: 2 + 2 + 12 = 16 bytes/param (fp32: 4 + 4 + 8).
     `grads_sharded` overrides whether the stage's gradients are held sharded (a pipeline reduces
     them once per step, so it holds them whole whatever the stage); a sharded stage holding them
-    whole keeps them at `whole_grad_bytes` (the stack's accumulation dtype) a parameter."""
-    pb, gb, ob = (2, 2, 12) if pbytes == 2 else (4, 4, 8)
+    whole keeps them at `whole_grad_bytes` (the stack's accumulation dtype) a parameter.
+    `master_in_params` (the stack's flag): the fp32 shard is the parameter and its gradient is
+    fp32, 4 + 4 + 8; the whole low-precision copy a sharded stage computes with is gathered,
+    a communication buffer (`gathered_copy_bytes`), not a parameter."""
+    pb, gb, ob = (4, 4, 8) if pbytes == 4 or master_in_params else (2, 2, 12)
     if zero == 0 or shard <= 1:
         return pb * psi, gb * psi, ob * psi
     if grads_sharded is None:
         grads_sharded = zero >= 2
     grads = gb * psi / shard if grads_sharded else max(gb, whole_grad_bytes) * psi
-    return (pb * psi / shard if zero == 3 else pb * psi), grads, ob * psi / shard
+    return (pb * psi / shard if zero == 3 or master_in_params else pb * psi), grads, ob * psi / shard
+
+
+def gathered_copy_bytes(psi: float, shard: int, pbytes: int, master_in_params: bool) -> float:
+    """Bytes a sharded stage's whole gathered copy of `psi` parameters adds beside its states:
+    the whole copy where the parameters are separate fp32 shards (FSDP's), the rest of it where
+    the shard is part of the copy."""
+    return psi * pbytes * (1.0 if master_in_params else 1 - 1 / shard)
 
 
 def device_params(shape: Shape, lay: Layout, layers: int, embed: bool, head: bool) -> tuple[float, float]:
@@ -175,6 +185,13 @@ def memory_breakdown(pb: Problem, lay: Layout, split: Split) -> dict:
     exp_shard = lay.expert_shard_degree
     pbytes = 4 if pb.precision == "fp32" else 2
     grads_sharded = lay.grads_sharded_per_microbatch
+    mip = st.master_in_params
+
+    def kept_gathered(psi: float, z: int, n: int) -> float:
+        """The whole copy a stage that does not reshard after its forward holds all step."""
+        if z == 0 or n <= 1 or (z < 3 and not mip):  # unsharded, or the copy is the parameters
+            return 0.0
+        return gathered_copy_bytes(psi, n, pbytes, mip)
 
     if p == 1:
         devices = [("only", sh.layers, True, True, 1.0)]
@@ -186,9 +203,9 @@ def memory_breakdown(pb: Problem, lay: Layout, split: Split) -> dict:
     best = None
     for name, layers, embed, head, inf in devices:
         dense, expert = device_params(sh, lay, layers, embed, head)
-        dp_, dg, do = state_bytes(dense, zero, shard, pbytes, grads_sharded, st.whole_grad_bytes)
-        ep_, eg, eo = state_bytes(expert, zero if exp_shard > 1 else 0, exp_shard, pbytes, grads_sharded,
-                                  st.whole_grad_bytes)
+        exp_zero = zero if exp_shard > 1 else 0
+        dp_, dg, do = state_bytes(dense, zero, shard, pbytes, grads_sharded, st.whole_grad_bytes, mip)
+        ep_, eg, eo = state_bytes(expert, exp_zero, exp_shard, pbytes, grads_sharded, st.whole_grad_bytes, mip)
         acts = layers * per_layer * inf + working
         # the loss's backward follows its forward at once, except where all forwards run first
         held = m if p > 1 and registry.get(lay.schedule).forwards_first else 1
@@ -201,13 +218,12 @@ def memory_breakdown(pb: Problem, lay: Layout, split: Split) -> dict:
             layer_psi = (sh.dense_params_layer / t + sh.expert_params_layer / lay.ep)
             buffers = layer_psi * (2 * pbytes + st.grad_reduce_bytes)  # two gathered layers + one layer's grads
             if not pb.gpu:  # the root group and the last block stay gathered from forward to backward
-                buffers += (root_params(sh, lay, embed, head) + layer_psi) * pbytes * (1 - 1 / shard) + buckets
-        elif zero == 3:
-            # kept gathered from forward to backward (reshard_after_forward off, or a schedule
-            # with a separate weight pass): the device's whole share, unsharded
-            buffers = (dense + expert) * pbytes * (1 - 1 / shard) + buckets
+                buffers += gathered_copy_bytes(root_params(sh, lay, embed, head) + layer_psi, shard, pbytes, mip)
+                buffers += buckets
         else:
-            buffers = buckets
+            # kept gathered from forward to backward (ZeRO-1/2, reshard_after_forward off, or a
+            # schedule with a separate weight pass): the device's whole share, unsharded
+            buffers = kept_gathered(dense, zero, shard) + kept_gathered(expert, exp_zero, exp_shard) + buckets
         frag = pb.k.get("fragmentation", FRAGMENTATION) * (acts + logits + buffers)
         parts = {"params": dp_ + ep_, "grads": dg + eg, "optimizer": do + eo, "activations": acts,
                  "logits": logits, "buffers": buffers, "overhead": pb.overhead_bytes, "fragmentation": frag}

@@ -67,6 +67,13 @@ class Stack:
     # dtype (fp32 in ndtrain: the dry run's first pipeline stage holds it so), 2 where the stack
     # accumulates in the parameters' bf16
     whole_grad_bytes: int = 2
+    # where the fp32 master weights live under mixed precision: FSDP's (torch fully_shard's
+    # MixedPrecisionPolicy) keeps each parameter's fp32 shard as the parameter, reduces into an
+    # fp32 gradient of it and casts to bf16 only into the gathered copy the forward and backward
+    # use (4 + 4 + 8 bytes a parameter, the copy a communication buffer); False: a bf16 model
+    # with the fp32 master inside the optimizer (Megatron's distributed optimizer, DeepSpeed:
+    # 2 + 2 + 12). The same 16 bytes either way, filed differently.
+    master_in_params: bool = False
     # the loss kernel over the vocabulary (planner/layer.py LOSS_BYTES, planner/memory.py):
     # "eager" PyTorch cross-entropy (fp32 upcast, log-softmax, dense NLL gradient), "fused"
     # (a vocab-parallel fused kernel in fp32: Megatron-Core, TE, fused stacks), "flash"
@@ -88,7 +95,7 @@ STACKS = {
     # ops unless [parallel] compile = true.
     "ndtrain": Stack("ndtrain", flash_attention=True, dropout=False, dp_overlap=True, grad_reduce_bytes=4,
                      selective="elementwise", fsdp_copies=True, attention_kernel="fa2", whole_grad_bytes=4,
-                     source="src/ndtrain/parallel"),
+                     master_in_params=True, source="src/ndtrain/parallel"),
     # Megatron-LM as of Narayanan et al. 2021: unfused softmax over s x s with dropout, fp16
     # gradients all-reduced after the backward (the local DDP of that release), blocking p2p.
     "megatron-2021": Stack("megatron-2021", flash_attention=False, dropout=True, dp_overlap=False,
@@ -106,7 +113,7 @@ STACKS = {
     # elementwise through the layout's `compile` knob; async TP is not assumed).
     "torchtitan-2024": Stack("torchtitan-2024", flash_attention=True, dropout=False, dp_overlap=True,
                              grad_reduce_bytes=4, selective="ops", fsdp_copies=True, attention_kernel="fa2",
-                             source="Liang et al. 2024; torchtitan docs"),
+                             master_in_params=True, source="Liang et al. 2024; torchtitan docs"),
     # Meta's Llama 3 stack as the paper describes it (Dubey et al. 2024, section 3.3.2): FSDP-style
     # sharding of optimizer states and gradients with parameters kept after the forward, gradient
     # reduction overlapped, all-gather based context parallelism (K/V gathered before attention,
