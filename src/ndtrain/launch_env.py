@@ -7,10 +7,13 @@ ndtrain asks of them. Torch-free: the command line reads it before torch.
     GROUP_RANK GROUP_WORLD_SIZE                                          this worker's agent, the agents
     TORCHELASTIC_RUN_ID TORCHELASTIC_RESTART_COUNT TORCHELASTIC_MAX_RESTARTS   the job and its restarts
 
-ndtrain's own variables sit beside what reads them: NDTRAIN_DEBUG (cli.py: a traceback instead of
-the one line), NDTRAIN_HOST_ID (resilience.py: a host's name in the exclusion policy),
-NDTRAIN_JOB_HOOKS (hooks.py), and two that ndtrain sets for its own workers: NDTRAIN_RUN_LOCK_PID
-(run_lock.py: the `--nproc` launcher's pid) and NDTRAIN_FP8_WARNED (plan_choices.py)."""
+    NDTRAIN_RUN_LOCK_PID                                                 the `ndtrain train --nproc` launcher's pid
+
+The last is ndtrain's own launcher's, set for its workers (the run lock's holder). ndtrain's other
+variables are settings, not the launch, and sit beside what reads them: NDTRAIN_DEBUG (cli.py: a
+traceback instead of the one line), NDTRAIN_HOST_ID (resilience.py: a host's name in the exclusion
+policy), NDTRAIN_JOB_HOOKS (hooks.py) and NDTRAIN_FP8_WARNED (plan_choices.py: a warning said once
+across a launcher and its workers)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from collections.abc import Mapping
 from ndtrain.errors import UsageError
 
 _LAUNCH_INTS = {"WORLD_SIZE": 1, "RANK": 0, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1, "MASTER_PORT": 1}
+LAUNCHER_ENV = "NDTRAIN_RUN_LOCK_PID"  # set by `ndtrain train --nproc` for its workers: the lock's holder
 
 
 def _env(environ: Mapping | None) -> Mapping:
@@ -137,6 +141,12 @@ def restart_count(environ=None) -> int:
 def restarts_left(environ=None) -> int:
     """Restarts this worker's agent still has (torchrun sets TORCHELASTIC_MAX_RESTARTS for its workers)."""
     return _count("TORCHELASTIC_MAX_RESTARTS", 0, environ) - restart_count(environ)
+
+
+def launcher_pid(environ=None) -> int | None:
+    """The pid of the `ndtrain train --nproc` launcher that started this worker (None: none did)."""
+    text = (_env(environ).get(LAUNCHER_ENV) or "").strip()
+    return int(text) if text.isdigit() else None
 
 
 def run_id(environ=None) -> str:

@@ -29,12 +29,13 @@ def test_what_a_launcher_sets_is_read():
 
 def test_what_the_rest_of_ndtrain_asks_of_them():
     agent = {**TORCHRUN, "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "3", "TORCHELASTIC_RESTART_COUNT": "2",
-             "TORCHELASTIC_MAX_RESTARTS": "5"}
+             "TORCHELASTIC_MAX_RESTARTS": "5", launch.LAUNCHER_ENV: "4321"}
     asked = (launch.rank, launch.local_rank, launch.local_world_size, launch.given_a_rank, launch.under_launcher,
              launch.group_rank, launch.agents, launch.restart_count, launch.restarts_left, launch.run_id,
-             launch.master_addr, launch.master_port)
-    assert [f(agent) for f in asked] == [1, 1, 2, True, True, 1, 3, 2, 3, "x", "127.0.0.1", 29500]
-    assert [f({}) for f in asked] == [0, 0, 1, False, False, 0, 1, 0, 0, "", "", None]  # one process, no launcher
+             launch.master_addr, launch.master_port, launch.launcher_pid)
+    assert [f(agent) for f in asked] == [1, 1, 2, True, True, 1, 3, 2, 3, "x", "127.0.0.1", 29500, 4321]
+    assert [f({}) for f in asked] == [0, 0, 1, False, False, 0, 1, 0, 0, "", "", None, None]  # one process, no launcher
+    assert launch.launcher_pid({launch.LAUNCHER_ENV: "x"}) is None  # only a launcher's pid counts
     assert launch.run_id({"TORCHELASTIC_RUN_ID": "none"}) == ""  # torchrun's word for no id
     with pytest.raises(UsageError, match="RANK='x'"):
         launch.rank({**TORCHRUN, "RANK": "x"})  # each variable in the form launch_env checks

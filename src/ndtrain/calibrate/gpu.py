@@ -18,15 +18,14 @@ never imports torch, only reads it.
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
+from ndtrain.calibrate.measure import KINDS, measure_attention, measure_collectives, seconds_per_call
 from ndtrain.compat.torch import find, require
 from ndtrain.errors import NdtrainError
-from ndtrain.calibrate.measure import KINDS, measure_attention, measure_collectives, seconds_per_call
+from ndtrain.planner.hardware import DEFAULT_PROFILE
 
-DEFAULT_GPU_PROFILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ndtrain" / "gpu.json"
+DEFAULT_GPU_PROFILE = DEFAULT_PROFILE.parent / "gpu.json"  # beside the CPU profile and the host probe
 GEMM_SHAPES = [(m, n, k) for m in (1024, 4096, 16384) for n in (1024, 4096, 8192) for k in (512, 2048, 8192)] + \
     [(256, 8192, 8192), (8192, 256, 8192), (8192, 8192, 256), (132 * 128 + 128, 256, 8192)]
 COLLECTIVE_SIZES = [1 << p for p in range(12, 29, 2)]  # 4 KiB .. 256 MiB

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ndtrain.errors import NdtrainError
+from ndtrain.launch_env import launcher_pid
 from ndtrain.train.run_files import LOCK_NAME
 
-LAUNCHER_ENV = "NDTRAIN_RUN_LOCK_PID"  # set by `ndtrain train --nproc` for its workers: the lock's holder
 
 
 def describe_owner(owner: dict) -> str:
@@ -204,11 +204,11 @@ def _file_owner_gone(owner: dict, host: str, run_id: str) -> bool:
 
 def held_by_launcher(run_dir: Path) -> bool:
     """A worker of `ndtrain train --nproc`: its launcher holds the lock of this directory."""
-    pid = os.environ.get(LAUNCHER_ENV, "")
-    if not pid:
+    pid = launcher_pid()
+    if pid is None:
         return False
     try:
         with os.fdopen(os.open(Path(run_dir) / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)) as f:
-            return str(json.load(f).get("pid")) == pid
+            return json.load(f).get("pid") == pid
     except (OSError, ValueError, AttributeError):
         return False
