@@ -54,3 +54,22 @@ def test_fsdp_files_the_fp32_master_as_the_parameter():
         assert [mem[k] / psi for k in ("params", "grads", "optimizer")] == pytest.approx([b / 16 for b in split])
     assert sum(got["ndtrain"][k] for k in ("params", "grads", "optimizer")) == pytest.approx(
         sum(got["megatron-core-2024"][k] for k in ("params", "grads", "optimizer")))
+
+
+def test_zero3_buffers_at_the_loss_hold_the_root_and_the_last_block():
+    """ndtrain keeps the root group (embedding, final norm, head) gathered all step; at the loss's
+    backward, its peak with a 128K vocabulary, the last block is the only one gathered beside it
+    (the dry run of llama3-8b on 8: 2.36 GiB). A head-less pipeline stage peaks inside its blocks:
+    two gathered blocks and one block's fp32 gradients beside its root (the embedding)."""
+    from ndtrain.planner.memory import root_params
+
+    cfg = preset("llama3-8b")
+    pb = make_problem(cfg, 8192, 32, 8, "h100")
+    lay = Layout(dp_shard=8, zero=3, mb=1, ac="selective")
+    mem = memory_breakdown(pb, lay, stage_split(pb, lay))
+    layer = pb.shape.dense_params_layer
+    assert mem["buffers"] == pytest.approx(2 * (root_params(pb.shape, lay, True, True) + layer))
+    pp = Layout(pp=2, dp_shard=4, zero=3, mb=1, ac="selective", schedule="1F1B")
+    mem = memory_breakdown(pb, pp, stage_split(pb, pp))
+    if mem["device"] == "first":
+        assert mem["buffers"] == pytest.approx(2 * root_params(pb.shape, pp, True, False) + layer * (2 * 2 + 4))

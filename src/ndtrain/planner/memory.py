@@ -210,13 +210,26 @@ def memory_breakdown(pb: Problem, lay: Layout, split: Split) -> dict:
         # the loss's backward follows its forward at once, except where all forwards run first
         held = m if p > 1 and registry.get(lay.schedule).forwards_first else 1
         if st.loss == "flash":  # bf16 logits kept, a bf16 gradient transient (flash-attn's kernel)
-            logits = logit_elems * elt * (held + 1) if head else 0.0
+            kept, transient = elt, elt
         else:  # bf16 logits and the fp32 softmax kept, an fp32 gradient transient
-            logits = logit_elems * ((elt + 4) * held + 4) if head else 0.0
+            kept, transient = elt + 4, 4
+        logits = logit_elems * (kept * held + transient) if head else 0.0
         buckets = DDP_BUCKETS if pb.gpu else gloo_dp_buffers(pb, lay, embed, head, pbytes)
         if zero == 3 and lay.reshards_after_forward:
             layer_psi = (sh.dense_params_layer / t + sh.expert_params_layer / lay.ep)
             buffers = layer_psi * (2 * pbytes + st.grad_reduce_bytes)  # two gathered layers + one layer's grads
+            if pb.gpu and st.root_kept_gathered:
+                # The root group is gathered all step. At the loss's backward (its gradient
+                # transient live) only the last block is gathered beside it: the next block's
+                # gather and the first reduce-scatter come later, when that micro-batch's logits
+                # are gone. The peak is the larger of the two moments.
+                root = gathered_copy_bytes(root_params(sh, lay, embed, head), shard, pbytes, mip)
+                at_loss = root + gathered_copy_bytes(layer_psi, shard, pbytes, mip)
+                logits_after = logit_elems * kept * (held - 1) if head else 0.0
+                if head and logits + at_loss > logits_after + root + buffers:
+                    buffers = at_loss
+                else:
+                    logits, buffers = logits_after, root + buffers
             if not pb.gpu:  # the root group and the last block stay gathered from forward to backward
                 buffers += gathered_copy_bytes(root_params(sh, lay, embed, head) + layer_psi, shard, pbytes, mip)
                 buffers += buckets

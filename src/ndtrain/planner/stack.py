@@ -74,6 +74,10 @@ class Stack:
     # with the fp32 master inside the optimizer (Megatron's distributed optimizer, DeepSpeed:
     # 2 + 2 + 12). The same 16 bytes either way, filed differently.
     master_in_params: bool = False
+    # ZeRO-3 leaves the root group (embedding, final norm, head) gathered from its forward to the
+    # step's last backward (ndtrain: parallel/data_parallel.apply_fsdp, fully_shard(model,
+    # reshard_after_forward=False)); False: it reshards like a block
+    root_kept_gathered: bool = False
     # the loss kernel over the vocabulary (planner/layer.py LOSS_BYTES, planner/memory.py):
     # "eager" PyTorch cross-entropy (fp32 upcast, log-softmax, dense NLL gradient), "fused"
     # (a vocab-parallel fused kernel in fp32: Megatron-Core, TE, fused stacks), "flash"
@@ -95,7 +99,7 @@ STACKS = {
     # ops unless [parallel] compile = true.
     "ndtrain": Stack("ndtrain", flash_attention=True, dropout=False, dp_overlap=True, grad_reduce_bytes=4,
                      selective="elementwise", fsdp_copies=True, attention_kernel="fa2", whole_grad_bytes=4,
-                     master_in_params=True, source="src/ndtrain/parallel"),
+                     master_in_params=True, root_kept_gathered=True, source="src/ndtrain/parallel"),
     # Megatron-LM as of Narayanan et al. 2021: unfused softmax over s x s with dropout, fp16
     # gradients all-reduced after the backward (the local DDP of that release), blocking p2p.
     "megatron-2021": Stack("megatron-2021", flash_attention=False, dropout=True, dp_overlap=False,
