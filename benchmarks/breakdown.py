@@ -71,13 +71,13 @@ def profile_rank(overrides: list[str], warmup: int, steps: int, peaks: dict, top
 
     cfg = load_config(None, overrides)
     trainer = Trainer(cfg, run_dir=None, log=False)
-    next_batch = trainer.loader.next_batch
+    next_batch = trainer.state.loader.next_batch
 
     def traced(*a, **k):
         with record_function("ndtrain.data.next_batch"):
             return next_batch(*a, **k)
 
-    trainer.loader.next_batch = traced
+    trainer.state.loader.next_batch = traced
     for _ in range(warmup):
         trainer.train_step()
     tid = None
@@ -116,7 +116,7 @@ def profile_rank(overrides: list[str], warmup: int, steps: int, peaks: dict, top
     flops = flops_per_token(cfg.model, cfg.data.seq_len) * tokens
     world = torch.distributed.get_world_size()
     step = wall / len(walls)
-    result = {"layout": trainer.layout.describe(), "step_s": step, "tokens_per_s": tokens / wall,
+    result = {"layout": trainer.state.layout.describe(), "step_s": step, "tokens_per_s": tokens / wall,
               "tokens_per_cpu_s": tokens / world / sum(cpus),
               "mfu": flops / wall / (peaks["peak"] * world), "per_step_s": {k: v / len(walls) for k, v in totals.items()},
               "top_ops": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:top])}

@@ -118,7 +118,7 @@ def run_variants(cfgs: list[dict]) -> list[dict]:
         cfg = load_config(None, raw)
         torch.manual_seed(0)
         t = Trainer(cfg, None, log=False)
-        d = t.layout
+        d = t.state.layout
         per_replica = d.dp_shard * d.cp * d.tp
         meter = CrossReplicaMeter({r: (r // per_replica) % d.dp_replicate for r in range(d.world)})
         times, own, losses, outer = [], 0, [], []
@@ -137,7 +137,7 @@ def run_variants(cfgs: list[dict]) -> list[dict]:
                     "step_s_median": statistics.median(times[3:] or times), "outer_steps": len(outer),
                     "sync_s_median": statistics.median([o["sync_s"] for o in outer]) if outer else 0.0,
                     "sync_s_total": sum(o["sync_s"] for o in outer),
-                    "params": sum(p.numel() for p in t.params), "outer_lr": cfg.parallel.diloco_outer_lr,
+                    "params": sum(p.numel() for p in t.state.params), "outer_lr": cfg.parallel.diloco_outer_lr,
                     "outer_momentum": cfg.parallel.diloco_outer_momentum})
         t.close()
     return out

@@ -46,7 +46,7 @@ def measure(cfg, steps: int) -> dict:
 
     torch.set_num_threads(1)
     trainer = Trainer(cfg, run_dir=None, log=False)
-    meter = traffic_meter(trainer.model)
+    meter = traffic_meter(trainer.state.model)
     sent, dropped, extra = [], [], {}
     for i in range(steps + 1):
         before = meter.bytes_sent if meter else 0

@@ -272,11 +272,11 @@ def stage_ac_recompute(a) -> dict:
                   "val_interval": 0, "sample_tokens": 0},
         "logging": {"tensorboard": False, "progress": "off"}})
     trainer = Trainer(cfg, run_dir=None, log=False)
-    x = torch.randint(0, cfg.model.vocab_size, (1, seq), device=trainer.rt.device)
+    x = torch.randint(0, cfg.model.vocab_size, (1, seq), device=trainer.state.rt.device)
     with torch.no_grad(), counting() as fwd:
-        trainer.model(x)
+        trainer.state.model(x)
     with counting() as total:
-        trainer.model(x).float().sum().backward()
+        trainer.state.model(x).float().sum().backward()
     trainer.close()
     fwd, total = fwd[0], total[0]
     recomputed = total - 3 * fwd  # a matmul's backward is two: the input's and the weight's gradient
@@ -327,7 +327,7 @@ def stage_ckpt_stall(a) -> dict:
     ckpt.wait()
     ckpt.finish()
     row = ckpt.history[-1]
-    nbytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters()) * 4  # weights + grads-free Adam x2 + master
+    nbytes = sum(p.numel() * p.element_size() for p in trainer.state.model.parameters()) * 4  # weights + grads-free Adam x2 + master
     trainer.close()
     stall = row["checkpoint_stall_s"]
     rate = nbytes / stall / 1e9 if stall > 0 else float("inf")

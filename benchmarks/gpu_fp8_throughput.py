@@ -96,8 +96,8 @@ def main() -> int:
     data = synthetic_corpus(tmp / "data", vocab, max(2_000_000, 50 * args.seq * args.micro_batch))
     trainers = {m: Trainer(load_config(None, job(args, data, m)), run_dir=None, log=False) for m in modes}
     first = trainers["bf16"]
-    device = first.rt.device
-    cfg = first.cfg
+    device = first.state.rt.device
+    cfg = first.state.cfg
     fpt = flops_per_token(cfg.model, args.seq)
     peak_bf16, src_bf16 = peak_flops(device, torch.bfloat16)
     peak_fp8, src_fp8 = peak_flops(device, FP8)

@@ -61,7 +61,7 @@ def main() -> int:
                   "val_interval": 0, "sample_tokens": 0},
         "logging": {"tensorboard": False, "progress": "off"}})
     trainer = Trainer(cfg, run_dir=None, log=False)
-    dev = trainer.rt.device
+    dev = trainer.state.rt.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     t0 = time.time()
     for _ in range(a.warmup):

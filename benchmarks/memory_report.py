@@ -44,7 +44,7 @@ def _local_bytes(t) -> int:
 def _held(trainer) -> list[float]:
     """[sharded params, gathered compute copies, gradients, AdamW state] bytes on this rank."""
     gathered = unsharded_grads = 0
-    for part in trainer.model_parts:
+    for part in trainer.state.model_parts:
         for module in part.modules():
             get = getattr(module, "_get_fsdp_state", None)
             group = get()._fsdp_param_group if get is not None else None
@@ -58,9 +58,9 @@ def _held(trainer) -> list[float]:
                 grad = getattr(fp, "_unsharded_param", None)
                 grad = grad.grad if grad is not None else None
                 unsharded_grads += _local_bytes(acc) + _local_bytes(grad)
-    params = sum(_local_bytes(p) for p in trainer.params)
-    grads = sum(_local_bytes(p.grad) for p in trainer.params) + unsharded_grads
-    optim = sum(_local_bytes(v) for s in trainer.optimizer.state.values() for k, v in s.items()
+    params = sum(_local_bytes(p) for p in trainer.state.params)
+    grads = sum(_local_bytes(p.grad) for p in trainer.state.params) + unsharded_grads
+    optim = sum(_local_bytes(v) for s in trainer.state.optimizer.state.values() for k, v in s.items()
                 if torch.is_tensor(v) and k != "step")
     return [params, gathered, grads, optim]
 

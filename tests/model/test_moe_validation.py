@@ -47,8 +47,8 @@ def train(cfg, steps: int, validate_every_step: bool) -> dict:
         moe_rows.append({k: v for k, v in result.extra.items() if k.startswith("moe/")})
         if validate_every_step:
             val_losses.append(trainer.validation_loss())
-            assert all(moe.stats is None for _, moe in trainer.moe)  # nothing counted for the next step
-    biases = [moe.expert_bias.clone() for _, moe in trainer.moe]
+            assert all(moe.stats is None for _, moe in trainer.state.moe)  # nothing counted for the next step
+    biases = [moe.expert_bias.clone() for _, moe in trainer.state.moe]
     trainer.close()
     return {"losses": losses, "moe": moe_rows, "val": val_losses, "biases": biases}
 

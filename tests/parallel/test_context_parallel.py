@@ -200,7 +200,7 @@ def _rank_checks(corpus):
             out.setdefault("bytes", {})[(cp, mode)] = [_layer_bytes(group, mode, e) for e in (False, True)]
     run = _long_run(_cfg(corpus, LONG_SEQ, {"cp": 4}), budget=LONG_BUDGET)
     try:
-        run["trainer"].model(torch.zeros(1, LONG_SEQ // 4, dtype=torch.long))
+        run["trainer"].state.model(torch.zeros(1, LONG_SEQ // 4, dtype=torch.long))
         out["missing_positions"] = "no error"
     except RuntimeError as exc:
         out["missing_positions"] = str(exc)

@@ -31,7 +31,7 @@ def _replica_trainers(base: dict, replicas: int) -> list:
     trainers = []
     for r in range(replicas):
         t = Trainer(cfg, None, log=False)
-        t.state.loader = StatefulLoader(t.train_set, cfg.data.seq_len, cfg.train.seed, r, replicas)
+        t.state.loader = StatefulLoader(t.state.train_set, cfg.data.seq_len, cfg.train.seed, r, replicas)
         trainers.append(t)
     return trainers
 
@@ -42,7 +42,7 @@ def reference(base: dict, steps: int, replicas: int, inner: int, lr: float, mome
     (and at the last step) θ_sync takes a torch.optim.SGD(nesterov) step on the outer gradient
     θ_sync - mean_r θ_r, sent in `dtype`, and every replica restarts from θ_sync."""
     trainers = _replica_trainers(base, replicas)
-    sync = [p.detach().clone() for p in trainers[0].params]
+    sync = [p.detach().clone() for p in trainers[0].state.params]
     outer = torch.optim.SGD(sync, lr=lr, momentum=momentum, nesterov=momentum > 0)
     for step in range(1, steps + 1):
         for t in trainers:
@@ -50,11 +50,11 @@ def reference(base: dict, steps: int, replicas: int, inner: int, lr: float, mome
         if step % inner == 0 or step == steps:
             with torch.no_grad():
                 for i, s in enumerate(sync):
-                    deltas = [(s - t.params[i]).to(dtype) for t in trainers]
+                    deltas = [(s - t.state.params[i]).to(dtype) for t in trainers]
                     s.grad = torch.stack(deltas).sum(0).float() / replicas
                 outer.step()
                 for t in trainers:
-                    for p, s in zip(t.params, sync):
+                    for p, s in zip(t.state.params, sync):
                         p.copy_(s)
     return trainers[0].full_weights()
 
@@ -66,7 +66,7 @@ def averaged_every_step(base: dict, steps: int, replicas: int) -> dict[str, torc
         for t in trainers:
             t.train_step()
         with torch.no_grad():
-            for ps in zip(*(t.params for t in trainers)):
+            for ps in zip(*(t.state.params for t in trainers)):
                 mean = sum(p.detach().clone() for p in ps) / replicas
                 for p in ps:
                     p.copy_(mean)
@@ -81,12 +81,12 @@ def _run(specs: list[str], base: dict) -> list[dict]:
     for spec in specs:
         t = Trainer(layout_config(base, spec), None, log=False)
         steps, outer = [], []
-        for _ in range(t.cfg.train.steps):
+        for _ in range(t.state.cfg.train.steps):
             r = t.train_step()
             steps.append({"loss": r.loss, "bytes": r.extra["cross_replica_bytes"], "skipped": r.skipped})
             outer += r.rows  # the outer steps this step ran
         out.append({"weights": t.full_weights(), "steps": steps, "outer": outer,
-                    "params": sum(p.numel() for p in t.params), "replica": t.diloco.replica})
+                    "params": sum(p.numel() for p in t.state.params), "replica": t.state.diloco.replica})
         t.close()
     return out
 

@@ -92,7 +92,7 @@ def test_expert_parallel_checkpoint_resumes_in_one_process(parity_base, tmp_path
     ckpt = trainer.checkpointer(tmp_path, cfg)
     ckpt.resume("auto")
     assert trainer.step == 2
-    assert any(m.expert_bias.abs().max() > 0 for _, m in trainer.moe)
+    assert any(m.expert_bias.abs().max() > 0 for _, m in trainer.state.moe)
     resumed = [trainer.train_step().loss for _ in range(2)]
     ckpt.finish()
     trainer.close()

@@ -77,7 +77,7 @@ def _train_save_continue(base: dict, root: str) -> tuple[list[float], list[int]]
 
     cfg = load_config(None, {**base, "parallel": {"dp_shard": 4, "ep": 2}})
     trainer = Trainer(cfg, run_dir=None, log=False)
-    w1 = next(p for n, p in trainer.model_parts[0].named_parameters() if n.endswith("experts.w1"))
+    w1 = next(p for n, p in trainer.state.model_parts[0].named_parameters() if n.endswith("experts.w1"))
     local = list(w1.to_local().shape)
     ckpt = trainer.checkpointer(Path(root), cfg)
     for _ in range(2):

@@ -248,7 +248,7 @@ def _fsdp_probe(cfgs, steps):
 
     out = [run_steps(cfg, steps)["losses"] for cfg in cfgs]
     trainer = Trainer(cfgs[-1], run_dir=None, log=False)
-    kinds = sorted({type(m.weight._local_tensor).__name__ for m in trainer.model.modules()
+    kinds = sorted({type(m.weight._local_tensor).__name__ for m in trainer.state.model.modules()
                     if type(m).__name__ == "Float8Linear"})
     trainer.close()
     return out, kinds

@@ -20,14 +20,14 @@ def _pp_rank(cfg, steps: int, other) -> dict:
     looped_val = looped.validation_loss()
     looped.close()
     trainer = Trainer(cfg, run_dir=None, log=False)
-    trainer.pipeline.trace = True
+    trainer.state.pipeline.trace = True
     losses = [trainer.train_step().loss for _ in range(steps)]
     ckpt = trainer.checkpointer(None, cfg)
     path = ckpt.save(final=True)
     ckpt.finish()
     out = {"losses": losses, "val": trainer.validation_loss(), "weights": trainer.full_weights(), "path": str(path),
-           "rank": trainer.rt.rank, "stages": [s.stage_index for s in trainer.pipeline.stages],
-           "traces": trainer.pipeline.traces, "looped": looped_losses + [looped_val]}
+           "rank": trainer.state.rt.rank, "stages": [s.stage_index for s in trainer.state.pipeline.stages],
+           "traces": trainer.state.pipeline.traces, "looped": looped_losses + [looped_val]}
     trainer.close()
     return out
 

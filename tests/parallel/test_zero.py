@@ -16,12 +16,12 @@ from ndtrain.tools.verify import layout_config
 def _state(trainer) -> list[bool]:
     """[are any parameters gathered, does any rank hold reduced (sharded) gradients]."""
     gathered = False
-    for part in trainer.model_parts:
+    for part in trainer.state.model_parts:
         for module in part.modules():
             get = getattr(module, "_get_fsdp_state", None)
             group = get()._fsdp_param_group if get is not None else None
             gathered |= bool(group is not None and group.is_unsharded)
-    reduced = any(p.grad is not None for p in trainer.params)
+    reduced = any(p.grad is not None for p in trainer.state.params)
     return [gathered, reduced]
 
 

@@ -187,7 +187,7 @@ def test_the_trainer_sets_the_chosen_attention_kernel_on_its_model(parity_base):
                              "train": {**parity_base["train"], "device": "cpu", "sample_tokens": 0}})
     plan = dataclasses.replace(as_written(cfg, 1), host=HostChoice("a probe", "onednn", bf16_attention="bf16"))
     trainer = Trainer(cfg, run_dir=None, log=False, plan=plan)
-    kernels = {m.sdpa for m in trainer.model.modules() if isinstance(m, llama.Attention)}
+    kernels = {m.sdpa for m in trainer.state.model.modules() if isinstance(m, llama.Attention)}
     trainer.close()
     assert kernels and all(getattr(k, "keywords", None) == {"bf16_attends_in": "bf16"} for k in kernels)
     assert trainer.train_step  # built and usable

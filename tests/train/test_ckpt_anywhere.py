@@ -28,19 +28,19 @@ def _layout(base: dict, **parallel) -> object:
 
 def _steps(trainer, n: int) -> dict:
     losses, ids = [], []
-    original = trainer.loader.next_batch
+    original = trainer.state.loader.next_batch
 
     def next_batch(gb):
         batch = original(gb)
         ids.append(batch.global_ids.tolist())
         return batch
 
-    trainer.loader.next_batch = next_batch
+    trainer.state.loader.next_batch = next_batch
     for _ in range(n):
         losses.append(trainer.train_step().loss)
-    trainer.loader.next_batch = original
-    return {"losses": losses, "ids": ids, "dp_rank": trainer.dp_rank, "micro": trainer.cfg.train.micro_batch,
-            "local_batch": trainer.cfg.train.global_batch // trainer.dp_size}
+    trainer.state.loader.next_batch = original
+    return {"losses": losses, "ids": ids, "dp_rank": trainer.state.dp_rank, "micro": trainer.state.cfg.train.micro_batch,
+            "local_batch": trainer.state.cfg.train.global_batch // trainer.state.dp_size}
 
 
 def _resume(cfg, root: Path) -> dict:
@@ -82,9 +82,9 @@ def _straggler(base: dict, root: Path) -> list:
     cfg = cfg_of({**base, "parallel": {"dp_shard": 2},
                   "train": {**base["train"], "straggler_window": 2, "straggler_threshold": 0.25}})
     trainer = Trainer(cfg, run_dir=None, log=False)
-    guard = Recovery(cfg, None, rt=trainer.rt, progress=trainer.progress, loader=trainer.loader,
+    guard = Recovery(cfg, None, rt=trainer.state.rt, progress=trainer.state.progress, loader=trainer.state.loader,
                      ckpt=trainer.checkpointer(root / "unused", cfg), logger=trainer.logger,
-                     compute=compute_modules(trainer.model_parts), layout=trainer.layout.describe())
+                     compute=compute_modules(trainer.state.model_parts), layout=trainer.state.layout.describe())
     events = []
     guard._event = lambda row, text: events.append(row)
     for _ in range(6):

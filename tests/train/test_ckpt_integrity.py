@@ -113,7 +113,7 @@ def test_pickle_files_are_never_unpickled(saved_run, parity_base, tmp_path):
     trainer, ck, _ = _resumer(parity_base, tmp_path / "other")
     # A torch.save/pickle file handed over as a checkpoint.
     pt = tmp_path / "model.pt"
-    torch.save(trainer.model.state_dict(), pt)
+    torch.save(trainer.state.model.state_dict(), pt)
     with pytest.raises(NdtrainError, match="looks like a pickle"):
         ck.resume(str(pt))
 
@@ -160,7 +160,7 @@ def test_retention_and_republish_keep_everything_they_must(parity_base, tmp_path
     [abandoned] = (run / "checkpoints").glob("abandoned-*")
     assert tree(abandoned / step_name(7)) == old7
     assert any("abandoned timeline" in m for m in messages), messages
-    trainer.progress.step = 7
+    trainer.state.progress.step = 7
     ck.save()
     assert [c.name for c in list_checkpoints(run / "checkpoints")] == [step_name(6), step_name(7)]
 

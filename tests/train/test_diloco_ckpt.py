@@ -89,11 +89,11 @@ def _load(jobs: list) -> list[dict]:
         except NdtrainError as exc:
             results.append({"error": str(exc)})
             continue
-        out = {"weights": t.full_weights(), "step": t.step, "replica": t.diloco.replica if t.diloco else None}
-        if t.diloco:
-            local = [tr.param.to_local() if hasattr(tr.param, "to_local") else tr.param for tr in t.diloco.tracked]
-            out["synced_is_live"] = all(torch.equal(s, p) for s, p in zip(t.diloco.synced, local))
-            out["synced"] = {tr.name: s.clone() for tr, s in zip(t.diloco.tracked, t.diloco.synced)}
+        out = {"weights": t.full_weights(), "step": t.step, "replica": t.state.diloco.replica if t.state.diloco else None}
+        if t.state.diloco:
+            local = [tr.param.to_local() if hasattr(tr.param, "to_local") else tr.param for tr in t.state.diloco.tracked]
+            out["synced_is_live"] = all(torch.equal(s, p) for s, p in zip(t.state.diloco.synced, local))
+            out["synced"] = {tr.name: s.clone() for tr, s in zip(t.state.diloco.tracked, t.state.diloco.synced)}
         results.append(out)
     return results
 

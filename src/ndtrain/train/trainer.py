@@ -1,8 +1,8 @@
 """The Python API: `train(cfg)` runs a whole job (job.py) as `ndtrain train` does, and `Trainer`
 is one rank's TrainState (build.py) with its step (step.py) and its logger, for tools, tests and
-benchmarks that drive steps themselves: `Trainer(cfg).train_step()`. The state's fields read
-through (`trainer.model`, `trainer.loader`, `trainer.step`, ...); a field is changed on the state
-itself (`trainer.state.loader = ...`), which the step reads."""
+benchmarks that drive steps themselves: `Trainer(cfg).train_step()`. What the step trains with
+is the state's: `trainer.state.model`, `trainer.state.loader`, ...; a field is changed there too
+(`trainer.state.loader = ...`), which the step reads."""
 
 from __future__ import annotations
 
@@ -33,11 +33,6 @@ class Trainer:
         self.state: TrainState = build(self.plan.config, self.plan.layout, host=self.plan.host)
         self.peaks = steps.measure_peaks(self.state)
         self.logger = job.make_logger(self.plan.config, self.state.rt, run_dir, log)
-
-    def __getattr__(self, name: str):
-        if name == "state":  # not built (yet): no field to read through
-            raise AttributeError(name)
-        return getattr(self.state, name)
 
     @property
     def step(self) -> int:
