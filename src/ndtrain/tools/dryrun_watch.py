@@ -5,9 +5,12 @@ local shard, and fake: a storage with a size but no memory. The watch keeps:
 - the live bytes of every storage (created by an operator, or grown by `UntypedStorage.resize_`,
   which FSDP2 uses to gather and free unsharded parameters), and the set that was live at the
   peak, each storage with the phase that made it (build, forward, backward, optimizer) and
-  whether a collective or FSDP's copy in/out touched it; `categories` sorts the peak's bytes
-  into parameters, gradients, optimizer state, communication buffers, activations (made by a
-  forward and still held) and temporaries (the rest) once the step has run;
+  whether FSDP (its copy in/out, its storage resizes) or another collective touched it;
+  `categories` sorts the peak's bytes into parameters, gradients, optimizer state,
+  communication buffers (FSDP's, and what a collective touched outside the forward),
+  activations (made by a forward and still held, a collective's output among them: TP's
+  reduce-scatter outputs, the ring's K/V, the experts' exchanged rows) and temporaries (the
+  rest) once the step has run;
 - the operators launched, per phase;
 - each collective: its kind, the mesh dimension its group is, the bytes of its input and the
   bytes in the planner's convention (planner/comm.py: all-gather its output, the rest their input);
@@ -35,6 +38,10 @@ from ndtrain.compat.torch import recomputing
 # Input arguments of torch's collectives, by the names their schemas give them.
 _INPUTS = {"tensors", "input_tensor", "input_tensors", "inputs", "input"}
 _GATHERS = ("allgather", "all_gather")
+# What touching a storage makes it: FSDP's own operators gather parameters and build reduce-scatter
+# inputs (communication buffers wherever made); any other collective's tensors are buffers only
+# outside the forward (a forward's collective output kept for the backward is an activation).
+_COMM_KIND = {"fsdp": "fsdp", "c10d": "collective", "_c10d_functional": "collective"}
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "communication_buffers", "activations", "temporaries")
 # A host read that fake tensors cannot answer gets this value: finite, so the step takes its
 # usual path (clipping, the optimizer) rather than skipping the update as non-finite.
@@ -63,7 +70,7 @@ class Watch:
         self.peak_phase = ""
 
     # ---- storages -----------------------------------------------------------------------------
-    def _track(self, t: torch.Tensor, comm: bool = False) -> None:
+    def _track(self, t: torch.Tensor, comm: str = "") -> None:
         if t.device.type == "meta":  # the model as built before it is materialised: no memory anywhere
             return
         st = t.untyped_storage()
@@ -74,8 +81,8 @@ class Watch:
             entry = [self._serial, 0, self.phase, comm, ref]
             self._entries[id(st)] = entry
             self._resized(entry, st.nbytes())
-        elif comm:
-            entry[3] = True
+        elif comm and entry[3] != "fsdp":
+            entry[3] = comm
 
     def _freed(self, key: int):
         def gone(_ref) -> None:
@@ -106,9 +113,9 @@ class Watch:
         entry = self._entries.get(id(st))
         if entry is None:
             self._serial += 1
-            entry = [self._serial, 0, self.phase, True, weakref.ref(st, self._freed(id(st)))]
+            entry = [self._serial, 0, self.phase, "fsdp", weakref.ref(st, self._freed(id(st)))]
             self._entries[id(st)] = entry
-        entry[3] = True
+        entry[3] = "fsdp"
         self._resized(entry, nbytes)
 
     def serials(self, tensors) -> set[int]:
@@ -133,7 +140,7 @@ class Watch:
                 key = "gradients"
             elif serial in optim:
                 key = "optimizer_state"
-            elif comm:
+            elif comm == "fsdp" or (comm and phase != "forward"):
                 key = "communication_buffers"
             elif phase == "forward":
                 key = "activations"
@@ -159,9 +166,8 @@ class Watch:
         self.ops[phase] += 1
         if func is self._read:
             return self._host_read(func, args, kwargs)
-        ns = func.namespace
-        comm = ns in ("c10d", "_c10d_functional", "fsdp")
-        if ns in ("c10d", "_c10d_functional"):
+        comm = _COMM_KIND.get(func.namespace, "")
+        if comm == "collective":
             self._collective(func, args, kwargs)
         out = func(*args, **kwargs)
         if self._counting:
@@ -172,7 +178,7 @@ class Watch:
             self._track(t, comm)
         if comm:
             for t in _tensors((args, kwargs)):
-                self._track(t, True)
+                self._track(t, comm)
         return out
 
     def step_started(self) -> None:
