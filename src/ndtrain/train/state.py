@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from ndtrain.compat.torch import torch_logger
 from ndtrain.config import JobConfig
@@ -24,11 +25,13 @@ if TYPE_CHECKING:  # names for the fields only: build.py imports the modules the
     from ndtrain.data.loader import StatefulLoader, TokenDataset
     from ndtrain.data.mixture import MixtureDataset
     from ndtrain.layout import Layout
+    from ndtrain.model.moe import MoE
     from ndtrain.parallel.diloco import DiLoCo
     from ndtrain.parallel.dims import Meshes
     from ndtrain.parallel.pipeline import Pipeline
     from ndtrain.train.distributed import Runtime
     from ndtrain.train.noise_scale import NoiseScale
+    from ndtrain.train.step_values import StepResult
 
 
 @dataclass
@@ -39,8 +42,8 @@ class TrainState:
     mesh: Meshes  # one process: a mesh with no dimension
     train_set: TokenDataset | MixtureDataset  # the opened training split (manifest, eos id)
     loader: StatefulLoader  # this rank's data-parallel share (a MixtureLoader for a mixture)
-    model_parts: list  # the model, or this pipeline rank's stage(s)
-    params: list  # the trainable parameters of every part
+    model_parts: list[nn.Module]  # the model, or this pipeline rank's stage(s)
+    params: list[nn.Parameter]  # the trainable parameters of every part
     optimizer: torch.optim.Optimizer
     dp_rank: int
     dp_size: int
@@ -49,26 +52,27 @@ class TrainState:
     cp_positions: torch.Tensor | None  # this cp rank's global RoPE positions (None: 0..s-1)
     pipeline: Pipeline | None = None  # the pipeline runtime when pp > 1
     fsdp: bool = False  # FSDP2 wraps the parts (plain replication has torch's DDP instead)
-    moe: list = field(default_factory=list)  # the MoE layers (routing statistics, aux-loss scale)
+    moe: list[tuple[str, MoE]] = field(default_factory=list)  # (layer, MoE): routing statistics, aux-loss scale
     moe_group: ProcessGroup | None = None  # dp x cp group MoE statistics sum over (None: one such rank)
     diloco: DiLoCo | None = None  # when replicas sync every H steps
     scalar_group: ProcessGroup | None = None  # per-step scalars reduce here (DiLoCo: inside the replica)
     autocast: bool = False  # bf16 autocast around the forward (bf16/fp8 without FSDP's policy)
     fp8: bool = False
-    fp8_scales: Callable | None = None  # FSDP float8 all-gather: refresh the weights' fp8 scales
+    fp8_scales: Callable[[list[nn.Module]], None] | None = None  # FSDP float8 all-gather: refresh the weights' fp8 scales
     progress: TrainProgress = field(default_factory=TrainProgress)  # step, tokens, skip windows
     # Set by checkpointer(): an async save may still be copying the state, and the optimizer must
     # not write the weights until it is done (the copy overlaps forward and backward).
-    before_update: Callable | None = None
-    val_data: list | None = None  # the fixed validation batches, built on first use
+    before_update: Callable[[], None] | None = None
+    # The fixed validation batches, built on first use: (inputs, targets, document inputs or None)
+    val_data: list[tuple[torch.Tensor, torch.Tensor, dict | None]] | None = None
     noise: NoiseScale | None = None  # under batch_ramp = "auto", built on first use
     # The first micro-batch's squared gradient norm this step, a device scalar
     first_micro_sq: torch.Tensor | None = None
     # Steps whose loss and norm are still on the device, oldest first (step_values.read_steps)
-    unread: list = field(default_factory=list)
+    unread: list[StepResult] = field(default_factory=list)
 
     @property
-    def model(self):
+    def model(self) -> nn.Module:
         return self.model_parts[0]
 
 
