@@ -174,9 +174,10 @@ def train_step(state: TrainState, batch, data_wait_s: float = 0.0) -> StepResult
     lr = (lr_at(progress.step, cfg.optimizer, cfg.train.steps, progress.lr_schedule["segment"])
           * batch_lr_scale(cfg.optimizer.batch_lr_rule, gb, cfg.train.global_batch))
     set_lr(state.optimizer, lr)
-    # The MoE aux loss is a mean over sequences: each of this rank's sequences weighs 1/n here,
-    # and FSDP's average over ranks completes the global mean (as for the token loss).
-    set_aux_scale(state.moe, 1.0 / (batch.inputs.shape[0] if batch.split is None else batch.split.mean_rows))
+    if state.moe:
+        # The MoE aux loss is a mean over sequences: each of this rank's sequences weighs 1/n
+        # here, and FSDP's average over ranks completes the global mean (as for the token loss).
+        set_aux_scale(state.moe, 1.0 / (batch.inputs.shape[0] if batch.split is None else batch.split.mean_rows))
     # Under cp, each rank normalises by its own tokens (forward_backward); FSDP averages over
     # dp x cp ranks, which makes that the global token mean.
     docs = doc_inputs(state, batch.inputs)
