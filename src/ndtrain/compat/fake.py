@@ -99,15 +99,21 @@ def dtensor_shape_inference(enter, leave):
 
 def count_cpu_attention_flops() -> None:
     """torch's FLOP formulas cover the GPU attention kernels but not the CPU flash kernel a CPU
-    (and so a dry) run calls: the same formulas, registered for it (once per process)."""
+    (and so a dry) run calls: the same formulas, registered for it (once per process), at half
+    for a causal call: a flash kernel skips the masked half of the scores (torch's formulas count
+    the whole square), as the ring attention skips the blocks no query sees, so a rank's count is
+    the work it does either way (layout/flops.py's "causal")."""
     from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
     forward, backward = require("sdpa_cpu_flash"), require("sdpa_cpu_flash_backward")
     if forward not in flop_registry:
-        register_flop_formula(forward)(lambda q, k, v, *_, out_shape=None, **__: sdpa_flop_count(q, k, v))
+        register_flop_formula(forward)(
+            lambda q, k, v, dropout_p=0.0, is_causal=False, *_, out_shape=None, **__:
+            sdpa_flop_count(q, k, v) // (2 if is_causal else 1))
     if backward not in flop_registry:
         register_flop_formula(backward)(
-            lambda grad, q, k, v, *_, out_shape=None, **__: sdpa_backward_flop_count(grad, q, k, v))
+            lambda grad, q, k, v, out, lse, dropout_p, is_causal, *_, out_shape=None, **__:
+            sdpa_backward_flop_count(grad, q, k, v) // (2 if is_causal else 1))
 
 
 def count_grouped_mm_flops() -> None:

@@ -17,7 +17,7 @@ UNSEEN = ("overhead", "fragmentation")  # what a fake run cannot see
 
 def planner_figures(cfg, layout, world: int, hardware: str = "h100") -> dict:
     """The planner's prediction for this layout, in the dry run's terms."""
-    from ndtrain.layout.flops import MFU_ATTENTION, flops_per_token, recompute_flops_per_token
+    from ndtrain.layout.flops import flops_per_token, recompute_flops_per_token
     from ndtrain.planner.api import predict, predict_collective_bytes
 
     lay = {k: v for k, v in layout.as_dict().items() if k != "layers_per_stage"}
@@ -33,8 +33,9 @@ def planner_figures(cfg, layout, world: int, hardware: str = "h100") -> dict:
     for key, category in PLANNER_CATEGORIES.items():
         memory[category] += int(mem.get(key, 0))
     tokens = cfg.train.global_batch * cfg.data.seq_len
-    per_token = flops_per_token(cfg.model, cfg.data.seq_len, MFU_ATTENTION)
-    per_token += recompute_flops_per_token(cfg.model, cfg.data.seq_len, layout.ac, MFU_ATTENTION)
+    # the attention a causal flash kernel computes, the half the dry run counts (compat/fake.py)
+    per_token = flops_per_token(cfg.model, cfg.data.seq_len, "causal")
+    per_token += recompute_flops_per_token(cfg.model, cfg.data.seq_len, layout.ac, "causal")
     return {"peak_memory_bytes": int(sum(memory.values())), "memory_bytes": memory,
             "left_out_bytes": {k: int(mem.get(k, 0)) for k in UNSEEN}, "device": mem.get("device"),
             "flops": per_token * tokens / world, "step_time_s": pred.step_time, "time_s": pred.time,
