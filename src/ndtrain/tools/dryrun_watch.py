@@ -86,9 +86,11 @@ class Watch:
 
     def _freed(self, key: int):
         def gone(_ref) -> None:
-            entry = self._entries.pop(key, None)
+            entry = self._entries.get(key)
             if entry is not None:
+                # still listed while it falls: a peak this free ends is taken with it
                 self._resized(entry, 0)
+                del self._entries[key]
         return gone
 
     def _resized(self, entry: list, nbytes: int) -> None:
