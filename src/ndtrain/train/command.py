@@ -97,9 +97,8 @@ def main(argv: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     if _under_launcher():  # the sooner a worker ties its life to its launcher, the fewer orphans
         from ndtrain.train.distributed import die_with_parent  # (it also notices a launcher already gone)
-        from ndtrain.train.rundir import LAUNCHER_ENV
 
-        die_with_parent(int(os.environ.get(LAUNCHER_ENV, "0") or 0) or None)
+        die_with_parent(launch.launcher_pid())
     from ndtrain.train.trackers import check_installed
 
     check_installed(cfg.logging)
@@ -116,10 +115,9 @@ def _fit_to_data(cfg, overrides: list[str]):
     ndtrain launcher started the ranks. Workers fit the same config to the same data alike."""
     from ndtrain.config import parse_overrides
     from ndtrain.train.preflight import fit_to_data
-    from ndtrain.train.rundir import LAUNCHER_ENV
 
     fitted, notes = fit_to_data(cfg, parse_overrides(overrides))
-    if launch.rank() == 0 and not os.environ.get(LAUNCHER_ENV):
+    if launch.rank() == 0 and launch.launcher_pid() is None:
         for note in notes:
             print(f"ndtrain train: {note}", flush=True)
     return fitted
@@ -235,10 +233,10 @@ def _launch(cfg, args, argv: list[str]) -> int:
             forwarded = _drop_flag(forwarded, flag)
         if not cfg.train.output_dir:
             forwarded.append(f"--train.output_dir={run_dir}")
-        os.environ[rundir.LAUNCHER_ENV] = str(os.getpid())  # the workers' parent and the lock's holder
+        os.environ[launch.LAUNCHER_ENV] = str(os.getpid())  # the workers' parent and the lock's holder
         code = launch_local(args.nproc, args.max_restarts, forwarded)
     finally:
-        os.environ.pop(rundir.LAUNCHER_ENV, None)
+        os.environ.pop(launch.LAUNCHER_ENV, None)
         lock.release()
     if code > 128:  # stopped by a signal: exit now, its handler still absorbing. Python's own
         # finalisation puts the default handlers back, and a scheduler's next copy of the signal
