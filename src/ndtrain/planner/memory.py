@@ -211,7 +211,12 @@ def memory_breakdown(pb: Problem, lay: Layout, split: Split) -> dict:
         held = m if p > 1 and registry.get(lay.schedule).forwards_first else 1
         if st.loss == "flash":  # bf16 logits kept, a bf16 gradient transient (flash-attn's kernel)
             kept, transient = elt, elt
-        else:  # bf16 logits and the fp32 softmax kept, an fp32 gradient transient
+        elif st.loss == "eager":
+            # PyTorch's cross-entropy on the logits cast to fp32: log-softmax keeps its fp32
+            # output (nothing saves the bf16 logits or their fp32 copy); in its backward the
+            # dense NLL gradient and the log-softmax gradient, both fp32, are live together
+            kept, transient = 4, 8
+        else:  # a fused kernel: bf16 logits and the fp32 softmax kept, an fp32 gradient transient
             kept, transient = elt + 4, 4
         logits = logit_elems * (kept * held + transient) if head else 0.0
         buckets = DDP_BUCKETS if pb.gpu else gloo_dp_buffers(pb, lay, embed, head, pbytes)
