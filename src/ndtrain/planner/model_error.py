@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 
 MIN_GROUP = 4
-QUANTILES = (0.1, 0.9)
+QUANTILES = (0.1, 0.9)  # the 80% interval: of the sampled worlds (uncertainty.py) and of the model's error
 
 # (row name, stack, generation, log(predicted / published)), validation rows only.
 RESIDUALS: tuple[tuple[str, str, str, float], ...] = (

@@ -6,12 +6,12 @@ import dataclasses
 
 from ndtrain.model.config import PRESETS, num_params
 from ndtrain.planner.compile_choice import compile_choice
+from ndtrain.planner.hardware import GiB
 from ndtrain.planner.problem import Problem
 from ndtrain.planner.refusal import refusal_lines
 from ndtrain.planner.search import Prediction, SearchResult
 from ndtrain.planner.uncertainty import headroom, moving_parts
 
-GiB = 1024**3
 MEM_KEYS = ("params", "grads", "optimizer", "activations", "logits", "buffers", "overhead", "fragmentation")
 COMM_KEYS = ("tp", "cp", "ep", "pp", "dp")
 

@@ -19,12 +19,11 @@ from ndtrain.layout import Layout
 from ndtrain.layout.flops import MFU_ATTENTION, flops_per_token, recompute_flops_per_token
 from ndtrain.layout.rules import batch_splits
 from ndtrain.layout.schedules import DEFAULT, INTERLEAVED, SCHEDULES, single_stage_candidates
+from ndtrain.planner.hardware import GiB
 from ndtrain.planner.memory import memory_breakdown, state_bytes
 from ndtrain.planner.problem import Problem, Split, stage_split
 from ndtrain.planner.stack import PLANNED_AC
 from ndtrain.planner.timing import busy_and_bubble, layer_costs, step_breakdown
-
-GiB = 1024**3
 
 
 @dataclass

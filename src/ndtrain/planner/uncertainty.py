@@ -24,12 +24,11 @@ from dataclasses import dataclass, field
 
 from ndtrain.planner import constants as consts
 from ndtrain.planner import model_error
+from ndtrain.planner.hardware import GiB
 from ndtrain.planner.problem import Problem
 from ndtrain.planner.search import Evaluator, Prediction, SearchResult
 
-GiB = 1024**3
 WITHIN = 0.02  # "within 2% of the best"
-QUANTILES = (0.1, 0.9)
 
 
 def moving_parts(p: Prediction) -> list[str]:
@@ -68,7 +67,8 @@ class Robustness:
     def interval(self, p: Prediction) -> tuple[float, float]:
         """10th-90th percentile of the step time of `p` over the sampled worlds (constants only)."""
         i = self._index(p)
-        return model_error.quantile(self.times[i], QUANTILES[0]), model_error.quantile(self.times[i], QUANTILES[1])
+        lo, hi = model_error.QUANTILES
+        return model_error.quantile(self.times[i], lo), model_error.quantile(self.times[i], hi)
 
     def model_interval(self, p: Prediction) -> tuple[float, float]:
         """The 80% interval of the step time of `p` with the model's own error: its nominal step
@@ -132,7 +132,7 @@ def _choose(pb: Problem, rob: Robustness) -> None:
     for c, ct in zip(rob.candidates[1:], rob.times[1:]):
         ratios = [a / b for a, b in zip(ct, wt)]
         faster = sum(r < 1 for r in ratios) / len(ratios)
-        if model_error.quantile(ratios, QUANTILES[0]) < 1.0:
+        if model_error.quantile(ratios, model_error.QUANTILES[0]) < 1.0:
             rob.overlapping.append((c, faster))
 
     def key(p):
