@@ -73,3 +73,15 @@ def test_zero3_buffers_at_the_loss_hold_the_root_and_the_last_block():
     mem = memory_breakdown(pb, pp, stage_split(pb, pp))
     if mem["device"] == "first":
         assert mem["buffers"] == pytest.approx(2 * root_params(pb.shape, pp, True, False) + layer * (2 * 2 + 4))
+
+
+def test_eager_loss_holds_what_the_dry_run_holds_at_its_backward():
+    """Eager PyTorch cross-entropy (fp32 logits): the log-softmax kept and two fp32 gradients at
+    its backward, 12 bytes a logit; under TP torch's loss_parallel adds the exp of the shifted
+    logits, 16 (the dry runs of llama3-8b cp 8 and llama3-70b tp 8 hold exactly these)."""
+    cfg = preset("llama3-8b")
+    pb = make_problem(cfg, 8192, 64, 8, "h100")
+    for lay, nbytes in ((Layout(dp_shard=8, zero=3, mb=1, ac="selective"), 12),
+                        (Layout(dp_shard=4, tp=2, zero=3, mb=1, ac="selective"), 16)):
+        mem = memory_breakdown(pb, lay, stage_split(pb, lay))
+        assert mem["logits"] == pytest.approx(nbytes * 8192 * pb.shape.vocab / lay.tp)

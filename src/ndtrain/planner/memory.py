@@ -214,8 +214,10 @@ def memory_breakdown(pb: Problem, lay: Layout, split: Split) -> dict:
         elif st.loss == "eager":
             # PyTorch's cross-entropy on the logits cast to fp32: log-softmax keeps its fp32
             # output (nothing saves the bf16 logits or their fp32 copy); in its backward the
-            # dense NLL gradient and the log-softmax gradient, both fp32, are live together
-            kept, transient = 4, 8
+            # dense NLL gradient and the log-softmax gradient, both fp32, are live together.
+            # Under TP, torch's loss_parallel keeps the max-shifted logits and its backward
+            # computes their exp beside those two
+            kept, transient = 4, (12 if t > 1 else 8)
         else:  # a fused kernel: bf16 logits and the fp32 softmax kept, an fp32 gradient transient
             kept, transient = elt + 4, 4
         logits = logit_elems * (kept * held + transient) if head else 0.0
