@@ -10,7 +10,7 @@ from ndtrain.cli import main as cli
 from ndtrain.model.config import preset
 from ndtrain.planner import profile, profile_fit
 from ndtrain.calibrate.cpu import fit_alpha_beta
-from ndtrain.planner.hardware import CATALOG, GiB
+from ndtrain.planner.hardware import CATALOG, COLLECTIVES, GiB
 from ndtrain.planner.problem import make_problem
 from ndtrain.calibrate import gpu as calibrate_gpu
 
@@ -31,7 +31,7 @@ def synthetic() -> dict:
         attention.append([b, h, s, d, 6 * b * h * s * s * d * (1 + 128 / s) / (H100.peak_bf16 * 0.5)])
     colls = {kind: [[8, n, a * h + n * sh / 300e9] for n in (4096, 1 << 20, 1 << 26)
                     for a, (h, sh) in [(4e-6, {"p2p": (1, 1), "all_reduce": (14, 1.75)}.get(kind, (7, 0.875)))]]
-             for kind in profile.COLLECTIVES}
+             for kind in COLLECTIVES}
     return {"device_name": "NVIDIA H100 80GB HBM3", "gpus": 8, "calibrated": "2026-12-01", "gemm": gemm,
             "attention": attention, "hbm": {"copy_bw": 0.9 * H100.hbm_bw}, "collectives": colls,
             "memory": {"overhead_bytes": 2.5 * GiB, "fragmentation": 0.07}}

@@ -10,7 +10,7 @@ import pytest
 from ndtrain.layout import parse_layout
 from ndtrain.model.config import preset
 from ndtrain.planner import run_fit
-from ndtrain.planner.hardware import from_profile, host_probe
+from ndtrain.planner.hardware import COLLECTIVES, from_profile, host_probe
 from ndtrain.planner.host_cache import as_profile
 
 CFG = preset("tiny", vocab_size=256)
@@ -21,7 +21,7 @@ FIT = {"alpha": 2e-4, "beta": 0.8e9}
 CALIBRATED = {
     "cores": 2, "devices_per_node": 8, "matmul": {"fp32_1thread": 6e10, "bf16_1thread": 1.2e11},
     "memory": {"total_bytes": 64 * 2**30, "copy_bw": 1e10}, "attention": {"fp32": {"256": 1.2e10}},
-    "collectives": {k: {**FIT, "by_world": {"2": FIT}} for k in run_fit.COLLECTIVES},
+    "collectives": {k: {**FIT, "by_world": {"2": FIT}} for k in COLLECTIVES},
     "host_s": {"layer": 2e-3, "head": 3e-3}, "op_overhead_s": 2e-5, "optimizer_s_per_param": 4e-9,
     "dp_in_situ": {"2": {"all_gather": {"alpha": 5e-4, "beta": 4e8}, "all_reduce_ddp": {"alpha": 1e-4, "beta": 1e9},
                          "measured": {"zero3": [0.1]}}},

@@ -19,7 +19,8 @@ from functools import partial
 
 from ndtrain.calibrate.host_costs import (SHAPES, dp_host, fit_dp, fit_tp, optimizer_seconds_per_param, plain_host,
                                           tp_host, typical)
-from ndtrain.calibrate.measure import KINDS, measure_attention, measure_collectives
+from ndtrain.calibrate.measure import measure_attention, measure_collectives
+from ndtrain.planner.hardware import COLLECTIVES
 
 
 def _hops_share(kind: str, k: int) -> tuple[float, float]:
@@ -202,7 +203,7 @@ def calibrate(worlds=(2, 4, 8), sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), reps
     samples = [x for x in samples if x[0] not in ("tp_host", "dp_host")]
     layer, head = plain[f"{SHAPES[0][0]},{SHAPES[0][1]}"]
     collectives = {}
-    for kind in KINDS:
+    for kind in COLLECTIVES:
         mine = [(k, n, t) for (kd, k, n, t) in samples if kd == kind]
         if mine:
             by_world = {str(w): fit_alpha_beta(kind, [x for x in mine if x[0] == w]) for w in sorted({x[0] for x in mine})}

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import time
 
-from ndtrain.calibrate.measure import KINDS, measure_attention, measure_collectives, seconds_per_call
+from ndtrain.calibrate.measure import measure_attention, measure_collectives, seconds_per_call
 from ndtrain.compat.torch import find, require
 from ndtrain.errors import NdtrainError
-from ndtrain.planner.hardware import DEFAULT_PROFILE
+from ndtrain.planner.hardware import COLLECTIVES, DEFAULT_PROFILE
 
 DEFAULT_GPU_PROFILE = DEFAULT_PROFILE.parent / "gpu.json"  # beside the CPU profile and the host probe
 GEMM_SHAPES = [(m, n, k) for m in (1024, 4096, 16384) for n in (1024, 4096, 8192) for k in (512, 2048, 8192)] + \
@@ -92,7 +92,7 @@ def gpu_collectives(world: int, sizes=COLLECTIVE_SIZES, reps: int = 10) -> dict:
     """NCCL's collectives over this node's `world` GPUs: {"rows": {kind: [[world, bytes, seconds],
     ...]}, "overhead_bytes"} as planner/profile_fit reads them (a p2p row is one pair's: world 2)."""
     got = measure_collectives("cuda", [world], sizes, reps)
-    rows: dict = {kind: [] for kind in KINDS}
+    rows: dict = {kind: [] for kind in COLLECTIVES}
     for kind, w, nbytes, seconds in got["samples"]:
         rows[kind].append([2 if kind == "p2p" else w, nbytes, seconds])
     return {"rows": rows, "overhead_bytes": got["overhead_bytes"]}

@@ -16,8 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from ndtrain.calibrate.host_costs import typical
-
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+from ndtrain.planner.hardware import COLLECTIVES
 
 
 def seconds_per_call(fn, device: str, reps: int, warmup: int = 1, min_time: float = 0.0) -> float:
@@ -123,7 +122,7 @@ def _collective_worker(rank: int, world: int, port: int, device: str, sizes: lis
             "p2p": None if peer is None else (lambda: dist.send(full, peer)) if rank % 2 == 0 else
             (lambda: dist.recv(full, peer)),
         }
-        for kind in KINDS:
+        for kind in COLLECTIVES:
             dist.barrier()
             if ops[kind] is not None:
                 seconds = seconds_per_call(ops[kind], device, reps, warmup=3 if cuda else 1)

@@ -30,6 +30,8 @@ from ndtrain.errors import NdtrainError
 from ndtrain.planner import host_cache, links
 
 GiB = 1024**3
+# The collectives a profile holds an alpha-beta fit for, CPU and GPU alike.
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 # "this-machine" (CPU ranks): mm_eff is fitted at calibration; kappa is the eager-kernel value.
 A100_MM_EFF = 0.625
@@ -348,23 +350,22 @@ def from_profile(data: dict, source: str = "") -> Hardware:
     # 0.24-0.33 GB/s on the 2-core host of docs/results/benchmarks.md, against 0.6-1.35 GB/s in an idle
     # loop: the default is the in-situ figure, as pessimistic as the compute default.
     default_fit = {"alpha": 100e-6, "beta": 0.3e9}
-    names = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
     fits = {name: {k: colls[name][k] for k in ("alpha", "beta")} if name in colls else default_fit
-            for name in names}
+            for name in COLLECTIVES}
     if "reduce_scatter" not in colls:
         # The runtime's reduce-scatter on Gloo is an all-to-all and a local sum
         # (parallel/gloo_reduce_scatter.py; Gloo's own runs a full all-reduce): unmeasured, it costs
         # the all-to-all of its input, the same (k-1) alpha + (k-1)/k n / beta in comm.py's terms.
         fits["reduce_scatter"] = dict(fits["all_to_all"])
     by_world: dict = {}
-    for name in names:
+    for name in COLLECTIVES:
         for world, fit in colls.get(name, {}).get("by_world", {}).items():
             by_world.setdefault(str(world), {})[name] = {"alpha": fit["alpha"], "beta": fit["beta"]}
     # Where the runtime's FSDP/DDP were timed in situ, their collectives cost what training saw
     # (cold buffers, copies, a Gloo thread sharing the core with compute), not what an idle loop does.
     for world, in_situ in data.get("dp_in_situ", {}).items():
         for name, fit in in_situ.items():
-            if name.removesuffix("_tp").removesuffix("_ddp") in names:
+            if name.removesuffix("_tp").removesuffix("_ddp") in COLLECTIVES:
                 by_world.setdefault(str(world), {})[name] = {"alpha": fit["alpha"], "beta": fit["beta"]}
     if not any("all_reduce_ddp" in w for w in by_world.values()):
         fits["all_reduce_ddp"] = _ddp_reducer_fit(fits["all_reduce"])

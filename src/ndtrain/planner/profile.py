@@ -22,10 +22,9 @@ from pathlib import Path
 
 from ndtrain.errors import NdtrainError
 from ndtrain.planner import constants as consts
-from ndtrain.planner.hardware import ALIASES, Hardware, get_hardware
+from ndtrain.planner.hardware import ALIASES, COLLECTIVES, Hardware, get_hardware
 
 VERSION = 1
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 
 def load(path: str | Path) -> dict:

@@ -41,7 +41,8 @@ from ndtrain.errors import NdtrainError
 from ndtrain.layout import Layout
 from ndtrain.model.config import ModelConfig
 from ndtrain.planner import constants as consts
-from ndtrain.planner.hardware import GiB, UNMEASURED_TP_HOST, Hardware, from_profile, get_hardware
+from ndtrain.planner import profile as profiles
+from ndtrain.planner.hardware import COLLECTIVES, GiB, UNMEASURED_TP_HOST, Hardware, from_profile, get_hardware
 from ndtrain.planner.layer import OPS_HEAD, OPS_PER_LAYER
 from ndtrain.planner.timing import OPTIMIZER_BYTES_PER_PARAM
 
@@ -57,7 +58,6 @@ KNOB_RANGE = (1 / 50, 50.0)  # beyond this a fit is wrong, not a host
 GPU_GROUPS = {"compute": ("gemm_eff", "fp8_gemm_eff", "attn_eff", "hbm_eff"),
               "overhead": ("kappa_eager", "kappa_fused", "fp8_cast_bytes"),
               "comm_eff": ("nvlink_eff", "nic_eff"), "comm_latency": ("alpha_intra", "alpha_inter")}
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 # Why a profile fitted to runs prices no compile (hardware.py: `unmeasured.compile`; compile_auto's line)
 COMPILE_UNMEASURED = ("compile not measured: this profile was fitted to runs without a compiled and an eager "
                       "run of one layout, over a profile that did not price it (fit such a pair, or run "
@@ -88,15 +88,9 @@ class Fit:
 
 # ---- the profile with its groups scaled ---------------------------------------------------
 
-def is_gpu(data: dict) -> bool:
-    return data.get("kind") == "gpu"
-
-
 def hardware(data: dict, source: str = "") -> Hardware:
     """The Hardware a profile dict describes (a GPU profile over its catalog entry)."""
-    if is_gpu(data):
-        from ndtrain.planner import profile as profiles
-
+    if profiles.is_gpu(data):
         return profiles.apply(get_hardware(data.get("catalog", "")), data, source or "fitted profile")
     return from_profile(data, source)
 
@@ -165,7 +159,7 @@ def _scale_gpu(data: dict, k: dict) -> dict:
 def scaled(data: dict, knobs: dict) -> dict:
     """The profile `data` with each group's times multiplied by its knob."""
     k = {g: float(knobs.get(g, 1.0)) for g in KNOBS}
-    return _scale_gpu(data, k) if is_gpu(data) else _scale_cpu(data, k)
+    return _scale_gpu(data, k) if profiles.is_gpu(data) else _scale_cpu(data, k)
 
 
 # ---- pricing a run ---------------------------------------------------------------------------
@@ -305,7 +299,7 @@ def fit(base: dict, obs: list[Observation], description: str = "") -> Fit:
     start = base.get("from_runs", {}).get("base_profile") or base
     eager = [o for o in obs if not o.layout.compile]
     knobs = fit_knobs(start, eager or obs)
-    if not is_gpu(start) and (figures := compile_figures(scaled(start, knobs), obs)):
+    if not profiles.is_gpu(start) and (figures := compile_figures(scaled(start, knobs), obs)):
         # compiled runs beside eager ones measured compile: price it from them, and refit with it
         rest = {k: v for k, v in start.get("unmeasured", {}).items() if k != "compile"}
         start = {k: v for k, v in {**start, **figures}.items() if k != "unmeasured"} | (
@@ -316,13 +310,13 @@ def fit(base: dict, obs: list[Observation], description: str = "") -> Fit:
     prof = scaled(start, knobs)
     before_hw, after_hw = hardware(base), hardware(prof)  # before: what the caller planned with
     peaks = [o for o in obs if o.peak_bytes]
-    if peaks and not is_gpu(start):
+    if peaks and not profiles.is_gpu(start):
         left = [o.peak_bytes - model_memory(predict(after_hw, o), after_hw) for o in peaks]
         prof["overhead_gib"] = max(0.05, statistics.median(left) / GiB)
         after_hw = hardware(prof)
     rows = []
     # set beside what a run records: a CPU rank's whole resident set, a GPU's allocated peak
-    shown = (lambda p, hw: model_memory(p, hw)) if is_gpu(start) else (lambda p, hw: p.memory["total"])
+    shown = (lambda p, hw: model_memory(p, hw)) if profiles.is_gpu(start) else (lambda p, hw: p.memory["total"])
     for o in obs:
         before, after = predict(before_hw, o), predict(after_hw, o)
         rows.append({"label": o.label, "layout": o.layout.short(), "world": o.world, "precision": o.precision,
@@ -332,7 +326,7 @@ def fit(base: dict, obs: list[Observation], description: str = "") -> Fit:
     prof["from_runs"] = {"knobs": knobs, "runs": [{k: r[k] for k in ("label", "layout", "world", "measured_s")}
                                                   for r in rows], "base": description,
                          "base_profile": copy.deepcopy(start)}
-    if is_gpu(start):
+    if profiles.is_gpu(start):
         prof["calibrated"] = f"{start.get('calibrated', '')} fitted to {len(obs)} run(s)".strip()
     else:
         prof["description"] = f"{start.get('description') or 'this machine'}; fitted to {len(obs)} run(s)"

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from ndtrain.errors import NdtrainError, UsageError
+from ndtrain.planner import profile as profiles
 from ndtrain.planner import run_fit
 from ndtrain.tools.run_data import Run, read_run
 
@@ -76,7 +77,6 @@ def busy_host(run: Run) -> float | None:
 
 def base_profile(profile: str | None, gpu: str | None) -> tuple[dict, str]:
     """(the profile the fit starts from, where it came from)."""
-    from ndtrain.planner import profile as profiles
     from ndtrain.planner.hardware import DEFAULT_PROFILE, get_hardware, host_probe
     from ndtrain.planner.host_cache import as_profile
 
@@ -147,7 +147,7 @@ def main(argv: list[str]) -> int:
     if args.out:
         out = Path(args.out).expanduser()
     else:
-        gpu = bool(args.gpu) or bool(args.profile and run_fit.is_gpu(_load(args.profile)))
+        gpu = bool(args.gpu) or bool(args.profile and profiles.is_gpu(profiles.load(args.profile)))
         out = Path(DEFAULT_PROFILE).with_name("gpu.json") if gpu else Path(DEFAULT_PROFILE)
     check_out(out)
     base, source = base_profile(args.profile, args.gpu)
@@ -177,20 +177,14 @@ def main(argv: list[str]) -> int:
     if any(not lo * 1.01 < v < hi / 1.01 for v in result.knobs.values()):
         print(f"  note: a factor reached the edge of its range ({lo:g}-{hi:g}x): the runs and the model disagree "
               f"beyond what scaling explains (the wrong --gpu, or a run that stalled)")
-    if not run_fit.is_gpu(base):
+    if not profiles.is_gpu(base):
         busy = {r.label: x for r in runs if (x := busy_host(r)) is not None}
         if busy:
             print("  note: the host was busy with other work: wall steps were " + ", ".join(
                 f"{x:.1f}x" for x in busy.values()) + f" the CPU time in {', '.join(busy)}; the profile prices "
                 "that load, and plans for a quiet host will be pessimistic")
-    print(f"  plan with it: ndtrain plan ... --profile {out}" + (f" --gpu {base.get('catalog')}" if run_fit.is_gpu(base) else ""))
+    print(f"  plan with it: ndtrain plan ... --profile {out}" + (f" --gpu {base.get('catalog')}" if profiles.is_gpu(base) else ""))
     return 0
-
-
-def _load(path: str) -> dict:
-    from ndtrain.planner import profile as profiles
-
-    return profiles.load(path)
 
 
 def compare(run: Run, profile: str | None = None) -> str:
