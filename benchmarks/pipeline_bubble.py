@@ -31,7 +31,7 @@ import torch
 
 from ndtrain.config import load_config
 from ndtrain.parallel import pipeline_schedule as ps
-from ndtrain.tools.pipeline_report import draw_gantt, measure, measured_panel, summarize
+from ndtrain.tools.pipeline_report import draw_gantt, measured_panel, summarize, timed_actions
 
 
 def config(args, schedule: str, v: int, m: int, control: bool = False):
@@ -151,7 +151,7 @@ def run_grid(args, title: str, control: bool):
     for schedule in args.schedules.split(","):
         v = args.v if schedule in ps.INTERLEAVED + ps.V_SHAPED else 1
         for m in (int(x) for x in args.ms.split(",")):
-            per_rank = measure(config(args, schedule, v, m, control), args.pp, args.steps)
+            per_rank = timed_actions(config(args, schedule, v, m, control), args.pp, args.steps)
             s = summarize(per_rank, schedule, args.pp, v)
             formula = (args.pp - 1) / (v * m + args.pp - 1)
             rows.append({**{k: s[k] for k in ("schedule", "p", "v", "m", "mean_idle", "theory", "ideal", "step_s",

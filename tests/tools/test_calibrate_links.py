@@ -40,7 +40,7 @@ def one_rank(tmp_path):
 
 
 def test_the_split_lands_in_the_profile_the_planner_reads(one_rank, tmp_path):
-    samples = cl.measure(0, 2, timer=_fake_timer)
+    samples = cl.link_samples(0, 2, timer=_fake_timer)
     assert set(samples) == {"intra", "inter"} and len(samples["inter"]) == len(cl.SIZES)
     fitted = cl.fits(samples)
     for name, truth in (("intra", INTRA), ("inter", INTER)):
@@ -76,7 +76,7 @@ def test_collectives_across_nodes_get_their_own_fits(one_rank, tmp_path):
 
 
 def test_one_rank_per_node_measures_only_the_link_between_nodes(one_rank):
-    assert set(cl.measure(0, 1, timer=_fake_timer)) == {"inter"}
+    assert set(cl.link_samples(0, 1, timer=_fake_timer)) == {"inter"}
     assert cl.pairs(1) == {"inter": 1} and cl.pairs(4) == {"intra": 1, "inter": 4}
 
 
@@ -84,7 +84,7 @@ def _worker(rank, world, local, port, out):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(local),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo")
-    samples = cl.measure(rank, local, sizes=(1 << 10, 1 << 16), reps=2)
+    samples = cl.link_samples(rank, local, sizes=(1 << 10, 1 << 16), reps=2)
     samples.update(cl.collectives_across_nodes(rank, world, local, (1 << 16,), 2))
     dist.destroy_process_group()
     if rank == 0:

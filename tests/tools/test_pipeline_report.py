@@ -16,7 +16,7 @@ def test_measured_ranks_time_every_step_and_summarize(parity_base):
     base = {k: dict(v) for k, v in parity_base.items()}
     base["train"].update(micro_batch=2)
     cfg = load_config(None, {**base, "parallel": {"pp": 2, "dp_shard": 1, "pp_schedule": "1F1B"}})
-    ranks = pipeline_report.measure(cfg, 2, 2)
+    ranks = pipeline_report.timed_actions(cfg, 2, 2)
     assert sorted(r["rank"] for r in ranks) == [0, 1] and sorted(s for r in ranks for s in r["stages"]) == [0, 1]
     for r in ranks:
         assert len(r["traces"]) == len(r["losses"]) == 2  # one timeline per step trained

@@ -72,7 +72,7 @@ def ping_pong_seconds(rank: int, peer_of_0: int, nbytes: int, reps: int) -> floa
     return typical(times) if rank == 0 else None
 
 
-def measure(rank: int, ranks_per_node: int, sizes=SIZES, reps: int = 5, timer=ping_pong_seconds) -> dict:
+def link_samples(rank: int, ranks_per_node: int, sizes=SIZES, reps: int = 5, timer=ping_pong_seconds) -> dict:
     """{link: [(bytes, seconds), ...]} on rank 0 ({} elsewhere), every rank taking part in turn."""
     import torch.distributed as dist
 
@@ -178,7 +178,7 @@ def calibrate_links(out: Path, quick: bool) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     try:
-        samples = measure(rank, local, QUICK_SIZES if quick else SIZES, reps=3 if quick else 5)
+        samples = link_samples(rank, local, QUICK_SIZES if quick else SIZES, reps=3 if quick else 5)
         colls = collectives_across_nodes(rank, world, local, QUICK_SIZES[1:] if quick else SIZES[2:], reps=3)
     finally:
         dist.destroy_process_group()

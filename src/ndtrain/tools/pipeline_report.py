@@ -21,7 +21,7 @@ from ndtrain.layout.schedules import DEFAULT as DEFAULT_SCHEDULE
 from ndtrain.paths import check_output_file
 from ndtrain.parallel import pipeline_schedule as ps
 
-COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3"}
+PHASE_COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3"}
 LABELS = {"F": "forward (F)", "B": "full backward (B)", "I": "backward to input (I)", "W": "backward to weights (W)"}
 
 
@@ -38,7 +38,7 @@ def _measure_rank(cfg, steps: int) -> dict:
         trainer.close()
 
 
-def measure(cfg, nproc: int, steps: int) -> list[dict]:
+def timed_actions(cfg, nproc: int, steps: int) -> list[dict]:
     """Train `steps` steps of `cfg` on `nproc` forked ranks; every rank's timed actions per step."""
     from ndtrain.parallel.dims import checked_layout
     from ndtrain.parallel.launch import run_ranks
@@ -142,8 +142,8 @@ def draw_gantt(panels: list[dict], path: str | Path) -> Path:
             y, x0, w = row_of[e.rank], e.start * scale, (e.end - e.start) * scale
             # A rank's later chunks (virtual stages) are drawn lighter than its first.
             alpha = 0.55 if pn.get("p") and (e.stage // pn["p"]) % 2 else 1.0
-            ax.broken_barh([(x0, w)], (y - 0.4, 0.8), facecolors=COLORS[e.kind], edgecolors="white", linewidth=0.4,
-                           alpha=alpha)
+            ax.broken_barh([(x0, w)], (y - 0.4, 0.8), facecolors=PHASE_COLORS[e.kind], edgecolors="white",
+                           linewidth=0.4, alpha=alpha)
             if e.mb >= 0 and w > span / 90:
                 ax.text(x0 + w / 2, y, str(e.mb), ha="center", va="center", fontsize=6, color="white")
         ax.set_yticks(range(len(pn["rows"])))
@@ -153,7 +153,7 @@ def draw_gantt(panels: list[dict], path: str | Path) -> Path:
         ax.set_xlabel(pn.get("unit", "time"), fontsize=8)
         ax.set_title(pn["title"], fontsize=9, loc="left")
         ax.tick_params(axis="x", labelsize=7)
-    handles = [Patch(color=COLORS[k], label=LABELS[k]) for k in "FBIW" if k in kinds]
+    handles = [Patch(color=PHASE_COLORS[k], label=LABELS[k]) for k in "FBIW" if k in kinds]
     fig.legend(handles=handles, loc="upper right", fontsize=8, ncol=len(handles))
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     path = Path(path)
@@ -229,7 +229,7 @@ def _measure_main(args, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     if args.steps < 2:
         raise NdtrainError("--steps must be >= 2 (the first step warms up and is not counted)")
-    per_rank = measure(cfg, args.nproc, args.steps)
+    per_rank = timed_actions(cfg, args.nproc, args.steps)
     s = summarize(per_rank, cfg.parallel.pp_schedule, cfg.parallel.pp, cfg.parallel.pp_virtual_stages)
     print(format_summary(s))
     if args.json:

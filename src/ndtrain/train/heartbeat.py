@@ -17,7 +17,7 @@ from datetime import timedelta
 
 from ndtrain.launch_env import master_addr, master_port
 
-KEY = "ndtrain-heartbeat"
+STORE_PREFIX = "ndtrain-heartbeat"
 
 
 def _client(host: str, port: int, timeout_s: float):
@@ -34,7 +34,7 @@ class Heartbeat:
                  interval_s: float = 1.0, timeout_s: float = 5.0):
         self.rank, self.world, self.host, self.port = rank, world, host, port
         self.interval_s, self.timeout_s = interval_s, timeout_s
-        self.prefix = f"{KEY}/{attempt}"
+        self.prefix = f"{STORE_PREFIX}/{attempt}"
         self.step = 0  # set by the training thread; the beat thread publishes it
         self._stop = threading.Event()
         self._store = _client(host, port, timeout_s)
