@@ -135,7 +135,7 @@ def _publish_verify_rank(root: str, per_rank: int, reps: int) -> list[dict]:
     from torch.distributed.checkpoint.metadata import Metadata
 
     from ndtrain.train.checkpoint.digest import collect_digests, verify_shared, write_manifest_from, write_own_digests
-    from ndtrain.train.checkpoint import verify, write_manifest, write_marker
+    from ndtrain.train.checkpoint import verify_checkpoint, write_manifest, write_marker
 
     rank, world = dist.get_rank(), dist.get_world_size()
     rng = np.random.default_rng(rank)
@@ -167,7 +167,7 @@ def _publish_verify_rank(root: str, per_rank: int, reps: int) -> list[dict]:
             dist.barrier()
             t0, c0 = time.perf_counter(), time.thread_time()
             if mode == "before":
-                ok = verify(tmp) is None if rank == 0 else True  # the old resume: rank 0 hashes all
+                ok = verify_checkpoint(tmp) is None if rank == 0 else True  # the old resume: rank 0 hashes all
             else:
                 ok = verify_shared([tmp])[str(tmp)] is None
             verify_cpu = time.thread_time() - c0

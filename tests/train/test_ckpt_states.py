@@ -10,7 +10,7 @@ from torch import nn
 
 from ndtrain.config import load_config
 from ndtrain.train.checkpoint import (TRAIN_STATE, Checkpointer, ModelState, OptimizerState, list_checkpoints, step_name,
-                                      verify)
+                                      verify_checkpoint)
 from ndtrain.train.distributed import Runtime
 
 
@@ -67,7 +67,7 @@ def test_any_mapping_of_state_objects_round_trips(tmp_path):
         ck.save()
     ck.finish()
     [c1, c2] = list_checkpoints(tmp_path / "checkpoints")
-    assert c2.name == step_name(2) and verify(c2) is None
+    assert c2.name == step_name(2) and verify_checkpoint(c2) is None
     saved = json.loads((c2 / TRAIN_STATE).read_text())
     assert (saved["step"], saved["note"], saved["loader"]["consumed_samples"], saved["layout"]) == (2, "after 2", 6, "toy")
     want_w = {k: v.clone() for k, v in model.state_dict().items()}

@@ -300,7 +300,8 @@ def import_hf(src: str | Path, out_root: str | Path) -> Path:
     from ndtrain.config import JobConfig, to_dict
     from ndtrain.paths import check_creatable
     from ndtrain.tools import hf_weights
-    from ndtrain.train.checkpoint import FORMAT, TRAIN_STATE, fsync_dir, step_name, write_manifest, write_marker
+    from ndtrain.train.checkpoint import (CHECKPOINT_FORMAT, TRAIN_STATE, fsync_dir, step_name, write_manifest,
+                                          write_marker)
     from ndtrain.train import host_memory
 
     out_root = Path(out_root)
@@ -323,7 +324,7 @@ def import_hf(src: str | Path, out_root: str | Path) -> Path:
             dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp), no_dist=True)
         job = JobConfig(name=f"import-{Path(src).name}")
         job.model = mcfg
-        state = {"format": FORMAT, "version": 2, "kind": "weights", "step": 0, "tokens_seen": 0,
+        state = {"format": CHECKPOINT_FORMAT, "version": 2, "kind": "weights", "step": 0, "tokens_seen": 0,
                  "config": to_dict(job), "source": str(Path(src).resolve()), "saved_at": time.time()}
         (tmp / TRAIN_STATE).write_text(json.dumps(state, indent=1))
         write_manifest(tmp)

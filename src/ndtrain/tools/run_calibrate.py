@@ -101,7 +101,7 @@ def base_profile(profile: str | None, gpu: str | None) -> tuple[dict, str]:
     return {}, "defaults"
 
 
-def check_out(out: Path) -> None:
+def check_profile_out(out: Path) -> None:
     """The fit may replace a hardware profile, never anything else (a run's metrics, a config)."""
     from ndtrain.paths import check_output_file
 
@@ -149,7 +149,7 @@ def main(argv: list[str]) -> int:
     else:
         gpu = bool(args.gpu) or bool(args.profile and profiles.is_gpu(profiles.load(args.profile)))
         out = Path(DEFAULT_PROFILE).with_name("gpu.json") if gpu else Path(DEFAULT_PROFILE)
-    check_out(out)
+    check_profile_out(out)
     base, source = base_profile(args.profile, args.gpu)
     runs = [read_run(d) for d in args.from_run]
     observations = [observe(r) for r in runs]

@@ -104,9 +104,9 @@ def _load_one(ckpt: Path, device, verified: bool, tokenizer: bool) -> tuple:
     import torch
 
     from ndtrain.model.llama import build_model
-    from ndtrain.train.checkpoint import checkpoint_config, dcp_load, read_train_state, verify
+    from ndtrain.train.checkpoint import checkpoint_config, dcp_load, read_train_state, verify_checkpoint
 
-    problem = verify(ckpt, check_hashes=not verified)
+    problem = verify_checkpoint(ckpt, check_hashes=not verified)
     if problem:
         raise NdtrainError(f"checkpoint {ckpt} is not usable: {problem}")
     state = read_train_state(ckpt)

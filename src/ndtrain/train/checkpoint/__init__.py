@@ -22,13 +22,13 @@ train/distributed.py's. Code outside the package imports the names below from he
 from ndtrain.train.checkpoint.manager import Checkpointer, data_fingerprint
 from ndtrain.train.checkpoint.reader import dcp_load, load_model_weights
 from ndtrain.train.checkpoint.state import DiLoCoState, ModelState, OptimizerState, RNGState, TrainProgress
-from ndtrain.train.checkpoint.store import (FORMAT, MANIFEST, MARKER, TOKENIZER, TRAIN_STATE,
+from ndtrain.train.checkpoint.store import (CHECKPOINT_FORMAT, MANIFEST, MARKER, TOKENIZER, TRAIN_STATE,
                                             checkpoint_config, fsync_dir, list_checkpoints, manifest_items,
                                             model_mismatch, not_a_directory, read_train_state, step_name, step_of,
-                                            verify, write_manifest, write_marker)
+                                            verify_checkpoint, write_manifest, write_marker)
 
 __all__ = ["Checkpointer", "data_fingerprint", "DiLoCoState", "ModelState", "OptimizerState", "RNGState",
-           "TrainProgress", "FORMAT", "MANIFEST", "MARKER", "TOKENIZER", "TRAIN_STATE",
+           "TrainProgress", "CHECKPOINT_FORMAT", "MANIFEST", "MARKER", "TOKENIZER", "TRAIN_STATE",
            "checkpoint_config", "dcp_load", "fsync_dir", "list_checkpoints", "load_model_weights", "manifest_items",
            "model_mismatch", "not_a_directory",
-           "read_train_state", "step_name", "step_of", "verify", "write_manifest", "write_marker"]
+           "read_train_state", "step_name", "step_of", "verify_checkpoint", "write_manifest", "write_marker"]

@@ -53,8 +53,8 @@ from ndtrain.train.checkpoint.resume import (check_compatible, choose_checkpoint
                                              new_timeline)
 from ndtrain.train.checkpoint.retention import Retention, clear_leftovers, clear_partial
 from ndtrain.train.checkpoint.state import FLAT_STATE, json_states, load_states, state_bytes, tensor_state
-from ndtrain.train.checkpoint.store import (FORMAT, TOKENIZER, TRAIN_STATE, fsync_dir, read_train_state, step_name,
-                                            tokenizer_to_carry, write_marker)
+from ndtrain.train.checkpoint.store import (CHECKPOINT_FORMAT, TOKENIZER, TRAIN_STATE, fsync_dir, read_train_state,
+                                            step_name, tokenizer_to_carry, write_marker)
 from ndtrain.train.distributed import any_rank, barrier, broadcast_object, group_active
 
 __all__ = ["Checkpointer", "data_fingerprint"]
@@ -158,7 +158,7 @@ class Checkpointer:
         """train_state.json of a save now: the states it holds and the run's facts."""
         named = json_states(self.states)
         diloco = named.pop("diloco", None)
-        return {"format": FORMAT, "version": 2, "kind": "full", **self.states[FLAT_STATE].state_dict(),
+        return {"format": CHECKPOINT_FORMAT, "version": 2, "kind": "full", **self.states[FLAT_STATE].state_dict(),
                 **named, "data": self.data, "config": to_dict(self.cfg), "layout": self.layout,
                 "world_size": self.rt.world_size, "dp_size": self.dp_size, "timeline": dict(self.timeline),
                 "saved_at": time.time(), **({"diloco": diloco} if diloco else {})}

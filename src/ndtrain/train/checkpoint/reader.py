@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 
 from ndtrain.compat.torch import dcp_metadata_allowlist, dcp_set_element
 from ndtrain.errors import NdtrainError
-from ndtrain.train.checkpoint.store import checkpoint_config, read_train_state, verify
+from ndtrain.train.checkpoint.store import checkpoint_config, read_train_state, verify_checkpoint
 
 _DCP_CLASSES = dcp_metadata_allowlist()  # DCP's classes, private ones included: compat.torch
 
@@ -131,7 +131,7 @@ def load_model_weights(ckpt: Path, check: bool = True) -> tuple[dict[str, torch.
     from ndtrain.model.llama import build_model
 
     ckpt = Path(ckpt)
-    problem = verify(ckpt, check_hashes=check)
+    problem = verify_checkpoint(ckpt, check_hashes=check)
     if problem:
         raise NdtrainError(f"checkpoint {ckpt} is not usable: {problem}")
     state = read_train_state(ckpt)

@@ -30,7 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ndtrain.train.checkpoint.digest import verify_shared
-from ndtrain.train.checkpoint.store import holds_only_checkpoint_files, leftovers, list_checkpoints, step_of, verify
+from ndtrain.train.checkpoint.store import (holds_only_checkpoint_files, leftovers, list_checkpoints, step_of,
+                                            verify_checkpoint)
 from ndtrain.train.distributed import broadcast_object
 
 CORRUPT = "corrupt"
@@ -171,5 +172,5 @@ class Retention:
     def _verdict(self, ckpt: Path) -> str | None:
         key = str(ckpt)
         if key not in self.verdicts:  # not reached: check_before_save checked it before the save
-            self.verdicts[key] = verify(ckpt)
+            self.verdicts[key] = verify_checkpoint(ckpt)
         return self.verdicts[key]

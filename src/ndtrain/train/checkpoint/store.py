@@ -22,7 +22,7 @@ from ndtrain.model.config import ARCHITECTURE_KEYS, FUNCTION_KEYS
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
 TRAIN_STATE = "train_state.json"
-FORMAT = "ndtrain-checkpoint"
+CHECKPOINT_FORMAT = "ndtrain-checkpoint"
 _NAME = re.compile(r"^step_(\d{8})$")
 
 
@@ -108,7 +108,7 @@ def check_items(ckpt: Path, items: list[tuple[str, int, str]], check_hashes: boo
     return None
 
 
-def verify(ckpt: Path, check_hashes: bool = True) -> str | None:
+def verify_checkpoint(ckpt: Path, check_hashes: bool = True) -> str | None:
     """None if `ckpt` is a published, intact checkpoint; else the reason it is not. Hashes every
     file in this process; a process group shares that work (digest.verify_shared)."""
     items, problem = manifest_items(ckpt)
