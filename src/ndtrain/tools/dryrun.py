@@ -97,6 +97,7 @@ def run_rank(cfg, world: int, rank: int, steps: int = 1) -> dict:
     from ndtrain.tools.dryrun_experts import ROUTING, balanced_exchanges
     from ndtrain.tools.dryrun_pipeline import neighbours_answered
     from ndtrain.tools.dryrun_watch import Watch, enter_shadow, leave_shadow, watching_resize
+    from ndtrain.model.llama import set_cpu_bf16_attention
     from ndtrain.parallel.dims import build_mesh
     from ndtrain.train.build import build
     from ndtrain.train.step import next_batch, train_step
@@ -113,6 +114,8 @@ def run_rank(cfg, world: int, rank: int, steps: int = 1) -> dict:
     with fake_tensor_mode(), op_watcher(watch.on_op), watching_resize(watch), shadow, \
             swappable_fake_parameters(), ddp_without_shape_check():
         state = build(cfg, layout, train_set=SyntheticTokens(cfg.model.vocab_size, 0), mesh=mesh)
+        for part in state.model_parts:  # bf16 attends in bf16, as on a GPU (not the CPU kernel's fp32 detour)
+            set_cpu_bf16_attention(part, "bf16")
         params = watch.serials(state.params)
         expert_exchanges = balanced_exchanges(state.model_parts, watch)
         grads: set = set()
