@@ -81,10 +81,10 @@ def test_another_cpu_torch_or_isa_cap_is_another_probe(tmp_path):
     paths = {host_cache.cache_path(k, tmp_path) for k in [base, *others]}
     assert len(paths) == 4
     host_cache.write({**probe(), "key": base}, tmp_path)
-    assert host_cache.load(tmp_path, base) is not None and host_cache.load(tmp_path, others[0]) is None
+    assert host_cache.cached_probe(tmp_path, base) is not None and host_cache.cached_probe(tmp_path, others[0]) is None
     host_cache.cache_path(others[1], tmp_path).write_text("{half a fi")  # a torn file is not an error
     host_cache.write({"key": others[2], "rates": {"fp32": 1.0}, "decisions": {}}, tmp_path)  # not a whole probe
-    assert host_cache.load(tmp_path, others[1]) is None and host_cache.load(tmp_path, others[2]) is None
+    assert host_cache.cached_probe(tmp_path, others[1]) is None and host_cache.cached_probe(tmp_path, others[2]) is None
 
 
 def test_the_uncalibrated_planner_and_the_mfu_peak_use_the_probe(cache, monkeypatch):

@@ -75,8 +75,8 @@ def test_an_older_probe_file_is_measured_again(tmp_path):
     key = {**AVX2, "version": host_cache.PROBE_VERSION - 1}
     rates = {k: 1e9 for k in host_cache.REQUIRED_RATES}
     host_cache.write({"key": key, "rates": rates, "decisions": {}}, tmp_path)
-    assert host_cache.load(tmp_path, key) is not None  # readable under its own key ...
-    assert host_cache.load(tmp_path, AVX2) is None  # ... but not this version's
+    assert host_cache.cached_probe(tmp_path, key) is not None  # readable under its own key ...
+    assert host_cache.cached_probe(tmp_path, AVX2) is None  # ... but not this version's
 
 
 def peaks(total=100e9, source="measured", fp8=False) -> Peaks:

@@ -24,7 +24,7 @@ def _hardware(profile) -> Hardware:
     if isinstance(profile, (os.PathLike, Path)) or str(profile).endswith(".json"):
         from ndtrain.planner import profile as profiles
 
-        data = profiles.load(profile)
+        data = profiles.read_profile(profile)
         if profiles.is_gpu(data):  # a GPU's calibration: its catalog entry with what was measured
             return profiles.hardware_for(data.get("catalog", ""), str(profile))
         return this_machine(profile)

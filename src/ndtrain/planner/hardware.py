@@ -276,7 +276,7 @@ def probe_dir() -> Path:
 
 
 def host_probe() -> dict | None:  # this host's cached probe (planner/host_cache.py); None: never ran
-    return host_cache.load(probe_dir())
+    return host_cache.cached_probe(probe_dir())
 
 
 def this_machine(profile: str | os.PathLike | None = None) -> Hardware:

@@ -88,7 +88,7 @@ def cache_path(key: dict, directory: Path) -> Path:
     return Path(directory) / f"host-probe-{digest}.json"
 
 
-def load(directory: Path, key: dict | None = None) -> dict | None:
+def cached_probe(directory: Path, key: dict | None = None) -> dict | None:
     """This host's cached probe, or None (never probed, another host's or an older probe's file,
     or unreadable: a cache is never an error, the probe runs again)."""
     key = key or host_key()

@@ -27,7 +27,7 @@ from ndtrain.planner.hardware import ALIASES, COLLECTIVES, Hardware, get_hardwar
 VERSION = 1
 
 
-def load(path: str | Path) -> dict:
+def read_profile(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():
         raise NdtrainError(f"hardware profile {path} does not exist (run `ndtrain calibrate --out {path}`)")
@@ -68,5 +68,5 @@ def hardware_for(name: str | Hardware, profile: str | Path | None = None) -> Har
     (`plan --gpu h100 --profile gpu.json`); a CPU profile describes `this-machine`."""
     if profile and not isinstance(name, Hardware) and ALIASES.get(name.lower(), name.lower()) != "this-machine":
         hw = get_hardware(name)
-        return apply(hw, load(profile), str(profile))
+        return apply(hw, read_profile(profile), str(profile))
     return get_hardware(name, profile)

@@ -295,9 +295,9 @@ def build_report(run_dirs: list[str], out: str | Path, profile: str | None = Non
     check_out(out)
     earlier = check_figures(out, [suffix for suffix, _, _ in FIGURES])
     if profile:  # a missing or unreadable profile is refused before any work, not printed in a cell
-        from ndtrain.planner.profile import load
+        from ndtrain.planner.profile import read_profile
 
-        load(profile)
+        read_profile(profile)
     runs = [read_run(d) for d in run_dirs]
     labels = [r.label for r in runs]
     for r in runs:  # two runs with one directory name (e.g. a/run, b/run): label by path

@@ -81,7 +81,7 @@ def base_profile(profile: str | None, gpu: str | None) -> tuple[dict, str]:
     from ndtrain.planner.host_cache import as_profile
 
     if profile:
-        data = profiles.load(profile)
+        data = profiles.read_profile(profile)
         if gpu and not profiles.is_gpu(data):
             raise UsageError(f"--profile {profile} is a CPU profile; --gpu {gpu} fits a GPU's")
         if gpu and data.get("catalog") not in (None, get_hardware(gpu).name):
@@ -94,7 +94,7 @@ def base_profile(profile: str | None, gpu: str | None) -> tuple[dict, str]:
         return {"kind": "gpu", "version": profiles.VERSION, "catalog": hw.name, "constants": {},
                 "collectives": {}}, f"catalog {hw.name}"
     if Path(DEFAULT_PROFILE).is_file():
-        return profiles.load(DEFAULT_PROFILE), str(DEFAULT_PROFILE)
+        return profiles.read_profile(DEFAULT_PROFILE), str(DEFAULT_PROFILE)
     probe = host_probe()
     if probe is not None:
         return as_profile(probe), "host probe"
@@ -147,7 +147,7 @@ def main(argv: list[str]) -> int:
     if args.out:
         out = Path(args.out).expanduser()
     else:
-        gpu = bool(args.gpu) or bool(args.profile and profiles.is_gpu(profiles.load(args.profile)))
+        gpu = bool(args.gpu) or bool(args.profile and profiles.is_gpu(profiles.read_profile(args.profile)))
         out = Path(DEFAULT_PROFILE).with_name("gpu.json") if gpu else Path(DEFAULT_PROFILE)
     check_profile_out(out)
     base, source = base_profile(args.profile, args.gpu)
