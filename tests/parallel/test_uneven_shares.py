@@ -10,7 +10,7 @@ import pytest
 
 from ndtrain.config import load_config
 from ndtrain.parallel.launch import run_ranks
-from ndtrain.tools.verify import compare, layout_config, run_steps
+from ndtrain.tools.verify import layout_config, max_differences, run_steps
 
 FP32_TOL = 1e-5
 LAYOUTS = [("dp_replicate=2", [3, 1], "debug"), ("dp_shard=2,zero=3", [3, 1], "debug"),
@@ -53,6 +53,6 @@ def test_uneven_shares_match_one_process(parity_base, hang_deadline):
         expected_rows = [6 if w == 3 else 2 for w in shares]
         for rank, got in enumerate(r[i] for r in per_rank):
             assert got["rows"] == [[expected_rows[rank], 2]] * 3, spec
-            d_loss, d_weight, d_norm = compare(refs[preset], got)
+            d_loss, d_weight, d_norm = max_differences(refs[preset], got)
             assert d_loss <= FP32_TOL and d_weight <= FP32_TOL and d_norm <= FP32_TOL, \
                 f"{preset} {spec} {shares} rank {rank}: Δloss {d_loss:.2e} Δweight {d_weight:.2e} grad-norm {d_norm:.1e}"

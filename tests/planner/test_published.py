@@ -5,7 +5,7 @@ import pytest
 
 from ndtrain.planner import constants as C
 from ndtrain.planner.published import (error, fit_ampere, fit_hopper, fit_hopper_fp8, megatron_flops, residual_table,
-                                       predict, row_model, rows, table)
+                                       predict_row, row_model, rows, table)
 from ndtrain.planner.published_data import ROWS, SOURCES
 from ndtrain.planner.search import search
 
@@ -21,7 +21,7 @@ def test_every_row_cites_a_source_and_fitted_and_validation_rows_are_disjoint():
 
 @pytest.mark.parametrize("row", FIT, ids=[r.name for r in FIT])
 def test_fitted_rows_within_5_percent(row):
-    pred, value = predict(row)
+    pred, value = predict_row(row)
     assert pred.fits
     assert abs(error(row, value)) < 0.05, f"{row.name}: {value:.1f} vs {row.published}"
     for key in ("tp", "pp", "cp"):  # the published degrees are what was costed
@@ -97,7 +97,7 @@ def test_planner_beats_the_2021_layouts():
     from ndtrain.planner.published import row_problem
 
     for row in rows("fit", "narayanan2021")[::3]:
-        published, _ = predict(row)
+        published, _ = predict_row(row)
         top = search(row_problem(row), top_k=1).top[0]
         assert top.fits and top.step_time <= published.step_time * (1 + 1e-9)
 

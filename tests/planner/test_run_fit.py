@@ -38,7 +38,7 @@ def _obs(name: str, step_s: float = 1.0, peak: float | None = None) -> run_fit.O
 
 
 def _step(profile: dict, name: str) -> float:
-    return run_fit.predict(run_fit.hardware(profile), _obs(name)).step_time
+    return run_fit.predict_run(run_fit.hardware(profile), _obs(name)).step_time
 
 
 @pytest.mark.parametrize("base", ["host probe", "calibrated", "defaults"])
@@ -115,11 +115,11 @@ def test_a_fit_fitted_again_starts_from_its_measured_origin():
 
 def test_memory_overhead_is_what_the_peaks_leave_above_the_model():
     hw = from_profile(CALIBRATED)
-    model = run_fit.model_memory(run_fit.predict(hw, _obs("ddp")), hw)
+    model = run_fit.model_memory(run_fit.predict_run(hw, _obs("ddp")), hw)
     runtime = 0.7 * 2**30
     fit = run_fit.fit(CALIBRATED, [_obs("ddp", _step(CALIBRATED, "ddp"), peak=model + runtime)])
     assert fit.profile["overhead_gib"] == pytest.approx(0.7, rel=1e-6)
-    after = run_fit.predict(run_fit.hardware(fit.profile), _obs("ddp"))
+    after = run_fit.predict_run(run_fit.hardware(fit.profile), _obs("ddp"))
     assert after.memory["total"] == pytest.approx(model + runtime, rel=1e-6)
     assert fit.rows[0]["after_bytes"] == pytest.approx(model + runtime, rel=1e-6)
 
@@ -132,7 +132,7 @@ def test_gpu_profile_scales_its_constants_and_fits():
     cfg = preset("tiny")
     lay = parse_layout("dp_shard=8,zero=3,mb=2", 8)
     obs = lambda s: run_fit.Observation("r", cfg, lay, 2048, 64, 8, "bf16", s)  # noqa: E731
-    truth = run_fit.predict(run_fit.hardware(run_fit.scaled(base, {"compute": 1.3, "overhead": 1.3, "comm": 1.3})),
+    truth = run_fit.predict_run(run_fit.hardware(run_fit.scaled(base, {"compute": 1.3, "overhead": 1.3, "comm": 1.3})),
                             obs(1.0)).step_time
     fit = run_fit.fit(base, [obs(truth)])
     assert fit.rows[0]["after_s"] == pytest.approx(truth, rel=0.01)

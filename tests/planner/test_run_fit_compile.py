@@ -34,7 +34,7 @@ def _choice(profile: dict, lay=DDP) -> dict | None:
 
 
 def _step(profile: dict, lay) -> float:
-    return run_fit.predict(run_fit.hardware(profile), _obs(lay, 1.0)).step_time
+    return run_fit.predict_run(run_fit.hardware(profile), _obs(lay, 1.0)).step_time
 
 
 @pytest.mark.parametrize("base", ["host probe", "defaults"])

@@ -57,7 +57,7 @@ def _measured(truth: dict, tmp_path: Path, name: str) -> float:
     """The step `truth` takes for layout `name` (priced from a run directory of that layout)."""
     probe = tmp_path / f"probe-{name}"
     obs = observe(read_run(probe if probe.exists() else _write_run(probe, name, 1.0)))
-    return run_fit.predict(run_fit.hardware(truth), obs).step_time
+    return run_fit.predict_run(run_fit.hardware(truth), obs).step_time
 
 
 def test_from_run_writes_the_profile_plan_reads(tmp_path, capsys):
@@ -74,8 +74,8 @@ def test_from_run_writes_the_profile_plan_reads(tmp_path, capsys):
     assert hw.calibrated and "fitted to 1 run" in hw.description
     for name in LAYOUTS:  # closer than uncalibrated on the layouts it never saw
         obs = observe(read_run(_write_run(tmp_path / f"other-{name}", name, _measured(truth, tmp_path, name))))
-        after = run_fit.predict(hw, obs).step_time
-        before = run_fit.predict(this_machine(), obs).step_time
+        after = run_fit.predict_run(hw, obs).step_time
+        before = run_fit.predict_run(this_machine(), obs).step_time
         assert abs(math.log(after / obs.step_s)) < abs(math.log(before / obs.step_s)), name
     # a host busy with other work is named: its load is in the profile
     busy = _write_run(tmp_path / "busy", "zero3", 2.0, cpu_s=0.5)
@@ -86,7 +86,7 @@ def test_from_run_writes_the_profile_plan_reads(tmp_path, capsys):
                 "--gpu", "this-machine", "--seq", "128", "--global-batch", "8", "--profile", str(out), "--samples", "0",
                 "--layout", "dp_replicate=2,dp_shard=1,mb=4", "--precision", "fp32", "--json"]) == 0
     (planned,) = json.loads(capsys.readouterr().out)["layouts"]
-    assert planned["step_time_s"] == pytest.approx(run_fit.predict(hw, observe(read_run(run))).step_time, rel=1e-9)
+    assert planned["step_time_s"] == pytest.approx(run_fit.predict_run(hw, observe(read_run(run))).step_time, rel=1e-9)
 
 
 def test_compile_is_priced_only_where_the_runs_measured_it(tmp_path, capsys):
@@ -132,7 +132,7 @@ def test_from_run_imports_no_torch(tmp_path, hang_deadline):
 def test_report_shows_predicted_against_measured(tmp_path):
     run = read_run(_write_run(tmp_path / "zero3", "zero3", 0.5))
     (row,) = [v for k, v in header_rows([run], now=0.0) if k == "step: predicted now vs measured"]
-    pred = run_fit.predict(this_machine(), observe(run)).step_time
+    pred = run_fit.predict_run(this_machine(), observe(run)).step_time
     assert row[0] == f"predicted {pred:.3f} s/step, measured 0.500 ({100 * (pred / 0.5 - 1):+.0f}%) on host probe"
     short = tmp_path / "short"
     _write_run(short, "ddp", 0.5, steps=4)
@@ -214,7 +214,7 @@ def test_a_run_of_one_layout_calibrates_the_others_on_this_host(corpus_dir, tmp_
     busy = {f"{n}-{i + 1}": x for n, pair in runs.items() for i, r in enumerate(pair) if (x := busy_host(r))}
     base, _ = base_profile(None, None)
     before_hw = run_fit.hardware(base)
-    err = lambda hw, o: math.log(run_fit.predict(hw, o).step_time / o.step_s)  # noqa: E731
+    err = lambda hw, o: math.log(run_fit.predict_run(hw, o).step_time / o.step_s)  # noqa: E731
 
     def compare(key: str) -> list:
         def median(rows):

@@ -57,7 +57,7 @@ def metric(row: Row, pred: Prediction, cfg: ModelConfig) -> float:
     raise ValueError(f"unknown metric {row.metric!r}")
 
 
-def predict(row: Row, constants: dict | None = None) -> tuple[Prediction, float]:
+def predict_row(row: Row, constants: dict | None = None) -> tuple[Prediction, float]:
     """(best completion of the published layout, the prediction in the row's metric)."""
     pb = row_problem(row, constants)
     res = search(pb, top_k=1, fixed=dict(row.fixed), mb_options=list(row.mb) or None)
@@ -81,7 +81,7 @@ def rows(role: str | None = None, source: str | None = None) -> list[Row]:
 
 
 def errors(selected: list[Row], constants: dict | None = None) -> list[float]:
-    return [error(r, predict(r, constants)[1]) for r in selected]
+    return [error(r, predict_row(r, constants)[1]) for r in selected]
 
 
 def _grid_fit(selected: list[Row], grids: dict[str, list[float]]) -> tuple[dict, float]:
@@ -122,7 +122,7 @@ def fit_hopper_fp8(fp8=None) -> tuple[dict, float]:
 def table(role: str, constants: dict | None = None) -> list[dict]:
     out = []
     for r in rows(role):
-        pred, value = predict(r, constants)
+        pred, value = predict_row(r, constants)
         out.append({"row": r, "predicted": value, "error": error(r, value), "layout": pred.layout.short(),
                     "fits": pred.fits, "memory_gib": pred.memory["total"] / 2**30})
     return out

@@ -153,7 +153,7 @@ def _components(p: Prediction) -> dict:
     return out
 
 
-def compare(win: Prediction, other: Prediction) -> str:
+def versus_winner(win: Prediction, other: Prediction) -> str:
     a, b = _components(win), _components(other)
     deltas = sorted(((b[k] - a[k], k) for k in a), key=lambda d: -abs(d[0]))
     diff = [f"{k} {'+' if d >= 0 else '-'}{seconds(abs(d))}" for d, k in deltas if abs(d) > 1e-3 * win.step_time][:4]
@@ -172,12 +172,12 @@ def explain_text(pb: Problem, res: SearchResult, win: Prediction | None = None, 
     ranked = rob.ranked(res.top) if rob else res.top
     runner = next((p for p in ranked if p.layout != win.layout), None)
     if runner:
-        lines.append("  runner-up " + compare(win, runner))
+        lines.append("  runner-up " + versus_winner(win, runner))
     mesh = (win.layout.tp, win.layout.cp, win.layout.pp, win.layout.ep)
     others = sorted((p for m, p in res.best_by_mesh.items() if m != mesh and (runner is None or p.layout != runner.layout)),
                     key=lambda p: p.step_time)
     for p in others[:3]:
-        lines.append("  best other mesh " + compare(win, p))
+        lines.append("  best other mesh " + versus_winner(win, p))
     if rob is not None:
         lines += robust_explain(pb, rob)
     if res.fastest_over_cap:

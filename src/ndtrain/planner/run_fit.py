@@ -164,7 +164,7 @@ def scaled(data: dict, knobs: dict) -> dict:
 
 # ---- pricing a run ---------------------------------------------------------------------------
 
-def predict(hw: Hardware, obs: Observation):
+def predict_run(hw: Hardware, obs: Observation):
     """The planner's Prediction for the layout the run ran (raises NdtrainError, naming the run,
     where the time model cannot price it)."""
     from ndtrain.planner.api import _precision
@@ -197,7 +197,7 @@ def _knobs(theta: list[float]) -> dict:
 
 def _residuals(base: dict, obs: list[Observation], theta: list[float]) -> list[float]:
     hw = hardware(scaled(base, _knobs(theta)))
-    res = [math.log(predict(hw, o).step_time / o.step_s) / MEASURE_SPREAD for o in obs]
+    res = [math.log(predict_run(hw, o).step_time / o.step_s) / MEASURE_SPREAD for o in obs]
     return res + [theta[0] / LOG_FREE] + [e / PRIOR_SPREAD for e in theta[1:]]
 
 
@@ -270,11 +270,11 @@ def compile_figures(data: dict, obs: list[Observation]) -> dict:
         kinds = len({o.cfg.is_moe_layer(i) for i in range(o.cfg.n_layers)})
         cold = ((o.first_step_s - o.step_s) - (e.first_step_s - e.step_s)) / kinds
         precision = _precision(hardware(plain), o.precision).replace("fp8", "bf16")
-        eager_s = predict(hardware(plain), e).step_time
+        eager_s = predict_run(hardware(plain), e).step_time
 
         def ratio(s: float) -> float:
             hw = hardware({**plain, "compile_s": 1.0, "compile_saving": {precision: s}})
-            return predict(hw, o).step_time / eager_s
+            return predict_run(hw, o).step_time / eager_s
 
         target, lo, hi = o.step_s / e.step_s, 0.0, 0.95
         for _ in range(30):  # the predicted ratio falls as the saving grows
@@ -311,14 +311,14 @@ def fit(base: dict, obs: list[Observation], description: str = "") -> Fit:
     before_hw, after_hw = hardware(base), hardware(prof)  # before: what the caller planned with
     peaks = [o for o in obs if o.peak_bytes]
     if peaks and not profiles.is_gpu(start):
-        left = [o.peak_bytes - model_memory(predict(after_hw, o), after_hw) for o in peaks]
+        left = [o.peak_bytes - model_memory(predict_run(after_hw, o), after_hw) for o in peaks]
         prof["overhead_gib"] = max(0.05, statistics.median(left) / GiB)
         after_hw = hardware(prof)
     rows = []
     # set beside what a run records: a CPU rank's whole resident set, a GPU's allocated peak
     shown = (lambda p, hw: model_memory(p, hw)) if profiles.is_gpu(start) else (lambda p, hw: p.memory["total"])
     for o in obs:
-        before, after = predict(before_hw, o), predict(after_hw, o)
+        before, after = predict_run(before_hw, o), predict_run(after_hw, o)
         rows.append({"label": o.label, "layout": o.layout.short(), "world": o.world, "precision": o.precision,
                      "measured_s": o.step_s, "before_s": before.step_time, "after_s": after.step_time,
                      "measured_bytes": o.peak_bytes, "before_bytes": shown(before, before_hw),

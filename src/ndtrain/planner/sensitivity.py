@@ -113,7 +113,7 @@ def _side(s: dict, limit: str) -> tuple[str, str]:
     return change, f"x{s['matters']:g} ({loss})"
 
 
-def markdown(rows: list[dict], base: str) -> str:
+def sensitivity_markdown(rows: list[dict], base: str) -> str:
     lines = [f"plan at nominal constants: {base}", "",
              "| constant | nominal | range (x nominal) | fastest changes, down | fastest changes, up | "
              "plan >2% off, down | plan >2% off, up | change within range? | >2% within range? |",
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     start, cpu = time.perf_counter(), time.process_time()
     base = search(pb, top_k=1).top[0].layout.short()
     rows = sensitivity(pb)
-    print(markdown(rows, base))
+    print(sensitivity_markdown(rows, base))
     print(f"\n({time.perf_counter() - start:.0f} s wall, {time.process_time() - cpu:.0f} s CPU; "
           f"load average {os.getloadavg()[0]:.1f})")
     return 0

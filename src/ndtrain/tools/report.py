@@ -187,7 +187,7 @@ def world_timeline(run: Run) -> str:
 def header_rows(runs: list[Run], now: float, profile: str | None = None) -> list[tuple[str, list[str]]]:
     """`profile`: the hardware profile the "predicted now" row prices each run's layout on
     (default: this machine's, as `ndtrain plan` reads it)."""
-    from ndtrain.tools.run_calibrate import compare
+    from ndtrain.tools.run_calibrate import predicted_vs_measured
 
     rows: list[tuple[str, list[str]]] = []
 
@@ -233,7 +233,7 @@ def header_rows(runs: list[Run], now: float, profile: str | None = None) -> list
         add("world size over time", world_timeline)
     add("checkpoints saved", lambda r: str(len(r.checkpoints)))
     add("planner (auto): predicted vs measured", auto)
-    add("step: predicted now vs measured", lambda r: compare(r, profile))
+    add("step: predicted now vs measured", lambda r: predicted_vs_measured(r, profile))
     if any(r.unreadable_lines for r in runs):
         add("unreadable metrics lines", lambda r: f"{r.unreadable_lines} (a live run's last line, or torn by a crash)")
     for key, values in config_differences(runs).items():

@@ -124,7 +124,7 @@ def _err(pred: float, measured: float) -> str:
     return f"{100 * (pred / measured - 1):+.0f}%"
 
 
-def table(rows: list[dict]) -> list[str]:
+def fit_table(rows: list[dict]) -> list[str]:
     lines = [f"  {'run':<20} {'layout':<34} {'measured':>9} {'before':>16} {'after':>16}   memory measured/before/after (MiB)"]
     for r in rows:
         mem = "-" if not r["measured_bytes"] else "/".join(
@@ -165,7 +165,7 @@ def main(argv: list[str]) -> int:
     print(f"wrote {out}: {source} fitted to {len(observations)} run(s); times scaled: {knobs}")
     if "overhead_gib" in result.profile:
         print(f"  runtime memory beside the model: {result.profile['overhead_gib']:.2f} GiB per rank")
-    print("\n".join(table(result.rows)))
+    print("\n".join(fit_table(result.rows)))
     prof = result.profile
     if prof.get("compile_measured_by"):
         print(f"  compile measured by {', '.join(prof['compile_measured_by'])}: a cold compile of "
@@ -187,13 +187,13 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def compare(run: Run, profile: str | None = None) -> str:
+def predicted_vs_measured(run: Run, profile: str | None = None) -> str:
     """The report's line: the planner's step for the layout the run ran, on the profile it would
     plan with now, beside the measured step."""
     try:
         obs = observe(run)
         base, source = base_profile(profile, None)
-        pred = run_fit.predict(run_fit.hardware(base, source), obs)
+        pred = run_fit.predict_run(run_fit.hardware(base, source), obs)
     except NdtrainError as exc:
         return f"- ({exc})"
     return (f"predicted {pred.step_time:.3f} s/step, measured {obs.step_s:.3f} "

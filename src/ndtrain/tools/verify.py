@@ -133,7 +133,7 @@ class Comparison:
     passed: bool
 
 
-def compare(ref: dict, got: dict) -> tuple[float, float, float]:
+def max_differences(ref: dict, got: dict) -> tuple[float, float, float]:
     d_loss = float((ref["losses"] - got["losses"]).abs().max())
     d_norm = float(((ref["grad_norms"] - got["grad_norms"]).abs() / ref["grad_norms"].abs().clamp_min(1e-12)).max())
     rank_weights = got.get("rank_weights", [got["weights"]])
@@ -166,7 +166,7 @@ def verify(base: dict, layouts: list[str], steps: int, tol_loss: float, tol_weig
             per_rank = run_ranks(world, _run_many, cfgs, steps, timeout_s=timeout_s)
             outs = [_merge_ranks([r[i] for r in per_rank]) for i in range(len(specs))]
         for spec, out in zip(specs, outs):
-            d_loss, d_weight, d_norm = compare(ref, out)
+            d_loss, d_weight, d_norm = max_differences(ref, out)
             results.append(Comparison(spec, world, d_loss, d_weight, d_norm,
                                       # AdamW is nearly scale-invariant, so a gradient-scale bug hides
                                       # in the weights; the grad norm (relative) exposes it.
