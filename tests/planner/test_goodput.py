@@ -2,7 +2,8 @@
 
 import pytest
 
-from ndtrain.planner.goodput import daly_interval, expected_efficiency, goodput_report, simulate, young_interval
+from ndtrain.planner.goodput import (daly_interval, expected_efficiency, goodput_report, simulate_failures,
+                                    young_interval)
 
 MIN = 60.0
 
@@ -21,7 +22,7 @@ def test_daly_degenerates_to_mtbf_when_checkpoints_are_slow():
 def test_simulation_matches_the_closed_form():
     c, r, m = 5 * MIN, 10 * MIN, 6 * 3600.0
     tau = daly_interval(c, m)
-    sim = simulate(tau, c, r, m, work=40 * 86400, trials=30, seed=1)
+    sim = simulate_failures(tau, c, r, m, work=40 * 86400, trials=30, seed=1)
     exp = expected_efficiency(tau, c, r, m)
     assert sim["efficiency"] == pytest.approx(exp, abs=4 * sim["stderr"] + 0.003)
 
@@ -29,9 +30,9 @@ def test_simulation_matches_the_closed_form():
 def test_daly_interval_is_near_the_simulated_optimum():
     c, r, m = 5 * MIN, 5 * MIN, 2 * 3600.0
     tau = daly_interval(c, m)
-    best = simulate(tau, c, r, m, work=20 * 86400, trials=20, seed=2)["efficiency"]
+    best = simulate_failures(tau, c, r, m, work=20 * 86400, trials=20, seed=2)["efficiency"]
     for factor in (0.4, 2.5):
-        worse = simulate(tau * factor, c, r, m, work=20 * 86400, trials=20, seed=2)["efficiency"]
+        worse = simulate_failures(tau * factor, c, r, m, work=20 * 86400, trials=20, seed=2)["efficiency"]
         assert worse < best
 
 

@@ -21,14 +21,14 @@ def test_latin_hypercube_covers_each_range_once_per_stratum():
     base = C.resolve("hopper")
     bounds = C.ranges("hopper")
     n = 20
-    worlds = C.sample(base, bounds, n, seed=3)
+    worlds = C.latin_hypercube(base, bounds, n, seed=3)
     assert len(worlds) == n
     for name in ("gemm_eff", "overlap_eff", "kappa_fused"):
         lo, hi = bounds[name]
         strata = sorted(int((w[name] - lo) / (hi - lo) * n) for w in worlds)
         assert strata == list(range(n)), name
     assert all(w["fragmentation"] == base["fragmentation"] for w in worlds)  # memory is not sampled
-    assert C.sample(base, bounds, n, seed=3) == worlds  # seeded
+    assert C.latin_hypercube(base, bounds, n, seed=3) == worlds  # seeded
 
 
 def test_unknown_constant_override_is_an_error():

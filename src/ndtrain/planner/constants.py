@@ -166,8 +166,8 @@ def ranges(generation: str) -> dict[str, tuple[float, float]]:
     return {n: (c.low, c.high) for n, c in entries(generation).items() if c.high > c.low}
 
 
-def sample(base: dict[str, float], bounds: dict[str, tuple[float, float]], n: int, seed: int = 0,
-           names: tuple[str, ...] = TIME_CONSTANTS) -> list[dict[str, float]]:
+def latin_hypercube(base: dict[str, float], bounds: dict[str, tuple[float, float]], n: int, seed: int = 0,
+                    names: tuple[str, ...] = TIME_CONSTANTS) -> list[dict[str, float]]:
     """n Latin-hypercube samples of the constants in `names` over their ranges (each range cut in
     n strata, one draw per stratum, strata shuffled independently per constant), the others at
     `base`. Latency constants are drawn log-uniformly, the rest uniformly."""

@@ -36,8 +36,8 @@ def expected_efficiency(tau: float, ckpt: float, restart: float, mtbf: float) ->
         return 0.0
 
 
-def simulate(tau: float, ckpt: float, restart: float, mtbf: float, work: float, trials: int = 100,
-             seed: int = 0) -> dict:
+def simulate_failures(tau: float, ckpt: float, restart: float, mtbf: float, work: float, trials: int = 100,
+                      seed: int = 0) -> dict:
     """Monte-Carlo runs of `work` seconds of training. Returns mean efficiency, its standard
     error, and mean failures per run."""
     rng = random.Random(seed)
@@ -91,7 +91,7 @@ def goodput_report(gpus: int, mtbf_gpu_hours: float, ckpt: float, restart: float
         expected = expected_efficiency(tau, ckpt, restart, mtbf)
         # below 1% goodput the run is dominated by restarts that fail again; simulating it would
         # take exponentially long and teach nothing
-        sim = simulate(tau, ckpt, restart, mtbf, work, trials, seed) if expected >= 0.01 and affordable else None
+        sim = simulate_failures(tau, ckpt, restart, mtbf, work, trials, seed) if expected >= 0.01 and affordable else None
         rows.append({"name": name, "interval_s": tau, "expected": expected, "simulated": sim})
     return {"gpus": gpus, "mtbf_job_s": mtbf, "ckpt_s": ckpt, "restart_s": restart, "work_days": work_days,
             "failures_per_day": 86400 / mtbf, "trials": trials, "rows": rows}
@@ -120,7 +120,7 @@ def price_exclusion(x: dict, gpus: int, mtbf_gpu_hours: float, ckpt: float, rest
     at k, its stop, then the rest at e on the remaining GPUs (fewer GPUs fail less often). Each
     stretch checkpoints at Daly's interval for its own MTBF; the interval model prices its wall time
     as compute / expected efficiency, the simulator as the mean of Monte-Carlo runs (the same ones
-    `simulate` draws). Seconds of wall time; `saved_s` > 0 where excluding finishes sooner."""
+    `simulate_failures` draws). Seconds of wall time; `saved_s` > 0 where excluding finishes sooner."""
     work = work_days * 86400
     keep, shrunk = x["keep_speed"], x["excluded_speed"]
     mtbf = mtbf_gpu_hours * 3600 / gpus
@@ -137,7 +137,7 @@ def price_exclusion(x: dict, gpus: int, mtbf_gpu_hours: float, ckpt: float, rest
         tau = daly_interval(ckpt, m)
         expected = expected_efficiency(tau, ckpt, restart, m)
         model = compute / expected if expected > 0 else math.inf
-        sim = simulate(tau, ckpt, restart, m, compute, trials, seed) if affordable and expected >= 0.01 else None
+        sim = simulate_failures(tau, ckpt, restart, m, compute, trials, seed) if affordable and expected >= 0.01 else None
         return model, sim
 
     kept, kept_sim = stretch(work / keep, mtbf)

@@ -111,7 +111,7 @@ def assess(pb: Problem, res: SearchResult, worlds: int = 32, seed: int = 0, limi
     cands = candidates_of(res, limit)
     if not cands or not pb.gpu or worlds < 2:
         return None
-    draws = consts.sample(pb.k, consts.ranges(pb.hw.generation), worlds, seed)
+    draws = consts.latin_hypercube(pb.k, consts.ranges(pb.hw.generation), worlds, seed)
     times = [[0.0] * worlds for _ in cands]
     for w, values in enumerate(draws):
         ev = Evaluator(pb.with_constants(values))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ndtrain.errors import NdtrainError
 from ndtrain.train.checkpoint.digest import verify_shared
-from ndtrain.train.checkpoint.retention import CORRUPT, move_aside, stamp
+from ndtrain.train.checkpoint.retention import CORRUPT, move_to_corrupt, stamp
 from ndtrain.train.checkpoint.store import MARKER, TRAIN_STATE, list_checkpoints, model_mismatch, step_of
 from ndtrain.train.distributed import broadcast_object
 
@@ -66,7 +66,7 @@ def choose_checkpoint(spec: str, root: Path, batch: int, is_main: bool, verdicts
 
 def _set_aside(ckpt: Path, root: Path, problem: str, info: Callable[[str], None]) -> None:
     if ckpt.parent.resolve() == root.resolve():  # never rearrange another run's directory
-        target = move_aside(ckpt, root)
+        target = move_to_corrupt(ckpt, root)
         info(f"checkpoint {ckpt} skipped: {problem}; moved to {target} (nothing deleted)")
     else:
         info(f"checkpoint {ckpt} skipped: {problem} (nothing deleted)")

@@ -41,7 +41,7 @@ def stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 
 
-def move_aside(ckpt: Path, root: Path, folder: str = CORRUPT) -> Path:
+def move_to_corrupt(ckpt: Path, root: Path, folder: str = CORRUPT) -> Path:
     dest = Path(root) / folder
     dest.mkdir(exist_ok=True)
     target = dest / f"{ckpt.name}-{stamp()}"
@@ -73,7 +73,7 @@ def clear_partial(tmp: Path, root: Path, log) -> None:
     if tmp.is_dir() and not tmp.is_symlink() and holds_only_checkpoint_files(tmp):
         shutil.rmtree(tmp)
         return
-    target = move_aside(tmp, root)
+    target = move_to_corrupt(tmp, root)
     log(f"{tmp} was in the way of a save and holds files no checkpoint has: moved it to {target} (nothing deleted)")
 
 
@@ -90,7 +90,7 @@ def retain(root: Path, keep_last: int, keep_every: int, verdict, log, confirmed=
         if good < keep_last:
             problem = verdict(ckpt)
             if problem:
-                target = move_aside(ckpt, root)
+                target = move_to_corrupt(ckpt, root)
                 log(f"checkpoint {ckpt.name} fails verification ({problem}): not counted toward keep_last; "
                     f"moved to {target}")
                 continue
