@@ -85,7 +85,7 @@ def test_bf16_layers_get_their_own_gemm_efficiency():
     overstates its speed-up): with each fitted, the time model gives back each measured layer."""
     from ndtrain.layout import Layout
     from ndtrain.planner.problem import make_problem
-    from ndtrain.planner.timing import layer_costs
+    from ndtrain.planner.layer import layer_costs
     from ndtrain.calibrate.cpu import fit_mm_eff
     from ndtrain.calibrate.host_costs import BATCH, _config
 

@@ -8,8 +8,9 @@ from ndtrain.model.config import preset
 from ndtrain.planner.comm import collective_time
 from ndtrain.planner.hardware import CATALOG
 from ndtrain.layout import Layout
+from ndtrain.planner.layer import layer_costs
 from ndtrain.planner.problem import make_problem
-from ndtrain.planner.timing import bubble_time, layer_costs, step_breakdown
+from ndtrain.planner.timing import bubble_time, step_breakdown
 
 H100 = CATALOG["h100"]
 

@@ -153,7 +153,7 @@ def fit_mm_eff(prof: dict, precision: str = "fp32") -> float:
     from ndtrain.planner.hardware import from_profile
     from ndtrain.layout import Layout
     from ndtrain.planner.problem import make_problem
-    from ndtrain.planner.timing import layer_costs
+    from ndtrain.planner.layer import layer_costs
 
     dim, seq = SHAPES[-1]
     hw = from_profile({**prof, "mm_eff": 1.0, "mm_eff_bf16": 1.0})

@@ -33,7 +33,7 @@ DEGREES = MESH_ORDER + ("ep",)
 # The vocabularies, each spelt once: the config's validator (pydantic, on these Literal types),
 # the layout rules (rules.py values, through `choices`) and their messages all read them here.
 AcPolicy = Literal["none", "full", "every_n", "selective"]
-Split = Literal["balanced", "uniform", "llama3"]  # FLOPs + parameters | even | even, one fewer at the ends
+PpSplit = Literal["balanced", "uniform", "llama3"]  # FLOPs + parameters | even | even, one fewer at the ends
 Precision = Literal["fp32", "bf16", "fp8"]
 Fp8Recipe = Literal["tensorwise", "rowwise"]  # torchao Float8LinearConfig recipe names
 CpAttention = Literal["ring", "allgather"]
@@ -42,7 +42,7 @@ Fp32MatmulPrecision = Literal["tf32", "ieee"]  # CUDA's fp32 matmuls: TF32 tenso
 ReplicateSync = Literal["step", "diloco"]
 OuterDtype = Literal["fp32", "bf16"]
 
-SPLITS = typing.get_args(Split)  # for layout/partition.py (`choices(name)` gives any field's)
+SPLITS = typing.get_args(PpSplit)  # for layout/partition.py (`choices(name)` gives any field's)
 SYNCS = typing.get_args(ReplicateSync)  # for layout/diloco.py
 
 _SAME = object()
@@ -87,7 +87,7 @@ class Layout:
     # Pipeline micro-batches per step; 0 = one per micro-batch of the accumulation.
     m: Annotated[int, Key("pp_microbatches")] = 0
     # How layers are split when layers_per_stage is empty (layout/partition.py).
-    split: Annotated[Split, Key("pp_split")] = "balanced"
+    split: Annotated[PpSplit, Key("pp_split")] = "balanced"
     layers_per_stage: tuple[int, ...] = ()
     ac: Annotated[AcPolicy, Key("activation_checkpoint")] = "none"
     ac_every: int = 2  # for every_n: checkpoint every N-th layer

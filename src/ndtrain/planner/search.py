@@ -20,10 +20,11 @@ from ndtrain.layout.flops import MFU_ATTENTION, flops_per_token, recompute_flops
 from ndtrain.layout.rules import batch_splits
 from ndtrain.layout.schedules import DEFAULT, INTERLEAVED, SCHEDULES, single_stage_candidates
 from ndtrain.planner.hardware import GiB
+from ndtrain.planner.layer import layer_costs
 from ndtrain.planner.memory import memory_breakdown, state_bytes
 from ndtrain.planner.problem import Problem, Split, stage_split
 from ndtrain.planner.stack import PLANNED_AC
-from ndtrain.planner.timing import busy_and_bubble, layer_costs, step_breakdown
+from ndtrain.planner.timing import busy_and_bubble, step_breakdown
 
 
 @dataclass

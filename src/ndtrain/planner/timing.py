@@ -19,18 +19,12 @@ from __future__ import annotations
 from ndtrain.layout import Layout
 from ndtrain.layout import schedules as registry
 from ndtrain.planner.comm import collective_time as _coll
-from ndtrain.planner.layer import layer_costs, tp_head  # noqa: F401  (layer_costs: the old home)
+from ndtrain.planner.layer import layer_costs, tp_head
 from ndtrain.planner.memory import device_params
-from ndtrain.planner.problem import Problem, Split
-from ndtrain.planner.problem import stage_split as _stage_split
+from ndtrain.planner.problem import Problem, Split, stage_split
 from ndtrain.planner.traffic import whole_gathers
 
 OPTIMIZER_BYTES_PER_PARAM = 30  # Adam: read fp32 param, m, v, grad; write param, m, v, bf16 copy
-
-
-def stage_split(pb: Problem, lay: Layout, lc: dict | None = None) -> Split | None:
-    """The runtime's stage partition (per pipeline rank); `lc` is accepted for old callers."""
-    return _stage_split(pb, lay)
 
 
 def bubble_time(schedule: str, p: int, v: int, f: float, b: float, w: float) -> float:
@@ -152,7 +146,7 @@ def step_breakdown(pb: Problem, lay: Layout, lc: dict | None = None, split: Spli
     """Seconds per optimizer step, broken down. `cache` (any dict kept across calls for one
     problem) memoises the pieces many layouts share."""
     lc = lc or layer_costs(pb, lay)
-    split = split or stage_split(pb, lay, lc)
+    split = split or stage_split(pb, lay)
     p, v = lay.pp, lay.v
     m = lay.micro_batches(pb.global_batch)
     per_layer = lc["F"] + lc["B"] + lc["W"]
