@@ -38,7 +38,7 @@ def synthetic() -> dict:
 
 
 def test_build_recovers_the_constants_it_was_measured_with():
-    prof = profile_fit.build(H100, synthetic(), fit_alpha_beta)
+    prof = profile_fit.fit_profile(H100, synthetic(), fit_alpha_beta)
     c = prof["constants"]
     assert c["gemm_eff"] == pytest.approx(TRUE["gemm_eff"], abs=0.005)
     assert c["gemm_k0"] == TRUE["gemm_k0"]
@@ -53,7 +53,7 @@ def test_build_recovers_the_constants_it_was_measured_with():
 
 def test_plan_reads_the_profile(tmp_path, capsys):
     path = tmp_path / "gpu.json"
-    path.write_text(json.dumps(profile_fit.build(H100, synthetic(), fit_alpha_beta)))
+    path.write_text(json.dumps(profile_fit.fit_profile(H100, synthetic(), fit_alpha_beta)))
     pb = make_problem(preset("llama3-8b"), 8192, 64, 8, "h100", profile=str(path))
     assert pb.k["gemm_eff"] == pytest.approx(0.70, abs=0.005) and pb.k["overhead_gib"] == pytest.approx(2.5)
     assert pb.hw.collectives["all_reduce"]["beta"] == pytest.approx(300e9, rel=0.05)
@@ -68,7 +68,7 @@ def test_plan_reads_the_profile(tmp_path, capsys):
 @pytest.mark.parametrize("case", ["cpu-profile", "wrong-gpu", "not-json", "version"])
 def test_profile_errors_are_one_line(tmp_path, capsys, case):
     path = tmp_path / "p.json"
-    good = profile_fit.build(H100, synthetic(), fit_alpha_beta)
+    good = profile_fit.fit_profile(H100, synthetic(), fit_alpha_beta)
     gpu = "h100"
     if case == "cpu-profile":
         path.write_text(json.dumps({"matmul": {"fp32_1thread": 1e10}}))
@@ -89,7 +89,7 @@ def test_profile_errors_are_one_line(tmp_path, capsys, case):
 
 def test_gpu_profile_is_not_a_cpu_profile(tmp_path, capsys):
     path = tmp_path / "gpu.json"
-    path.write_text(json.dumps(profile_fit.build(H100, synthetic(), fit_alpha_beta)))
+    path.write_text(json.dumps(profile_fit.fit_profile(H100, synthetic(), fit_alpha_beta)))
     assert cli(["plan", "--model", "debug", "--gpus", "2", "--gpu", "this-machine", "--global-batch", "8",
                 "--seq", "64", "--profile", str(path)]) == 2
     assert "--gpu h100" in capsys.readouterr().err

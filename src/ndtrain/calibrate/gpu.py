@@ -106,7 +106,7 @@ def _init_context() -> None:
 
 
 def calibrate_gpu(quick: bool = False):
-    """(catalog entry, raw measurements of this GPU node: the dict planner.profile_fit.build fits)."""
+    """(catalog entry, raw measurements of this GPU node: the dict planner.profile_fit.fit_profile fits)."""
     import torch
 
     from ndtrain.planner.hardware import CATALOG, catalog_name

@@ -49,7 +49,7 @@ def fit_attention(hw: Hardware, samples: list) -> float | None:
     return rates[len(rates) // 2] if rates else None
 
 
-def build(hw: Hardware, measured: dict, fit_alpha_beta) -> dict:
+def fit_profile(hw: Hardware, measured: dict, fit_alpha_beta) -> dict:
     """The profile JSON from raw measurements (calibrate/gpu.py's dict): fits every constant
     it can. `fit_alpha_beta(kind, [(world, bytes, seconds)])` is the CPU calibration's fit (same
     hop counts as planner/comm.py)."""

@@ -63,11 +63,11 @@ def main(argv: list[str]) -> int:
         raise NdtrainError(f"unknown option(s) for the GPU calibration: {' '.join(rest)}")
     from ndtrain.calibrate import gpu
     from ndtrain.calibrate.cpu import fit_alpha_beta
-    from ndtrain.planner import profile_fit as profile
+    from ndtrain.planner.profile_fit import fit_profile
 
     start = time.perf_counter()
     hw, measured = gpu.calibrate_gpu(args.quick)
-    prof = profile.build(hw, measured, fit_alpha_beta)
+    prof = fit_profile(hw, measured, fit_alpha_beta)
     prof["seconds"] = time.perf_counter() - start
     out = Path(args.out or gpu.DEFAULT_GPU_PROFILE).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -165,7 +165,7 @@ def _choose(cfg: JobConfig, world: int, hardware, measure_host: bool) -> tuple[J
         fitted = run_length.budget_choice(work, step_s)
         apply(fitted["overrides"])
         budget = fitted["description"]
-    compiled = choices.compile_choice(work, world, hardware) if work.parallel.compile_auto else None
+    compiled = choices.compile_auto_choice(work, world, hardware) if work.parallel.compile_auto else None
     if compiled is not None:
         apply({"parallel": {"compile": compiled["compile"]}})
         compiled = CompileChoice(**{f.name: compiled[f.name] for f in dataclasses.fields(CompileChoice)})

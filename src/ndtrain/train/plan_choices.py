@@ -209,7 +209,7 @@ def choice_text(choice: dict) -> str:
 
 # ---- compile_auto ----------------------------------------------------------------------------
 
-def compile_choice(cfg: JobConfig, world_size: int, hardware_profile=None) -> dict | None:
+def compile_auto_choice(cfg: JobConfig, world_size: int, hardware_profile=None) -> dict | None:
     """`[parallel] compile_auto`: whether compiling the blocks repays its cold compile within
     train.steps on this machine (planner/compile_choice.py), for the layout cfg holds; the
     decision, or None (compile left as set) where the planner cannot price it."""
