@@ -52,7 +52,7 @@ from ndtrain.train.checkpoint.reader import dcp_load
 from ndtrain.train.checkpoint.resume import (check_compatible, choose_checkpoint, continue_timeline, finish_abandoning,
                                              new_timeline)
 from ndtrain.train.checkpoint.retention import Retention, clear_leftovers, clear_partial
-from ndtrain.train.checkpoint.state import FLAT_STATE, json_states, load_states, state_bytes, tensor_state
+from ndtrain.train.checkpoint.state import FLAT_STATE, checkpoint_bytes, json_states, load_states, tensor_state
 from ndtrain.train.checkpoint.store import (CHECKPOINT_FORMAT, TOKENIZER, TRAIN_STATE, fsync_dir, read_train_state,
                                             step_name, tokenizer_to_carry, write_marker)
 from ndtrain.train.distributed import any_rank, barrier, broadcast_object, group_active
@@ -249,9 +249,9 @@ class Checkpointer:
         if not has_digests(tmp, 0):  # async (the sync path wrote them before its barrier)
             write_own_digests(tmp, 0, written)
         known = dict(written)
-        state_bytes_ = json.dumps(meta, indent=1).encode()
-        (tmp / TRAIN_STATE).write_bytes(state_bytes_)
-        known[TRAIN_STATE] = bytes_entry(state_bytes_)
+        state_json = json.dumps(meta, indent=1).encode()
+        (tmp / TRAIN_STATE).write_bytes(state_json)
+        known[TRAIN_STATE] = bytes_entry(state_json)
         if self.tokenizer is not None:  # hashed into the manifest with train_state.json, below
             (tmp / TOKENIZER).write_bytes(self.tokenizer)
             known[TOKENIZER] = bytes_entry(self.tokenizer)
@@ -281,8 +281,8 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _write_failure(self, error: BaseException | None, name: str) -> RunError:
-        return write_failure(error, name, self.root,
-                             lambda: self._last_bytes or state_bytes(tensor_state(self.states), self.rt.world_size))
+        return write_failure(error, name, self.root, lambda: self._last_bytes
+                             or checkpoint_bytes(tensor_state(self.states), self.rt.world_size))
 
     def _record(self, step: int, mode: str, stall_s: float, total_s: float) -> None:
         row = {"step": step, "checkpoint_mode": mode, "checkpoint_stall_s": stall_s, "checkpoint_total_s": total_s}

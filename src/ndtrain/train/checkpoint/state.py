@@ -173,7 +173,7 @@ def load_states(states: dict, tensors: dict, saved: dict) -> None:
             obj.load_state_dict(saved[key])
 
 
-def state_bytes(state, world_size: int) -> int:
+def checkpoint_bytes(state, world_size: int) -> int:
     """This rank's tensor bytes times the world: a checkpoint's size, roughly."""
     return sum(t.numel() * t.element_size() for t in _flat_tensors(state)) * world_size
 
