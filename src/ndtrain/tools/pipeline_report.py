@@ -21,7 +21,7 @@ from ndtrain.layout.schedules import DEFAULT as DEFAULT_SCHEDULE
 from ndtrain.paths import check_output_file
 from ndtrain.parallel import pipeline_schedule as ps
 
-PHASE_COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3"}
+ACTION_COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3"}
 LABELS = {"F": "forward (F)", "B": "full backward (B)", "I": "backward to input (I)", "W": "backward to weights (W)"}
 
 
@@ -142,7 +142,7 @@ def draw_gantt(panels: list[dict], path: str | Path) -> Path:
             y, x0, w = row_of[e.rank], e.start * scale, (e.end - e.start) * scale
             # A rank's later chunks (virtual stages) are drawn lighter than its first.
             alpha = 0.55 if pn.get("p") and (e.stage // pn["p"]) % 2 else 1.0
-            ax.broken_barh([(x0, w)], (y - 0.4, 0.8), facecolors=PHASE_COLORS[e.kind], edgecolors="white",
+            ax.broken_barh([(x0, w)], (y - 0.4, 0.8), facecolors=ACTION_COLORS[e.kind], edgecolors="white",
                            linewidth=0.4, alpha=alpha)
             if e.mb >= 0 and w > span / 90:
                 ax.text(x0 + w / 2, y, str(e.mb), ha="center", va="center", fontsize=6, color="white")
@@ -153,7 +153,7 @@ def draw_gantt(panels: list[dict], path: str | Path) -> Path:
         ax.set_xlabel(pn.get("unit", "time"), fontsize=8)
         ax.set_title(pn["title"], fontsize=9, loc="left")
         ax.tick_params(axis="x", labelsize=7)
-    handles = [Patch(color=PHASE_COLORS[k], label=LABELS[k]) for k in "FBIW" if k in kinds]
+    handles = [Patch(color=ACTION_COLORS[k], label=LABELS[k]) for k in "FBIW" if k in kinds]
     fig.legend(handles=handles, loc="upper right", fontsize=8, ncol=len(handles))
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     path = Path(path)
