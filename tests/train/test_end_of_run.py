@@ -81,14 +81,14 @@ def test_retention_in_a_publish_never_hashes_on_one_rank(world, parity_base, tmp
     data[len(data) // 2] ^= 0xFF  # same size: only its hash can tell
     shard.write_bytes(bytes(data))
     alone = tmp_path / "hashed-alone.txt"  # a file: forked ranks inherit the patch and append here
-    real = retention.verify
+    real = retention.verify_checkpoint
 
     def recording_verify(ckpt, *args, **kwargs):
         with open(alone, "a") as f:
             f.write(Path(ckpt).name + "\n")
         return real(ckpt, *args, **kwargs)
 
-    monkeypatch.setattr(retention, "verify", recording_verify)
+    monkeypatch.setattr(retention, "verify_checkpoint", recording_verify)
     # Resuming from step 3 verifies only step 3; step 4 leaves the timeline; step 2 is unchecked.
     resumed = job(parity_base, run, train={"steps": 5},
                   checkpoint={"interval_steps": 1, "keep_last": 3, "resume": str(root / "step_00000003")})
