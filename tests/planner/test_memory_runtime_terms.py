@@ -85,3 +85,17 @@ def test_eager_loss_holds_what_the_dry_run_holds_at_its_backward():
                         (Layout(dp_shard=4, tp=2, zero=3, mb=1, ac="selective"), 16)):
         mem = memory_breakdown(pb, lay, stage_split(pb, lay))
         assert mem["logits"] == pytest.approx(nbytes * 8192 * pb.shape.vocab / lay.tp)
+
+
+def test_a_shallow_short_sequence_rank_peaks_at_the_roots_reduce():
+    """llama3-8b at 2 layers and 1,024 tokens: the dry run peaks when the root group (embedding and
+    head, 1.05 B parameters) is reduced, gathered in bf16 beside its fp32 gradients (5.87 GiB of
+    buffers, no activation left)."""
+    from ndtrain.planner.memory import root_params
+
+    pb = make_problem(preset("llama3-8b", n_layers=2), 1024, 32, 8, "h100")
+    lay = Layout(dp_shard=8, zero=3, mb=1, ac="selective")
+    mem = memory_breakdown(pb, lay, stage_split(pb, lay))
+    root = root_params(pb.shape, lay, True, True)
+    assert mem["activations"] == mem["logits"] == 0
+    assert mem["buffers"] == pytest.approx(root * (2 + 4))

@@ -229,14 +229,20 @@ def memory_breakdown(pb: Problem, lay: Layout, split: Split) -> dict:
                 # The root group is gathered all step. At the loss's backward (its gradient
                 # transient live) only the last block is gathered beside it: the next block's
                 # gather and the first reduce-scatter come later, when that micro-batch's logits
-                # are gone. The peak is the larger of the two moments.
-                root = gathered_copy_bytes(root_params(sh, lay, embed, head), shard, pbytes, mip)
+                # are gone. Last, the root's own gradients are reduced, the backward's activations
+                # gone: its gathered copy and its gradients in the reduce dtype. The peak is the
+                # largest of the three moments.
+                root_psi = root_params(sh, lay, embed, head)
+                root = gathered_copy_bytes(root_psi, shard, pbytes, mip)
                 at_loss = root + gathered_copy_bytes(layer_psi, shard, pbytes, mip)
                 logits_after = logit_elems * kept * (held - 1) if head else 0.0
                 if head and logits + at_loss > logits_after + root + buffers:
                     buffers = at_loss
                 else:
                     logits, buffers = logits_after, root + buffers
+                at_root_reduce = root + root_psi * st.grad_reduce_bytes
+                if at_root_reduce > acts + logits + buffers:
+                    acts, logits, buffers = 0.0, 0.0, at_root_reduce
             if not pb.gpu:  # the root group and the last block stay gathered from forward to backward
                 buffers += gathered_copy_bytes(root_params(sh, lay, embed, head) + layer_psi, shard, pbytes, mip)
                 buffers += buckets
