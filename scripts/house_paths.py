@@ -48,7 +48,7 @@ from pathlib import Path
 
 ENTRY = "ndtrain.cli:main"
 STEP = "ndtrain.train.step:train_step"
-STEP_STAGES = ("ndtrain.train.step:next_batch", STEP, "ndtrain.train.step:metrics_row",
+STEP_STAGES = ("ndtrain.train.step:next_batch", STEP, "ndtrain.train.metrics:metrics_row",
                "ndtrain.train.metrics:MetricsLogger.log")
 KEY_ROUTES = {"tp": ("ndtrain.config:load_config", "ndtrain.layout.rules:tensor_parallel",
                      "ndtrain.parallel.dims:build_mesh", "ndtrain.parallel.tensor:apply_tensor_parallel")}

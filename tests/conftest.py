@@ -153,15 +153,15 @@ def fp8_cheap_peak(fp8_speed, monkeypatch) -> Fp8Speed:
     yields the bf16 peak anyway (fp8 measures below it), which is what this returns, so only tests
     that do not read MFU use it (test_fp8_mfu_names_both_peaks runs the real probe)."""
     if fp8_speed.slow:
-        from ndtrain.train import step
+        from ndtrain.train import metrics
 
-        real = step.run_peaks
+        real = metrics.run_peaks
 
         def bf16_peak_for_fp8(device, dtype, fp8):
             peak, source, _, _ = real(device, dtype, False)
             return peak, source, (peak if fp8 else 0.0), ("the bf16 peak (fp8 emulated here)" if fp8 else "")
 
-        monkeypatch.setattr(step, "run_peaks", bf16_peak_for_fp8)  # forked ranks inherit it
+        monkeypatch.setattr(metrics, "run_peaks", bf16_peak_for_fp8)  # forked ranks inherit it
     return fp8_speed
 
 

@@ -84,9 +84,9 @@ def test_host_reads_per_step_do_not_grow_with_micro_batches(corpus_dir):
     assert eight.count() == one.count(), (
         f"reads per step: {one.count()} with 1 micro-batch, {eight.count()} with 8: {sorted(eight.calls.items())}")
     # One per step: the MoE statistics are read with the step's loss, norm and skip flag, in the
-    # one read of its values (step_values.py; Trainer.train_step asks at once).
+    # one read of its values (step.py's read_steps; Trainer.train_step asks at once).
     assert one.count() == 1, sorted(one.calls.items())
-    assert [where.split(":")[0] for (name, where) in one.calls if name in READS] == ["step_values.py"], one.calls
+    assert [where.split(":")[0] for (name, where) in one.calls if name in READS] == ["step.py"], one.calls
     # What is left per layer and micro-batch: capacity's gather of the kept assignments.
     assert eight.count({GATHER}) == layers * 8 and one.count({GATHER}) == layers
 

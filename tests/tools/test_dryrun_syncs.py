@@ -23,7 +23,7 @@ from ndtrain.config import load_config
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3  # one logging interval of three steps (CPU)
 DRY_STEPS = 2  # the dry run's interval: two steps show a read per step apart from one per interval
-ONE_READ = ["ndtrain/train/step_values.py"]  # where the interval's one read is
+ONE_READ = ["ndtrain/train/step.py"]  # where the interval's one read is
 
 
 def _dryrun(*args: str, hang_deadline) -> dict:

@@ -79,10 +79,6 @@ TREE = {
             if state is None:
                 raise BadInput("state")
             return state
-
-
-        def metrics_row(result):
-            return {}
     ''',
     "train/helpers.py": '''
         class Norm:
@@ -100,6 +96,10 @@ TREE = {
                 return self.limit
     ''',
     "train/metrics.py": '''
+        def metrics_row(result):
+            return {}
+
+
         class MetricsLogger:
             def log(self, row):
                 return row
@@ -171,10 +171,6 @@ BRANCHED = {
 
         def _norm(state):
             return state
-
-
-        def metrics_row(result):
-            return {}
     ''',
     "train/experts.py": '''
         def route(state):
@@ -197,7 +193,7 @@ def test_the_default_path_lists_a_feature_left_off_as_a_branch_and_the_opened_pa
     assert "train/experts.py" in every["by_file"] and "train/experts.py" not in default["by_file"]
     assert default["branches"] == {"MoE": ["train/experts.py: route"]}
     opened = house_paths.opened_step_path(g)
-    # The step's own file followed through (train_step, _norm, next_batch, metrics_row), each
+    # The step's own file followed through (train_step, _norm, next_batch), each
     # function it calls elsewhere opened (Clip.__init__, Clip.apply) but not followed (Norm.forward).
     assert "ndtrain.train.helpers:Norm.forward" in g.reach([house_paths.STEP])
     assert opened["by_file"]["train/helpers.py"] == 2 + 2

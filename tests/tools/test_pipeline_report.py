@@ -1,4 +1,4 @@
-"""`ndtrain pipeline-report`'s measured path: ranks trained through train/step.py's trace_steps,
+"""`ndtrain pipeline-report`'s measured path: ranks trained through train/pipeline_trace.py's trace_steps,
 the one function that knows the pipeline's trace fields (the tool reads none of them)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The job loop reads the steps' values once per logging interval (train/step_values.py): what
+"""The job loop reads the steps' values once per logging interval (train/step.py: read_steps): what
 needs every step's value judges the steps late, in order, with the same outcome."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from ckpt_helpers import cfg_of, job, metrics
 
 from ndtrain.data.loader import StatefulLoader
-from ndtrain.train import step as step_mod, step_values
+from ndtrain.train import step as step_mod
 from ndtrain.train.trainer import train
 
 
@@ -42,14 +42,14 @@ def test_nonfinite_steps_judged_at_the_logging_read_roll_back_the_same_window(pa
     _poison(monkeypatch, {17, 22}, seen)
     run = tmp_path / "run"
     reads = []
-    real = step_values.read_steps
+    real = step_mod.read_steps
 
     def counted(queue):
         if queue:
             reads.append([r.step for r in queue])
         return real(queue)
 
-    monkeypatch.setattr(step_values, "read_steps", counted)
+    monkeypatch.setattr(step_mod, "read_steps", counted)
     summary = train(cfg_of(job(parity_base, run, train={"steps": 8, "global_batch": 4, "nonfinite_skip": 2,
                                                        "log_interval": 4},
                                checkpoint={"interval_steps": 4})))

@@ -14,6 +14,7 @@ import types
 import pytest
 
 from ndtrain.errors import RunError
+from ndtrain.layout.flops import mfu
 from ndtrain.train import metrics, trackers
 
 pytestmark = pytest.mark.timeout(120)
@@ -114,7 +115,7 @@ def test_no_printed_ratio_of_a_peak_exceeds_100_percent(tmp_path, capsys):
     flops = 2e12
     for step, peak in ((1, 1e12), (2, 4e12), (3, 0.5e12), (4, 1.9e12)):
         log.last_print = 0.0  # print every row
-        log.log(_row(step, mfu=metrics.mfu(flops, peak), mfu_fp8=metrics.mfu(flops, peak / 2), last=step == 4))
+        log.log(_row(step, mfu=mfu(flops, peak), mfu_fp8=mfu(flops, peak / 2), last=step == 4))
     log.close()
     with open(run / "metrics.jsonl", "a") as f:
         for step in range(5, 9):

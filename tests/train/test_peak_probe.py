@@ -13,7 +13,8 @@ import torch
 from ndtrain.planner import host_cache
 from ndtrain.calibrate import host_probe
 from ndtrain.train import metrics
-from ndtrain.train.step import Peaks, StepResult, metrics_row
+from ndtrain.train.metrics import Peaks, metrics_row
+from ndtrain.train.step import StepResult
 
 AVX2 = host_cache.host_key("model name\t: old\nflags\t\t: fpu avx2\n", "2.13.0+cpu", env={}, cores=2)
 BF16 = host_cache.host_key("model name\t: new\nflags\t\t: fpu avx2 avx512f avx512_bf16\n", "2.13.0+cpu", env={},

@@ -177,7 +177,7 @@ class Pipeline:
             return 0.0
         # Metadata inference on a schedule's first step calls the loss once more: keep the last m.
         # Summed on the device and left there (the step reads it with the rest, once per logging
-        # interval: train/step_values.py); a read here would be a host sync each step on a GPU.
+        # interval: train/step.py's read_steps); a read here would be a host sync each step on a GPU.
         return torch.stack([_full(t).reshape(()) for t in self._loss_sums[-m:]]).double().sum()
 
     def _instrument(self, stage) -> None:

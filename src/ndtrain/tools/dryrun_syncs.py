@@ -116,7 +116,7 @@ def answer_host_probes() -> None:
 def finish_interval(state, reads: HostReads, steps: int, step: Callable[[], object]) -> dict:
     """After the interval's first step (run under `reads`): `step()` steps - 1 more times and the
     logging read, under `reads` too; the dry run's `host_syncs` figures for the interval."""
-    from ndtrain.train.step_values import read_steps
+    from ndtrain.train.step import read_steps
 
     with reads:
         for _ in range(steps - 1):

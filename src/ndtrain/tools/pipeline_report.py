@@ -28,7 +28,7 @@ LABELS = {"F": "forward (F)", "B": "full backward (B)", "I": "backward to input 
 # ---- measuring -----------------------------------------------------------------------------
 
 def _measure_rank(cfg, steps: int) -> dict:
-    from ndtrain.train.step import trace_steps
+    from ndtrain.train.pipeline_trace import trace_steps
     from ndtrain.train.trainer import Trainer
 
     trainer = Trainer(cfg, run_dir=None, log=False)

@@ -46,7 +46,7 @@ class CudaBusyTimer:
     stream runs only that rank's kernels (FSDP2's pre-forward hook, prepended to ours, has already
     made the stream wait for its all-gather before the start event). Collectives inside a block
     (TP, CP's ring, EP's all-to-alls) are timed with it. The step itself never waits for the
-    device (train/step_values.py), so reading the events is a sync: `stop(lazy=True)` leaves it
+    device (train/step.py: read_steps), so reading the events is a sync: `stop(lazy=True)` leaves it
     to the caller, who reads a whole straggler window's steps at once."""
 
     def __init__(self, modules, event=None):

@@ -24,8 +24,9 @@ from ndtrain.train.build import build
 from ndtrain.train.checkpoint import list_checkpoints
 from ndtrain.train.gc_schedule import GcSchedule
 from ndtrain.train.distributed import env_world_size, group_active
-from ndtrain.train.metrics import compute_modules
+from ndtrain.train.metrics import compute_modules, measure_peaks, metrics_row
 from ndtrain.train.optim import extend_schedule
+from ndtrain.train.pipeline_trace import save_pipeline_trace, trace_next_step
 from ndtrain.train.noise_scale import grow
 from ndtrain.train.plan import Plan, resolve_plan
 from ndtrain.train.state import checkpointer
@@ -128,7 +129,7 @@ def make_logger(cfg: JobConfig, rt, run_dir: Path | None, log: bool = True):
 def _loop(plan: Plan, run_dir: Path, reached: dict) -> dict:
     cfg = plan.config
     state = build(cfg, plan.layout, host=plan.host)
-    peaks = steps.measure_peaks(state)
+    peaks = measure_peaks(state)
     rt, layout, progress = state.rt, plan.layout, state.progress  # what the job hands on
     log = make_logger(cfg, rt, run_dir)
     # Every checkpoint records this config: with the data path absolute, `ndtrain generate
@@ -150,7 +151,7 @@ def _loop(plan: Plan, run_dir: Path, reached: dict) -> dict:
             job_hooks.at_step(progress.step + 1)
             if balancer and (said := balancer.sync()):  # the checkpoint's shares (a resume, a rollback)
                 log.info(said)
-            trace = steps.trace_next_step(state, cfg.logging.pipeline_trace_step)
+            trace = trace_next_step(state, cfg.logging.pipeline_trace_step)
             batch, wait = steps.next_batch(state)
             result = steps.train_step(state, batch, wait)
             gc_schedule.after_step(result.step)
@@ -158,11 +159,11 @@ def _loop(plan: Plan, run_dir: Path, reached: dict) -> dict:
                 log.log(row)
             reached["step"] = progress.step
             if trace:
-                steps.save_pipeline_trace(state, run_dir)
+                save_pipeline_trace(state, run_dir)
             last = result.step == cfg.train.steps
             logged = result.step % cfg.train.log_interval == 0 or last
             # The step's loss, norm and skip flag stay on the device until a logging step or a
-            # checkpoint reads every unread step at once (step_values.py): one sync per interval.
+            # checkpoint reads every unread step at once (step.read_steps): one sync per interval.
             action = guard.after_step(result, read=logged or ckpt.due(result.step))
             if action == "rollback":
                 times.undo()
@@ -170,7 +171,7 @@ def _loop(plan: Plan, run_dir: Path, reached: dict) -> dict:
             job_hooks.after_step(result)
             times.add(result)
             if logged:
-                log.log({**steps.metrics_row(result, peaks, progress.tokens_seen, rt.device), "last": last,
+                log.log({**metrics_row(result, peaks, progress.tokens_seen, rt.device), "last": last,
                          "time": time.time()})
             if cfg.train.val_interval and (result.step % cfg.train.val_interval == 0 or last):
                 last_val = steps.validation_loss(state)
@@ -218,7 +219,7 @@ def _loop(plan: Plan, run_dir: Path, reached: dict) -> dict:
 
 class StepTimes:
     """The measured step times. A step returns before its device work is done; its time is final
-    once it is read (step_values.read_steps adds its share of the wait), so a step waits in
+    once it is read (step.read_steps adds its share of the wait), so a step waits in
     `pending` until then."""
 
     def __init__(self):

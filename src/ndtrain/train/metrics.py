@@ -1,6 +1,6 @@
-"""Step metrics: metrics.jsonl, the experiment trackers and a progress bar, and what a row reports
-beside the step's figures: the peaks its MFU divides by (measured in calibrate/peak_flops.py) and
-the peak memory."""
+"""Step metrics: what a step's row reports (metrics_row: its figures, the MFU against the peaks
+measured in calibrate/peak_flops.py, the peak memory) and where rows go: metrics.jsonl, the
+experiment trackers and a progress bar."""
 
 from __future__ import annotations
 
@@ -8,14 +8,21 @@ import json
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from ndtrain.layout.flops import mfu  # noqa: F401  (the trainer's MFU; the rule lives with the FLOP count)
 from ndtrain.calibrate.peak_flops import FP8, peak_flops
+from ndtrain.layout.flops import flops_per_token, mfu
+from ndtrain.parallel.grad_norm import all_reduce_sum
 from ndtrain.train.run_length import TimeLeft, duration
 from ndtrain.train.trackers import open_trackers, scalars
+
+if TYPE_CHECKING:
+    from ndtrain.train.state import TrainState
+    from ndtrain.train.step import StepResult
 
 
 def run_peaks(device: torch.device, dtype: torch.dtype, fp8: bool) -> tuple[float, str, float, str]:
@@ -33,7 +40,7 @@ def run_peaks(device: torch.device, dtype: torch.dtype, fp8: bool) -> tuple[floa
 
 
 def raise_peak(peaks, flops_per_s: float) -> str | None:
-    """Where a step's model FLOP/s ran above a measured peak (`peaks`: train/step.py's Peaks, summed
+    """Where a step's model FLOP/s ran above a measured peak (`peaks`: Peaks, summed
     over ranks), raise the peak to it: a measured peak is a floor of what the device does (a probe
     on a host busy with other work measures low), so MFU then divides by the fastest step seen
     instead of showing none. The line that says so the first time; None otherwise (later raises
@@ -50,6 +57,41 @@ def raise_peak(peaks, flops_per_s: float) -> str | None:
     return (f"MFU peak raised to {flops_per_s / 1e9:.1f} GFLOP/s, the rate a step ran at, from the "
             f"{was / 1e9:.1f} GFLOP/s measured (a busy host measures low); MFU now divides by the fastest step "
             f"seen (`ndtrain calibrate` probes the host again)")
+
+
+@dataclass
+class Peaks:
+    """The run's peak FLOP/s (summed over ranks) that MFU divides by, and the model's FLOPs per
+    token. fp8 runs report MFU against the bf16 peak (comparable with bf16 runs) and the fp8 peak."""
+
+    total: float
+    source: str
+    fp8_total: float
+    fp8_source: str
+    flops_per_token: float
+    fp8: bool
+    raised: bool = False  # a step ran above the measured peak, which was raised to it (metrics.raise_peak)
+
+
+def measure_peaks(state: TrainState) -> Peaks:
+    low = state.autocast or state.layout.mp in ("bf16", "fp8")
+    per_rank, source, fp8_peak, fp8_source = run_peaks(state.rt.device, torch.bfloat16 if low else torch.float32,
+                                                       state.fp8)
+    total, fp8_total = all_reduce_sum([per_rank, fp8_peak], state.rt.device)
+    return Peaks(total, source, fp8_total, fp8_source, flops_per_token(state.cfg.model, state.cfg.data.seq_len),
+                 state.fp8)
+
+
+def metrics_row(r: StepResult, peaks: Peaks, tokens_seen: int, device) -> dict:
+    """The step's row; a step above a measured peak raises it first (metrics.raise_peak), and the
+    row that did so first carries the line saying so ("peak_raised")."""
+    tps = r.tokens / r.seconds
+    raised = raise_peak(peaks, peaks.flops_per_token * tps)
+    return {"step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens_per_s": tps,
+            "mfu": mfu(peaks.flops_per_token * tps, peaks.total), "step_time_s": r.seconds,
+            "tokens_seen": tokens_seen, "peak_memory_mb": peak_memory_mb(device), "skipped": r.skipped, **r.extra,
+            **({"mfu_fp8": mfu(peaks.flops_per_token * tps, peaks.fp8_total)} if peaks.fp8 else {}),
+            **({"peak_raised": raised} if raised else {})}
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -12,7 +12,7 @@ are unbiased; each is smoothed by its own EMA and B_noise = EMA(S) / EMA(|G|^2) 
 EMAs, not the EMA of the noisy ratio). Cost: one more squared-norm pass over the gradients after
 the first micro-batch (the same work as the clipping norm) and its scalar in the step's existing
 all-reduce. No read of its own: both norms ride in the step's device vector, and the EMAs take
-each step's in order when the job loop reads them (train/step_values.py), once per logging
+each step's in order when the job loop reads them (train/step.py: read_steps), once per logging
 interval and before every checkpoint save, so the checkpoint's EMAs are current.
 
 A decision changes the batch only at a checkpoint boundary and is recorded as a ramp point

@@ -1,13 +1,18 @@
-"""AdamW with decoupled weight decay on matrices only, and warmup + cosine learning rate (and what
-becomes of it when a resumed run is given another length: extend_schedule; and when the
-batch ramps: batch_lr_scale)."""
+"""AdamW with decoupled weight decay on matrices only; its step (clip, then the update unless
+the step is non-finite: optimizer_step); and warmup + cosine learning rate (and what becomes of
+it when a resumed run is given another length: extend_schedule; and when the batch ramps:
+batch_lr_scale)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from ndtrain.compat.torch import skips_on_device, step_unless
+from ndtrain.parallel.grad_norm import clip_scale, scale_grads
 
 
 def build_optimizer(model_parts: list[nn.Module], cfg) -> torch.optim.Optimizer:
@@ -19,6 +24,27 @@ def build_optimizer(model_parts: list[nn.Module], cfg) -> torch.optim.Optimizer:
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     impl = {"foreach": dict(foreach=True), "fused": dict(fused=True), "for-loop": dict(foreach=False)}[cfg.implementation]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **impl)
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, params, grad_clip: float, grad_norm: torch.Tensor,
+                   applied: torch.Tensor, skipped: Callable[[], bool], host_decides: bool = False) -> None:
+    """Clips the gradients to `grad_clip` (0: no clipping) and applies the update unless the step
+    is non-finite. `grad_norm` and `applied` (1.0 when loss and norm are finite, else 0.0) are
+    device scalars; clipping scales by a factor computed on the device (like torch's
+    clip_grad_norm_), so it reads nothing. The skip: fused AdamW takes torch's GradScaler door
+    (`found_inf`, a device flag: its kernel leaves weights, moments and step counts alone), so
+    the decision never reaches the host; foreach and for-loop AdamW have no such door, and with
+    `host_decides` (DiLoCo agrees on the host) the host decides too, asking `skipped()` (a read of
+    the step's values: a sync on a GPU)."""
+    on_host = host_decides or not skips_on_device(optimizer)
+    if on_host and skipped():
+        return
+    if grad_clip > 0:
+        scale_grads(params, clip_scale(grad_norm, grad_clip))
+    if on_host:
+        optimizer.step()
+        return
+    step_unless(optimizer, (1.0 - applied).to(torch.float32))
 
 
 def lr_at(step: int, cfg, total_steps: int, segment: list | None = None) -> float:

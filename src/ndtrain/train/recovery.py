@@ -211,7 +211,7 @@ class Recovery:
     def after_step(self, result, read: bool = True) -> str:
         """'ok', 'rollback' (the trainer was rolled back: continue the loop) or 'stop' (preempted).
         The non-finite guard needs each step's skip flag, a device value: it judges the steps
-        since the last `read` (the job's logging steps and checkpoints; step_values.py), in order,
+        since the last `read` (the job's logging steps and checkpoints; step.read_steps), in order,
         and before a leave or stop ends the loop."""
         busy = busy_at_mean_rows(self.busy.stop(lazy=True), self.loader, result)  # uneven shares: per mean share
         if self.watchdog:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # names for the fields only: build.py imports the modules the
     from ndtrain.parallel.pipeline import Pipeline
     from ndtrain.train.distributed import Runtime
     from ndtrain.train.noise_scale import NoiseScale
-    from ndtrain.train.step_values import StepResult
+    from ndtrain.train.step import StepResult
 
 
 @dataclass
@@ -68,7 +68,7 @@ class TrainState:
     noise: NoiseScale | None = None  # under batch_ramp = "auto", built on first use
     # The first micro-batch's squared gradient norm this step, a device scalar
     first_micro_sq: torch.Tensor | None = None
-    # Steps whose loss and norm are still on the device, oldest first (step_values.read_steps)
+    # Steps whose loss and norm are still on the device, oldest first (step.read_steps)
     unread: list[StepResult] = field(default_factory=list)
 
     @property

@@ -1,43 +1,43 @@
-"""One optimizer step of a TrainState, and what surrounds it: the step's batch, validation, the
-metrics row, a pipeline trace. `train_step(state, batch) -> StepResult` branches on the layout
-only where a dimension adds work: pipeline (pp > 1: the schedule runs the micro-batches),
-context parallel (cp > 1: a share of each sequence), tensor parallel (tp > 1: the vocab-parallel
-loss), FSDP (gradient sync per micro-batch) and fp8; and on the data for document masking.
+"""One optimizer step of a TrainState, and what surrounds it: the step's batch, what it returns,
+validation. `train_step(state, batch) -> StepResult` branches on the layout only where a
+dimension adds work: pipeline (pp > 1: the schedule runs the micro-batches), context parallel
+(cp > 1: a share of each sequence), tensor parallel (tp > 1: the vocab-parallel loss), FSDP
+(gradient sync per micro-batch) and fp8; and on the data for document masking.
 
 The step reads no device value on the host: on a GPU each read (`float(t)`, `.item()`,
-`.tolist()`, `if t`) waits for every kernel queued before it and leaves the device idle while the
-host catches up. Its loss, gradient norm and skip flag stay on the device (step_values.py) until
-the job loop reads them, once per logging interval; clipping and the non-finite skip act on the
-device (`update`), as does the MoE bias update; the MoE metrics are read with the step's values."""
+`.tolist()`, `if t`) waits for every kernel queued before it, the launch queue runs dry and the
+next step's kernels start late. So its loss, gradient norm and whether its update was applied
+stay in one small float64 vector on the device, which the step's StepResult holds. The first
+time any of them is asked for, every step not yet read is read together, in one transfer
+(`read_steps`), and each result settles in step order (the gradient-noise-scale EMAs update
+then). The job loop asks on logging steps (and before a checkpoint or a rollback), so a run
+reads the device once per `train.log_interval`, not once per step. Clipping and the non-finite
+skip act on the device (optim.optimizer_step), as does the MoE bias update; the MoE routing
+statistics ride in the same read (appended to the vector past WIDTH, handed to the step's
+`on_read`)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
+import math
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from ndtrain.compat.torch import skips_on_device, step_unless
 from ndtrain.config import global_batch_at
 from ndtrain.data.loader import IGNORE, validation_batches
 from ndtrain.data.mixture import open_dataset
 from ndtrain.data.packing import document_ids, document_positions
 from ndtrain.errors import ConfigError
-from ndtrain.layout.flops import flops_per_token
 from ndtrain.model.moe import set_aux_scale, step_metrics as moe_metrics, step_statistics as moe_statistics
 from ndtrain.parallel.data_parallel import accumulation, reshard
-from ndtrain.parallel.grad_norm import (all_reduce_sum, all_reduce_tensor, clip_scale, local_grad_sq,
-                                        reduce_partial_grads, scale_grads)
-from ndtrain.train.metrics import mfu, peak_memory_mb, raise_peak, reset_peak_memory, run_peaks
+from ndtrain.parallel.grad_norm import all_reduce_sum, all_reduce_tensor, local_grad_sq, reduce_partial_grads
+from ndtrain.train.metrics import reset_peak_memory
 from ndtrain.train.noise_scale import NoiseScale, small_batch, unsupported
-from ndtrain.train.optim import batch_lr_scale, extend_schedule, lr_at, set_lr
+from ndtrain.train.optim import batch_lr_scale, extend_schedule, lr_at, optimizer_step, set_lr
 from ndtrain.train.state import TrainState
-from ndtrain.train.step_values import (APPLIED, GRAD_NORM, GRAD_SQ, SMALL_SQ, WIDTH, StepResult,  # noqa: F401
-                                       read_steps)
 
 
 def split_micro(n: int, micro: int) -> list[tuple[int, int]]:
@@ -125,7 +125,7 @@ def forward_backward(state: TrainState, inputs: torch.Tensor, targets: torch.Ten
     tokens_here = targets.numel()
     split = None if isinstance(micro, int) else micro  # uneven batch shares (layout/batch_shares.py)
     norm = tokens_here if split is None else tokens_here * split.norm_scale
-    total = None  # summed on the device, never read here (step_values.py: read once per log interval)
+    total = None  # summed on the device, never read here (read_steps: once per log interval)
     slices = split_micro(inputs.shape[0], micro) if split is None else split.slices()
     for i, (a, b) in enumerate(slices):
         # The ZeRO stage decides: reduce after every micro-batch (2, 3) or accumulate whole
@@ -204,13 +204,13 @@ def train_step(state: TrainState, batch, data_wait_s: float = 0.0) -> StepResult
     on_read = ([_noise_update(state, batch, gb)] if probe else []) + (
         [] if moe is None else [lambda r, row: r.extra.update(moe_metrics(state.moe, row[WIDTH:]))])
     result.defer(values if moe is None else torch.cat([values, moe.flatten().to(values)]), state.unread, on_read)
-    # DiLoCo's replicas agree on the skip on the host, and an optimizer without a device-side
-    # skip decides on it: both read the step's values now (a sync per step on a GPU).
-    read_now = state.diloco is not None or not skips_on_device(state.optimizer)
+    # DiLoCo's replicas agree on the skip on the host: they read the step's values now (a sync
+    # per step on a GPU), as does an optimizer without a device-side skip (optimizer_step).
     agreed = state.diloco.agree_start(result.skipped, rt.device) if state.diloco else None
     if state.before_update is not None:
         state.before_update()
-    update(state, values, result, read_now)
+    optimizer_step(state.optimizer, state.params, cfg.optimizer.grad_clip, values[GRAD_NORM], values[APPLIED],
+                   lambda: result.skipped, host_decides=state.diloco is not None)
     state.optimizer.zero_grad(set_to_none=True)
     result.extra.update({"data_wait_s": data_wait_s,
                          # CPU seconds this process spent on the step (all its threads): the work
@@ -229,31 +229,13 @@ def train_step(state: TrainState, batch, data_wait_s: float = 0.0) -> StepResult
 
 
 def step_vector(sums: torch.Tensor, tokens: int, probe: bool) -> torch.Tensor:
-    """The step's report on the device (step_values.py's layout) from its all-reduced sums
-    [loss sum, squared gradient norm(, first micro-batch's squared norm)]."""
+    """The step's report on the device (StepResult's vector) from its all-reduced sums [loss sum,
+    squared gradient norm(, first micro-batch's squared norm)]."""
     loss, grad_sq = sums[0] / tokens, sums[1]
     norm = grad_sq.sqrt()  # NaN for a negative sum
     applied = (torch.isfinite(loss) & torch.isfinite(norm)).to(torch.float64)  # the skip rule, on the device
     small = sums[2] if probe else torch.full((), float("nan"), dtype=torch.float64, device=sums.device)
     return torch.stack([loss, norm, applied, small, grad_sq])
-
-
-def update(state: TrainState, values: torch.Tensor, result: StepResult, read_now: bool) -> None:
-    """Clips the gradients and applies the optimizer's update unless the step is non-finite.
-    Clipping scales by a factor computed on the device (like torch's clip_grad_norm_), so it
-    reads nothing. The skip: fused AdamW takes torch's GradScaler door (`found_inf`, a device
-    flag: its kernel leaves weights, moments and step counts alone), so the decision never
-    reaches the host; with `read_now` (foreach and for-loop AdamW have no such door, DiLoCo
-    agrees on the host) it is decided on the host from the step's values, read now."""
-    if read_now and result.skipped:
-        return
-    grad_clip, optimizer = state.cfg.optimizer.grad_clip, state.optimizer
-    if grad_clip > 0:
-        scale_grads(state.params, clip_scale(values[GRAD_NORM], grad_clip))
-    if read_now:
-        optimizer.step()
-        return
-    step_unless(optimizer, (1.0 - values[APPLIED]).to(torch.float32))
 
 
 def _noise_update(state: TrainState, batch, gb: int):
@@ -270,6 +252,101 @@ def _noise_update(state: TrainState, batch, gb: int):
             result.extra["grad_noise_scale"] = noise
 
     return on_read
+
+
+# ---- what a step returns ---------------------------------------------------------------------
+# The device vector's entries: the step's mean loss, its gradient norm, 1.0 when the update
+# was applied (loss and norm finite) else 0.0, the first micro-batch's squared gradient norm
+# (NaN when the noise scale is not measured) and the step's squared gradient norm.
+# Entries past WIDTH: the step's own additions (MoE statistics), for its `on_read`.
+LOSS, GRAD_NORM, APPLIED, SMALL_SQ, GRAD_SQ = range(5)
+WIDTH = 5
+
+
+class StepResult:
+    """One step's report. `loss`, `grad_norm` and `skipped` are plain values, or, once `defer`
+    hands it its device vector, read from the device the first time one is asked for."""
+
+    def __init__(self, step: int, loss: float = math.nan, grad_norm: float = math.nan, lr: float = 0.0,
+                 tokens: int = 0, seconds: float = 0.0, skipped: bool = False, extra: dict | None = None,
+                 sample_ids: torch.Tensor | None = None, rows: list | None = None):
+        self.step, self.lr, self.tokens, self.seconds = step, lr, tokens, seconds
+        self.extra = {} if extra is None else extra
+        self.sample_ids = sample_ids  # the global sample numbers this rank trained on
+        self.rows = [] if rows is None else rows  # DiLoCo's outer-step rows, for metrics.jsonl
+        self._values = (loss, grad_norm, skipped)
+        self._device: torch.Tensor | None = None
+        self._queue: list | None = None
+        self._on_read: list[Callable] = []
+        self._ended = 0.0  # perf_counter when the step returned (its device work may still run)
+
+    def defer(self, values: torch.Tensor, queue: list, on_read: list[Callable] = ()) -> StepResult:
+        """Holds `values` (the WIDTH-vector above and any additions, on the device) unread in
+        `queue` (the state's, in step order); each `on_read(result, row)` runs when it is read,
+        before any later step's."""
+        self._device, self._queue, self._on_read = values, queue, list(on_read)
+        queue.append(self)
+        return self
+
+    @property
+    def unread(self) -> bool:
+        return self._device is not None
+
+    def finished(self, seconds: float) -> None:
+        """The step's host time; a later read adds its share of the wait for the device."""
+        self.seconds, self._ended = seconds, time.perf_counter()
+
+    def override_skipped(self, skipped: bool) -> None:
+        """DiLoCo: a step counts as skipped when any replica skipped it (read by then)."""
+        self._values = (*self._values[:2], skipped)
+
+    def _settle(self, row: list[float]) -> None:
+        self._device = self._queue = None
+        self._values = (row[LOSS], row[GRAD_NORM], row[APPLIED] == 0.0)
+        on_read, self._on_read = self._on_read, []
+        for callback in on_read:
+            callback(self, row)
+
+    def _get(self, i: int):
+        if self._device is not None:
+            read_steps(self._queue)
+        return self._values[i]
+
+    @property
+    def loss(self) -> float:
+        return self._get(0)
+
+    @property
+    def grad_norm(self) -> float:
+        return self._get(1)
+
+    @property
+    def skipped(self) -> bool:
+        return self._get(2)
+
+
+def read_steps(queue: list) -> None:
+    """Reads every unread step of `queue` in one device-to-host transfer and settles them in order."""
+    if not queue:
+        return
+    pending = list(queue)
+    queue.clear()
+    device = pending[-1]._device.device
+    vectors = [r._device for r in pending]
+    flat = torch.cat(vectors).tolist()  # the one read (a step's vector may be longer: MoE)
+    rows, at = [], 0
+    for v in vectors:
+        rows.append(flat[at:at + v.numel()])
+        at += v.numel()
+    # On an asynchronous device (not the CPU) unread steps returned when their work was queued,
+    # not done: the read waited for the rest. Each gets an equal share, so the interval's step
+    # times add up to its wall time.
+    ended, wait = pending[-1]._ended, 0.0
+    if ended and device.type != "cpu":
+        wait = max(0.0, time.perf_counter() - ended) / len(pending)
+    for result, row in zip(pending, rows):
+        result.seconds += wait
+        result._settle(row)
 
 
 @torch.no_grad()
@@ -309,86 +386,7 @@ def validation_loss(state: TrainState) -> float:
     return total / max(tokens, 1)
 
 
-# ---- what a step reports ---------------------------------------------------------------------
-@dataclass
-class Peaks:
-    """The run's peak FLOP/s (summed over ranks) that MFU divides by, and the model's FLOPs per
-    token. fp8 runs report MFU against the bf16 peak (comparable with bf16 runs) and the fp8 peak."""
-
-    total: float
-    source: str
-    fp8_total: float
-    fp8_source: str
-    flops_per_token: float
-    fp8: bool
-    raised: bool = False  # a step ran above the measured peak, which was raised to it (metrics.raise_peak)
-
-
-def measure_peaks(state: TrainState) -> Peaks:
-    low = state.autocast or state.layout.mp in ("bf16", "fp8")
-    per_rank, source, fp8_peak, fp8_source = run_peaks(state.rt.device, torch.bfloat16 if low else torch.float32,
-                                                       state.fp8)
-    total, fp8_total = all_reduce_sum([per_rank, fp8_peak], state.rt.device)
-    return Peaks(total, source, fp8_total, fp8_source, flops_per_token(state.cfg.model, state.cfg.data.seq_len),
-                 state.fp8)
-
-
-def metrics_row(r: StepResult, peaks: Peaks, tokens_seen: int, device) -> dict:
-    """The step's row; a step above a measured peak raises it first (metrics.raise_peak), and the
-    row that did so first carries the line saying so ("peak_raised")."""
-    tps = r.tokens / r.seconds
-    raised = raise_peak(peaks, peaks.flops_per_token * tps)
-    return {"step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens_per_s": tps,
-            "mfu": mfu(peaks.flops_per_token * tps, peaks.total), "step_time_s": r.seconds,
-            "tokens_seen": tokens_seen, "peak_memory_mb": peak_memory_mb(device), "skipped": r.skipped, **r.extra,
-            **({"mfu_fp8": mfu(peaks.flops_per_token * tps, peaks.fp8_total)} if peaks.fp8 else {}),
-            **({"peak_raised": raised} if raised else {})}
-
-
+# ---- after the last step ---------------------------------------------------------------------
 def close(state: TrainState) -> None:
     """Stops the loader's prefetch thread: the state trains no more."""
     state.loader.close()
-
-
-# ---- a pipeline trace ------------------------------------------------------------------------
-def trace_next_step(state: TrainState, trace_step: int) -> bool:
-    """Whether the next step is the pipeline step to trace (logging.pipeline_trace_step); if so,
-    the pipeline starts timing its actions."""
-    if state.pipeline is None or state.progress.step + 1 != trace_step:
-        return False
-    state.pipeline.trace = True
-    return True
-
-
-def _rank_trace(state: TrainState, last: int) -> dict:
-    """This rank's {"rank", "stages" (its stage indices), "traces" (the `last` steps' timed
-    actions)}; the pipeline stops timing."""
-    pipeline = state.pipeline
-    trace = {"rank": state.rt.rank, "stages": [s.stage_index for s in pipeline.stages],
-             "traces": pipeline.traces[-last:]}
-    pipeline.trace, pipeline.traces = False, []
-    return trace
-
-
-def trace_steps(state: TrainState, steps: int) -> dict:
-    """Train `steps` steps with every pipeline action timed: this rank's trace (as
-    save_pipeline_trace gathers it, one timeline per step) and "losses" (`ndtrain pipeline-report`)."""
-    state.pipeline.trace = True
-    losses = [train_step(state, *next_batch(state)).loss for _ in range(steps)]
-    return {**_rank_trace(state, steps), "losses": losses}
-
-
-def save_pipeline_trace(state: TrainState, run_dir: Path) -> None:
-    """Every rank's timed F/B/W actions of the step just traced, gathered into rank 0's
-    `pipeline_trace.json` (the input of `ndtrain report`'s Gantt chart)."""
-    rt = state.rt
-    trace = _rank_trace(state, 1)
-    gathered = [None] * rt.world_size
-    torch.distributed.all_gather_object(gathered, trace)
-    if rt.is_main:
-        from ndtrain.train.run_files import write_run_file
-
-        lay = state.layout
-        write_run_file(run_dir / "pipeline_trace.json", json.dumps(
-            {"step": state.progress.step, "schedule": lay.schedule, "p": lay.pp, "v": lay.v,
-             "ranks": gathered}))

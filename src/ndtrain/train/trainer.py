@@ -13,6 +13,8 @@ from ndtrain.errors import NdtrainError
 from ndtrain.train import job, step as steps
 from ndtrain.train.build import build
 from ndtrain.train.job import train  # noqa: F401  (the API's name: a whole job)
+from ndtrain.train.metrics import measure_peaks, metrics_row
+from ndtrain.train.pipeline_trace import save_pipeline_trace
 from ndtrain.train.plan import Plan, as_written
 from ndtrain.train.state import TrainState, checkpointer, full_weights
 from ndtrain.train.step import StepResult, split_micro  # noqa: F401  (the API's names)
@@ -31,7 +33,7 @@ class Trainer:
             raise NdtrainError(f"the plan was resolved for {self.plan.world} ranks but this run has "
                                f"{world}; resolve it for this world")
         self.state: TrainState = build(self.plan.config, self.plan.layout, host=self.plan.host)
-        self.peaks = steps.measure_peaks(self.state)
+        self.peaks = measure_peaks(self.state)
         self.logger = job.make_logger(self.plan.config, self.state.rt, run_dir, log)
 
     @property
@@ -48,7 +50,7 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         """One step, its values read at once: a caller driving steps one by one reads each (the
-        job loop reads once per logging interval instead: step_values.py)."""
+        job loop reads once per logging interval instead: step.read_steps)."""
         batch, wait = steps.next_batch(self.state)
         result = steps.train_step(self.state, batch, wait)
         steps.read_steps(self.state.unread)
@@ -58,13 +60,13 @@ class Trainer:
         return steps.validation_loss(self.state)
 
     def metrics_row(self, r: StepResult) -> dict:
-        return steps.metrics_row(r, self.peaks, self.tokens_seen, self.state.rt.device)
+        return metrics_row(r, self.peaks, self.tokens_seen, self.state.rt.device)
 
     def full_weights(self):
         return full_weights(self.state)
 
     def save_pipeline_trace(self, run_dir: Path) -> None:
-        steps.save_pipeline_trace(self.state, run_dir)
+        save_pipeline_trace(self.state, run_dir)
 
     def close(self) -> None:
         steps.close(self.state)
