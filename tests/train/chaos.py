@@ -80,7 +80,7 @@ class Trial:
 def run_trial(data: Path, out: Path, reference: dict, faults: list, deadline_s: float, timeout: float = 600) -> Trial:
     import torch
 
-    from ndtrain.train.checkpoint import list_checkpoints, verify
+    from ndtrain.train.checkpoint import list_checkpoints, verify_checkpoint
 
     trial = Trial(faults)
     text = ",".join(f"{a}:{r}:{s}:{p}:{d}" for a, r, s, p, d in faults)
@@ -108,7 +108,7 @@ def run_trial(data: Path, out: Path, reference: dict, faults: list, deadline_s: 
         if p in ("save", "publish", "rename") and (len(resumed) <= a or resumed[a] >= s):
             trial.problems.append(f"after a kill while saving step {s}, the restart resumed from {resumed[a:a + 1]}")
     for ckpt in list_checkpoints(out / "checkpoints"):
-        problem = verify(ckpt)
+        problem = verify_checkpoint(ckpt)
         if problem:
             trial.problems.append(f"published checkpoint {ckpt.name} is corrupt: {problem}")
     got = final_weights(out)

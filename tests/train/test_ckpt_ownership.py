@@ -17,7 +17,8 @@ from ndtrain.errors import ConfigError, NdtrainError
 from ndtrain.model.config import ModelConfig
 from ndtrain.train.checkpoint import MARKER, list_checkpoints, model_mismatch, retention, step_name
 from ndtrain.train.checkpoint.resume import choose_checkpoint, finish_abandoning
-from ndtrain.train.rundir import LOCK_NAME, claim
+from ndtrain.train.rundir import claim
+from ndtrain.train.run_files import LOCK_NAME
 
 
 def _fake(root: Path, step: int) -> Path:

@@ -53,17 +53,17 @@ def _copy(bpe_run: Path, tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_the_checkpoint_carries_the_corpus_tokenizer_in_its_manifest(bpe_run):
-    from ndtrain.train.checkpoint import TOKENIZER, list_checkpoints, verify
+    from ndtrain.train.checkpoint import TOKENIZER, list_checkpoints, verify_checkpoint
 
     corpus = json.loads((bpe_run / "corpus" / "manifest.json").read_text())
     for ckpt in list_checkpoints(bpe_run / "run" / "checkpoints"):
         raw = (ckpt / TOKENIZER).read_bytes()
         assert hashlib.sha256(raw).hexdigest() == corpus["tokenizer_sha256"]
         assert json.loads((ckpt / "manifest.json").read_text())["files"][TOKENIZER]["bytes"] == len(raw)
-        assert verify(ckpt) is None
+        assert verify_checkpoint(ckpt) is None
         (ckpt / TOKENIZER).write_bytes(raw[:-1] + b" ")  # the manifest's digest covers it
         try:
-            assert "tokenizer.json" in verify(ckpt)
+            assert "tokenizer.json" in verify_checkpoint(ckpt)
         finally:
             (ckpt / TOKENIZER).write_bytes(raw)
 

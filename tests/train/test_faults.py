@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from chaos import descendants
 
-from ndtrain.train.checkpoint import list_checkpoints, step_name, verify
+from ndtrain.train.checkpoint import list_checkpoints, step_name, verify_checkpoint
 
 
 def _args(corpus: Path, out: Path, steps: int = 400, *more: str) -> list[str]:
@@ -107,7 +107,7 @@ def test_ctrl_c_one_line_130_and_a_second_run_is_refused(corpus_dir, tmp_path, h
     assert len(lines) == 1 and "Traceback" not in err, err
     assert "interrupted at step" in lines[0] and "last checkpoint" in lines[0] and str(out) in lines[0], lines
     for ckpt in list_checkpoints(out / "checkpoints"):
-        assert verify(ckpt) is None
+        assert verify_checkpoint(ckpt) is None
 
 
 @pytest.mark.timeout(400)
@@ -126,7 +126,7 @@ def test_sigterm_saves_one_line_143_and_resume_continues(corpus_dir, tmp_path, h
     assert len(lines) == 1 and "stopped by SIGTERM at step" in lines[0], err
     step = int(lines[0].split("at step ")[1].split(";")[0])
     saved = out / "checkpoints" / step_name(step)
-    assert str(saved) in lines[0] and verify(saved) is None
+    assert str(saved) in lines[0] and verify_checkpoint(saved) is None
     # Continue it, one process: the lock was released and the run picks up at that step.
     again = subprocess.run([sys.executable, "-m", "ndtrain", "train",
                             *_args(corpus_dir, out, step + 1, "--checkpoint.resume=auto")],
@@ -147,7 +147,7 @@ def test_a_killed_rank_is_named_in_one_line(corpus_dir, tmp_path, hang_deadline)
     assert len(lines) == 2, err
     assert "rank 0: rank 1 (pid" in lines[0] and "died" in lines[0], lines
     assert "rank 1 was killed by SIGKILL" in lines[1], lines
-    assert verify(out / "checkpoints" / step_name(2)) is None
+    assert verify_checkpoint(out / "checkpoints" / step_name(2)) is None
 
 
 @pytest.mark.heavy

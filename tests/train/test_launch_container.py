@@ -94,7 +94,7 @@ def test_workers_of_a_pid_1_launcher_train(launcher, corpus_dir, tmp_path, hang_
     out = tmp_path / "run"
     if launcher == "torchrun":
         cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "-m", "ndtrain", "train"]
-    else:  # its workers are told the launcher's pid (rundir.LAUNCHER_ENV): 1 here
+    else:  # its workers are told the launcher's pid (launch_env.LAUNCHER_ENV): 1 here
         cmd = [sys.executable, "-m", "ndtrain", "train", "--nproc", "2"]
     done = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *cmd,
                            *_args(corpus_dir, out, 3)], capture_output=True, text=True, timeout=hang_deadline(200),

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from chaos import descendants
 
-from ndtrain.train.checkpoint import list_checkpoints, step_name, verify
+from ndtrain.train.checkpoint import list_checkpoints, step_name, verify_checkpoint
 
 STOP_AT = 5  # the step at which the job is told to stop (or the first one after it)
 
@@ -90,7 +90,7 @@ def test_two_sigterms_save_once_exit_143_and_resume_exactly(corpus_dir, tmp_path
     published = list_checkpoints(root)
     assert len(published) == 1 and len(left) == 1, left  # nothing half written beside it
     step = int(lines[0].split("at step ")[1].split(";")[0])
-    assert step >= STOP_AT and published[0] == root / step_name(step) and verify(published[0]) is None
+    assert step >= STOP_AT and published[0] == root / step_name(step) and verify_checkpoint(published[0]) is None
 
     # Continue from it for two more steps, and run the same steps uninterrupted: the same world,
     # layout and data order, so resuming is exact only if the checkpoint holds the whole state

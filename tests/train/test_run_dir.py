@@ -17,9 +17,9 @@ import pytest
 from ckpt_helpers import cfg_of, job, tree
 
 from ndtrain.errors import NdtrainError, RunError
-from ndtrain.train.checkpoint import list_checkpoints, read_train_state, step_name, verify
+from ndtrain.train.checkpoint import list_checkpoints, read_train_state, step_name, verify_checkpoint
 from ndtrain.train.checkpoint import manager as checkpoint_mod
-from ndtrain.train.rundir import LOCK_NAME
+from ndtrain.train.run_files import LOCK_NAME
 from ndtrain.train.trainer import train
 
 
@@ -123,7 +123,7 @@ def test_retention_counts_only_checkpoints_that_verify(base_run, parity_base, tm
     bad_files = {p.name: p.read_bytes() for p in bad.iterdir()}
     _run(parity_base, out, 5, resume="auto")
     assert [c.name for c in list_checkpoints(out / "checkpoints")] == [step_name(s) for s in (2, 4, 5)]
-    assert all(verify(c) is None for c in list_checkpoints(out / "checkpoints"))
+    assert all(verify_checkpoint(c) is None for c in list_checkpoints(out / "checkpoints"))
     [aside] = (out / "checkpoints" / "corrupt").iterdir()  # moved aside, never counted, never deleted
     assert aside.name.startswith(step_name(3)) and {p.name: p.read_bytes() for p in aside.iterdir()} == bad_files
 
@@ -136,7 +136,7 @@ def test_corrupt_newest_checkpoint_good_ones_survive(base_run, parity_base, tmp_
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r][-2:] == [4, 5]  # steps 4 and 5 trained again from 3
     assert [c.name for c in list_checkpoints(out / "checkpoints")] == [step_name(s) for s in (3, 4, 5)]
-    assert all(verify(c) is None for c in list_checkpoints(out / "checkpoints"))
+    assert all(verify_checkpoint(c) is None for c in list_checkpoints(out / "checkpoints"))
     assert [p.name.split("-")[0] for p in (out / "checkpoints" / "corrupt").iterdir()] == [step_name(4)]
 
 
@@ -188,7 +188,7 @@ def test_disk_full_one_line_partial_removed_previous_stays(parity_base, tmp_path
     assert "no space left" in msg and str(out / "checkpoints") in msg and "bytes" in msg
     assert f"{out / 'checkpoints' / step_name(2)} is still the newest published checkpoint" in msg
     assert [p.name for p in (out / "checkpoints").iterdir()] == [step_name(2)]  # the partial is gone
-    assert verify(out / "checkpoints" / step_name(2)) is None
+    assert verify_checkpoint(out / "checkpoints" / step_name(2)) is None
 
 
 def _can_mount_tmpfs(path: Path) -> bool:
@@ -219,7 +219,7 @@ def test_disk_full_on_a_real_small_file_system(corpus_dir, tmp_path, hang_deadli
         assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
         assert "no space left" in lines[0] and str(ckpts) in lines[0] and "bytes" in lines[0], lines
         assert sorted(p.name for p in ckpts.iterdir()) == [step_name(2)]
-        assert verify(ckpts / step_name(2)) is None
+        assert verify_checkpoint(ckpts / step_name(2)) is None
     finally:
         subprocess.run(["umount", "-l", str(small)])
 
@@ -277,7 +277,7 @@ def test_each_rank_hashes_what_it_wrote(parity_base, tmp_path, hang_deadline):
     ckpt = root / "checkpoints" / step_name(1)
     manifest = json.loads((ckpt / "manifest.json").read_text())["files"]
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "train_state.json"} <= set(manifest)
-    assert not list(ckpt.glob(".digests-*")) and verify(ckpt) is None
+    assert not list(ckpt.glob(".digests-*")) and verify_checkpoint(ckpt) is None
 
 
 def _save_fsdp(base: dict, root: str, _tag: str) -> None:

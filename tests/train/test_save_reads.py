@@ -29,7 +29,7 @@ def _reads_per_save(parity_base, run: Path, model: dict, async_: bool) -> tuple[
     the bytes read by each of the last three, and the size of one checkpoint."""
     from ckpt_helpers import cfg_of, job
 
-    from ndtrain.train.checkpoint import list_checkpoints, verify
+    from ndtrain.train.checkpoint import list_checkpoints, verify_checkpoint
     from ndtrain.train.trainer import Trainer
 
     cfg = cfg_of(job(parity_base, run, model=model, train={"steps": 10},
@@ -49,7 +49,7 @@ def _reads_per_save(parity_base, run: Path, model: dict, async_: bool) -> tuple[
     trainer.close()
     kept = list_checkpoints(run / "checkpoints")
     assert [c.name for c in kept] == ["step_00000003", "step_00000004"]  # keep_last = 1 plus the confirmed one
-    assert [verify(c) for c in kept] == [None, None]  # the digests taken while writing match the files
+    assert [verify_checkpoint(c) for c in kept] == [None, None]  # the digests taken while writing match the files
     return reads, _checkpoint_bytes(kept[-1])
 
 

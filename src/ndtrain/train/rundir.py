@@ -24,9 +24,8 @@ from pathlib import Path
 
 from ndtrain import launch_env as launch
 from ndtrain.errors import ConfigError, NdtrainError
-from ndtrain.launch_env import LAUNCHER_ENV  # noqa: F401 (the launcher reads it here)
 from ndtrain.paths import check_creatable, component_problem
-from ndtrain.train.run_files import LOCK_NAME, RUN_ENTRIES, RUN_MARKER, check_entries, mark  # noqa: F401 (LOCK_NAME: read here by tests)
+from ndtrain.train.run_files import RUN_ENTRIES, RUN_MARKER, check_entries, mark
 from ndtrain.train.run_lock import RunLock, describe_owner, held_by_launcher
 
 
