@@ -9,7 +9,8 @@ ndtrain asks of them. Torch-free: the command line reads it before torch.
 
     NDTRAIN_RUN_LOCK_PID                                                 the `ndtrain train --nproc` launcher's pid
 
-The last is ndtrain's own launcher's, set for its workers (the run lock's holder). ndtrain's other
+The last is ndtrain's own launcher's, set for its workers (the run lock's holder). One variable is
+set, not read, for torchrun's agent (`store_per_attempt`): TORCH_DISABLE_SHARE_RDZV_TCP_STORE. ndtrain's other
 variables are settings, not the launch, and sit beside what reads them: NDTRAIN_DEBUG (cli.py: a
 traceback instead of the one line), NDTRAIN_HOST_ID (resilience.py: a host's name in the exclusion
 policy), NDTRAIN_JOB_HOOKS (hooks.py) and NDTRAIN_FP8_WARNED (plan_choices.py: a warning said once
@@ -153,3 +154,10 @@ def run_id(environ=None) -> str:
     """torchrun's id of this job ('' when none): the same for every restart attempt."""
     rid = _env(environ).get("TORCHELASTIC_RUN_ID", "")
     return "" if rid == "none" else rid
+
+
+def store_per_attempt() -> None:
+    """A rendezvous store per restart attempt for the workers a torchrun agent in this process
+    starts, unless the user set it: torch 2.13 shares the agent's store with them by default, and
+    a restarted worker that reuses it can be handed a stale address and never join."""
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

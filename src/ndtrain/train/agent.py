@@ -23,13 +23,8 @@ from __future__ import annotations
 import os
 import sys
 
+from ndtrain.launch_env import store_per_attempt
 from ndtrain.train.signals import TORCHRUN_KEEPS, LauncherSignals
-
-
-def store_per_attempt() -> None:
-    """A rendezvous store per restart attempt for the workers torchrun starts from this process,
-    unless the user set it (torch 2.13 shares the agent's store with them by default)."""
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
 def main(argv: list[str]) -> int:

@@ -28,9 +28,7 @@ def launch_local(nproc: int, max_restarts: int, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    from ndtrain.train.agent import store_per_attempt
-
-    store_per_attempt()  # restarted workers must not reuse a store whose address went stale
+    launch.store_per_attempt()  # restarted workers must not reuse a store whose address went stale
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # The agent's own log (closing signals, failure tables) would bury the workers' one line.
     for name in list(logging.root.manager.loggerDict):
