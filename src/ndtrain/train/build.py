@@ -39,7 +39,7 @@ def build(cfg: JobConfig, layout, *, host=None, train_set=None, mesh=None) -> Tr
     loader.start_prefetch(cfg.data.prefetch, pin_memory=rt.device.type == "cuda")
     loader.set_shares(initial_weights(cfg, layout, dp_size), layout.mb, make_split)  # uneven shares, if any
     cp_rank = mesh.coordinate("cp")[0]
-    positions = cp_positions(cfg, layout, cp_rank, rt.device)
+    positions = _rope_positions(cfg, layout, cp_rank, rt.device)
     parts, pipeline = model_parts(cfg, layout, mesh, rt.device, positions, host)
     fsdp = isinstance(parts[0], FSDPModule)
     params = [p for part in parts for p in part.parameters() if p.requires_grad]  # before DiLoCo adds its own
@@ -69,15 +69,15 @@ def open_training_data(cfg: JobConfig):
     return train_set
 
 
-def cp_positions(cfg: JobConfig, layout, cp_rank: int, device) -> torch.Tensor | None:
+def _rope_positions(cfg: JobConfig, layout, cp_rank: int, device) -> torch.Tensor | None:
     """Context parallel: this rank holds a load-balanced share of each sequence, and the model
     (every pipeline stage too) needs those tokens' global positions for RoPE (None = 0..s-1, the
     whole sequence)."""
     if layout.cp == 1:
         return None
-    from ndtrain.parallel.context import cp_positions as positions
+    from ndtrain.parallel.context import cp_positions
 
-    return positions(cfg.data.seq_len, layout.cp, cp_rank, device)
+    return cp_positions(cfg.data.seq_len, layout.cp, cp_rank, device)
 
 
 def model_parts(cfg: JobConfig, layout, mesh, device, positions, host) -> tuple[list, object | None]:
