@@ -47,7 +47,9 @@ def test_defaults_choose_what_was_fastest(precision, chosen, tmp_path, monkeypat
 
 def test_defaults_choose_by_memory_on_a_large_model():
     """Llama 3 8B on 8 H100s, seq 4096: without recompute only ZeRO-3 fits; with full recompute
-    ZeRO-1 fits and, gathering once per step instead of twice, is faster."""
+    ZeRO-1 and ZeRO-2 fit and, gathering once per step instead of twice, are faster. The two move
+    the same bytes (a reduce-scatter of the gradients, one all-gather of the parameters), so the
+    planner prices them at the same step time and either may win."""
     def choose(ac):
         cfg = load_config(None, {"model": {"preset": "llama3-8b"}, "data": {"seq_len": 4096},
                                  "parallel": {"auto_hardware": "h100", "activation_checkpoint": ac},
@@ -56,7 +58,8 @@ def test_defaults_choose_by_memory_on_a_large_model():
         return lay.dp_replicate, lay.dp_shard, lay.zero
 
     assert choose("none") == (1, 8, 3)
-    assert choose("full") == (1, 8, 1)
+    replicate, shard, zero = choose("full")
+    assert (replicate, shard) == (1, 8) and zero in (1, 2)
 
 
 @pytest.mark.parametrize("given", [{"dp_shard": 2}, {"zero": 1}, {"dp_replicate": 2, "dp_shard": 1},
