@@ -9,7 +9,8 @@ import signal
 import pytest
 from ckpt_helpers import assert_bit_identical, cfg_of, job, metrics, weights
 
-from ndtrain.config import global_batch_at, layout_batches, load_config
+from ndtrain.config import layout_batches, load_config
+from ndtrain.train.optim import global_batch_at
 from ndtrain.errors import ConfigError
 from ndtrain.train import step as step_mod
 from ndtrain.train.checkpoint.state import TrainProgress

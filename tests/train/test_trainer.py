@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from ndtrain.config import OptimizerConfig, global_batch_at, load_config
+from ndtrain.config import OptimizerConfig, load_config
+from ndtrain.train.optim import global_batch_at
 from ndtrain.tools.verify import run_steps
 from ndtrain.train.optim import lr_at
 from ndtrain.train.step import split_micro

@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from ndtrain.config.checks import TRACKERS, check_job_config, global_batch_at, layout_batches
+from ndtrain.config.checks import TRACKERS, check_job_config, layout_batches
 from ndtrain.errors import ConfigError, NdtrainError
 from ndtrain.layout.degrees import reshard_default, section_fields
 from ndtrain.model.config import PRESETS, ModelConfig
 
 __all__ = ["DataConfig", "OptimizerConfig", "ParallelConfig", "TrainConfig", "CheckpointConfig", "LoggingConfig",
            "ResilienceConfig", "JobConfig", "SECTIONS", "TRACKERS", "DP_CHOICE_KEYS", "load_config", "check_job_config",
-           "global_batch_at", "layout_batches", "parse_value", "parse_overrides", "to_dict", "to_toml", "from_dict"]
+           "layout_batches", "parse_value", "parse_overrides", "to_dict", "to_toml", "from_dict"]
 
 
 @dataclass

@@ -128,17 +128,6 @@ def _share_checks(p, t) -> list:
     ]
 
 
-def global_batch_at(cfg, tokens_seen: int, decided: list | None = None) -> int:
-    """The global batch (sequences) for the next step; `batch_ramp` raises it by tokens seen
-    (with "auto", by the points `decided` at checkpoint boundaries, which the checkpoint keeps)."""
-    gb = cfg.train.global_batch
-    ramp = (decided or []) if cfg.train.batch_ramp == "auto" else cfg.train.batch_ramp
-    for threshold, batch in sorted(ramp):
-        if tokens_seen >= threshold:
-            gb = batch
-    return gb
-
-
 def auto_batches(train) -> list[int]:
     """The batches `batch_ramp = "auto"` may choose: global_batch doubled up to batch_auto_max."""
     out, b = [], train.global_batch

@@ -28,7 +28,7 @@ def parse_ramp(text: str) -> list[list[int]]:
 
 def segments(budget: float, base_batch: int, ramp: list[list[int]]) -> list[tuple[int, float]]:
     """[(global batch, tokens trained at it)] over a budget of `budget` tokens, in order; the rule
-    is the runtime's (config global_batch_at): the last threshold at or under the tokens seen wins."""
+    is the runtime's (train/optim.py: global_batch_at): the last threshold at or under the tokens seen wins."""
     points = sorted(ramp)
     start_batch = base_batch
     for t, b in points:  # thresholds at 0 replace the base batch from the first step

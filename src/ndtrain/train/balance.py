@@ -25,9 +25,10 @@ import time
 
 import torch
 
-from ndtrain.config import global_batch_at, layout_batches
+from ndtrain.config import layout_batches
 from ndtrain.errors import ConfigError
 from ndtrain.layout.batch_shares import check_shares, make_split, rebalance, share_rows, shares_problem
+from ndtrain.train.optim import global_batch_at
 
 
 def _pool_kinds(text: str) -> list[str]:

@@ -16,8 +16,8 @@ each step's in order when the job loop reads them (train/step.py: read_steps), o
 interval and before every checkpoint save, so the checkpoint's EMAs are current.
 
 A decision changes the batch only at a checkpoint boundary and is recorded as a ramp point
-[tokens_seen, global_batch] in the checkpoint (progress.batch_points), which config
-global_batch_at reads like a fixed ramp: exactly-once data and resume follow from that."""
+[tokens_seen, global_batch] in the checkpoint (progress.batch_points), which
+train/optim.py's global_batch_at reads like a fixed ramp: exactly-once data and resume follow from that."""
 
 from __future__ import annotations
 

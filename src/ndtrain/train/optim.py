@@ -1,7 +1,8 @@
 """AdamW with decoupled weight decay on matrices only; its step (clip, then the update unless
 the step is non-finite: optimizer_step); and warmup + cosine learning rate (and what becomes of
-it when a resumed run is given another length: extend_schedule; and when the batch ramps:
-batch_lr_scale)."""
+it when a resumed run is given another length: extend_schedule); and the batch schedule beside it
+(global_batch_at: train.batch_ramp, and the points batch_ramp = "auto" decided; batch_lr_scale:
+what a larger batch does to the rate)."""
 
 from __future__ import annotations
 
@@ -101,6 +102,17 @@ def extend_schedule(cfg, progress) -> str | None:
             f"step {step + 1} learns at {lr_at(step, opt, now, new):.2e}, where the checkpoint's schedule gave "
             f"{lr_at(step, opt, before, old):.2e} (other choices: {', '.join(m for m in EXTEND if m != mode)}; "
             f"docs/checkpoints.md)")
+
+
+def global_batch_at(cfg, tokens_seen: int, decided: list | None = None) -> int:
+    """The global batch (sequences) for the next step; `batch_ramp` raises it by tokens seen
+    (with "auto", by the points `decided` at checkpoint boundaries, which the checkpoint keeps)."""
+    gb = cfg.train.global_batch
+    ramp = (decided or []) if cfg.train.batch_ramp == "auto" else cfg.train.batch_ramp
+    for threshold, batch in sorted(ramp):
+        if tokens_seen >= threshold:
+            gb = batch
+    return gb
 
 
 # The exponent of (batch / train.global_batch) that scales the learning rate (optimizer.batch_lr_rule):

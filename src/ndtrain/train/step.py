@@ -26,7 +26,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ndtrain.config import global_batch_at
 from ndtrain.data.loader import IGNORE, validation_batches
 from ndtrain.data.mixture import open_dataset
 from ndtrain.data.packing import document_ids, document_positions
@@ -36,7 +35,7 @@ from ndtrain.parallel.data_parallel import accumulation, reshard
 from ndtrain.parallel.grad_norm import all_reduce_sum, all_reduce_tensor, local_grad_sq, reduce_partial_grads
 from ndtrain.train.metrics import reset_peak_memory
 from ndtrain.train.noise_scale import NoiseScale, small_batch, unsupported
-from ndtrain.train.optim import batch_lr_scale, extend_schedule, lr_at, optimizer_step, set_lr
+from ndtrain.train.optim import batch_lr_scale, extend_schedule, global_batch_at, lr_at, optimizer_step, set_lr
 from ndtrain.train.state import TrainState
 
 
