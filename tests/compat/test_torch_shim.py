@@ -88,11 +88,12 @@ def test_a_missing_name_that_has_no_fallback_is_refused(monkeypatch, key, call):
     _one_line_refusal(exc, key)
 
 
-def test_a_missing_op_in_a_stand_in_namespace_is_refused():
-    with pytest.raises(NdtrainError) as exc:
-        compat.aten_op("sdpa_flash", namespace=object())
-    _one_line_refusal(exc, "sdpa_flash")
+def test_a_missing_cuda_attention_op_is_refused(monkeypatch):
     assert compat.aten_op("sdpa_flash") is torch.ops.aten._scaled_dot_product_flash_attention.default
+    _gone(monkeypatch, "sdpa_flash")
+    with pytest.raises(NdtrainError) as exc:
+        compat.aten_op("sdpa_flash")
+    _one_line_refusal(exc, "sdpa_flash")
 
 
 def test_recompute_detection_and_its_refusal(monkeypatch):

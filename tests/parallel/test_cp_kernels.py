@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ndtrain.compat.torch import PRIVATE
 from ndtrain.parallel import block_attention as blocks
 from ndtrain.parallel.block_attention import CPU_FLASH, EFFICIENT, FLASH, PORTABLE, Kernel, pick_kernel
 
@@ -81,7 +82,7 @@ class _Op:
 
 
 class FakeCudaAten:
-    """Stands in for `torch.ops.aten` in block_attention: the four CUDA ops, computed by the CPU
+    """Stands in for block_attention's op lookup (`_op`): the four CUDA ops, computed by the CPU
     kernel, returning what the CUDA ops return and checking what the CUDA kernels assume."""
 
     def __init__(self):
@@ -91,8 +92,11 @@ class FakeCudaAten:
         self._scaled_dot_product_efficient_attention = _Op(self._eff_fwd)
         self._scaled_dot_product_efficient_attention_backward = _Op(self._eff_bwd)
 
-    def __getattr__(self, name):
-        raise AssertionError(f"a CUDA kernel called {name}")  # e.g. the CPU op
+    def op(self, key: str):
+        """block_attention's `_op`: the fake of the op compat.torch names `key`."""
+        name = PRIVATE[key].attr.rsplit(".", 1)[1]
+        assert name in vars(self), f"a CUDA kernel called {name}"  # e.g. the CPU op
+        return vars(self)[name].default
 
     def _flash_fwd(self, q, k, v, dropout_p, is_causal, return_debug_mask, *, scale):
         self.calls.append("flash")
@@ -222,7 +226,7 @@ def test_portable_block_equals_sdpa_autograd(shape, masked):
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_cuda_ops_called_and_normalised(monkeypatch, shape, dtype, kernel, masked):
     fake = FakeCudaAten()
-    monkeypatch.setattr(blocks, "aten", fake)
+    monkeypatch.setattr(blocks, "_op", fake.op)
     _check_block(Kernel(kernel), shape, dtype, "cpu", masked)
     assert fake.calls == [kernel, f"{kernel}_backward"]
 
@@ -250,8 +254,9 @@ def _ring_on_fake_cuda(seq):
     from ndtrain.parallel.ring_attention import CPComm, context_attention
 
     q, k, v, go, doc = _ring_inputs(seq)
-    rank, real, out = dist.get_rank(), blocks.aten, {}
-    blocks.aten = fake = FakeCudaAten()  # a forked rank of its own: nothing else sees this
+    rank, real, out = dist.get_rank(), blocks._op, {}
+    fake = FakeCudaAten()
+    blocks._op = fake.op  # a forked rank of its own: nothing else sees this
     try:
         for name, kernel, docs in (("flash", FLASH, None), ("efficient", EFFICIENT, None), ("masked", EFFICIENT, doc)):
             for mode in ("ring", "allgather"):
@@ -262,7 +267,7 @@ def _ring_on_fake_cuda(seq):
                 out[(name, mode)] = (o.detach(), ql.grad, kl.grad, vl.grad)
         out["calls"] = sorted(set(fake.calls))
     finally:
-        blocks.aten = real
+        blocks._op = real
     return out
 
 

@@ -263,10 +263,9 @@ def present_ops(*names: str) -> set:
     return found
 
 
-def aten_op(key: str, namespace=None):
-    """The default overload of a private op in PRIVATE (the ring attention kernels), looked up in
-    `namespace` (torch.ops.aten, or a test's stand-in for it)."""
-    packet = getattr(namespace, PRIVATE[key].attr.rsplit(".", 1)[1], None) if namespace is not None else find(key)
+def aten_op(key: str):
+    """The default overload of a private op in PRIVATE (the ring attention kernels)."""
+    packet = find(key)
     if packet is None:
         raise NdtrainError(missing(key))
     return packet.default

@@ -38,13 +38,9 @@ import torch
 
 from ndtrain.compat.torch import aten_op
 
-# Resolved at call time through this name, so a test can stand fake CUDA ops in for them.
-aten = torch.ops.aten
-
-
 def _op(key: str):
-    """A private aten kernel (compat.torch names them all), looked up in `aten` as it is now."""
-    return aten_op(key, aten)
+    """A private aten kernel (compat.torch names them all and refuses a missing one in a line)."""
+    return aten_op(key)
 
 
 FLASH, EFFICIENT, CPU_FLASH, PORTABLE = "flash", "efficient", "cpu-flash", "portable"
