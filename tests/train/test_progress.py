@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ndtrain.config import load_config
-from ndtrain.train import metrics
+from ndtrain.train import metrics, run_length
 from ndtrain.train.plan import resolve_plan
 from ndtrain.train.run_length import TimeLeft, budget_choice, budget_steps, duration, start_line
 
@@ -35,9 +35,10 @@ def test_durations_read_as_minutes_and_seconds():
         ["0s", "45s", "1m00s", "2m10s", "59m59s", "1h02m", "0s"]
 
 
-def test_the_time_left_is_the_measured_pace_times_the_steps_left():
+def test_the_time_left_is_the_measured_pace_times_the_steps_left(monkeypatch):
     now = [100.0]
-    left = TimeLeft(10, clock=lambda: now[0])
+    monkeypatch.setattr(run_length, "monotonic", lambda: now[0])
+    left = TimeLeft(10)
     assert left.after(1, 9.0) == 9 * 9.0  # the first step: its own time
     now[0] += 4.0
     assert left.after(2, 3.0) == 8 * 4.0  # then the pace since the first step, pauses included
@@ -46,10 +47,10 @@ def test_the_time_left_is_the_measured_pace_times_the_steps_left():
     assert left.after(10, 3.0) == 0
 
 
-def test_the_step_lines_show_the_count_the_total_and_the_time_left(tmp_path, capsys):
+def test_the_step_lines_show_the_count_the_total_and_the_time_left(tmp_path, capsys, monkeypatch):
     now = [0.0]
+    monkeypatch.setattr(run_length, "monotonic", lambda: now[0])
     log = metrics.MetricsLogger(tmp_path / "run", True, 150, "off")
-    log.time_left = TimeLeft(150, clock=lambda: now[0])
     for step in (1, 2, 40):
         now[0] = {1: 0.0, 2: 2.0, 40: 78.0}[step]
         log.last_print = 0.0  # print every row

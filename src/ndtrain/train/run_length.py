@@ -13,7 +13,7 @@ cached); `train.time_budget_s = 0` trains exactly `train.steps`.
 from __future__ import annotations
 
 import math
-import time
+from time import monotonic
 
 from ndtrain.errors import NdtrainError
 
@@ -89,15 +89,15 @@ def start_line(plan, done: int) -> str:
 class TimeLeft:
     """The time left, from this attempt's measured pace: the seconds since its first logged step
     over the steps since, so validation and checkpoint pauses count too; on the first step, that
-    step's own time. `clock`: seconds, monotonic (tests pass their own)."""
+    step's own time."""
 
-    def __init__(self, total_steps: int, clock=time.monotonic):
-        self.total, self.clock = total_steps, clock
+    def __init__(self, total_steps: int):
+        self.total = total_steps
         self.first: tuple[int, float] | None = None  # (step, time) of the first step logged
 
     def after(self, step: int, step_s: float) -> float:
         """Seconds left after `step` (which took `step_s`)."""
-        now = self.clock()
+        now = monotonic()
         if self.first is None:
             self.first = (step, now)
         first_step, t0 = self.first
