@@ -148,7 +148,7 @@ def test_a_nonfinite_step_is_skipped_on_the_device(corpus_dir):
 def test_rank_all_reports_the_role_that_syncs_most():
     """--rank all's figures are the worst role's by memory; its host syncs are the role's that
     syncs most (a pipeline's last stage reads what a first stage never does)."""
-    from ndtrain.tools.dryrun_syncs import most_syncs, text
+    from ndtrain.tools.dryrun_syncs import most_syncs, sync_lines
 
     def role(rank, syncs):
         return {"rank": rank, "host_syncs": syncs, "host_sync_steps": 2, "host_syncs_per_step": syncs / 2,
@@ -156,4 +156,4 @@ def test_rank_all_reports_the_role_that_syncs_most():
 
     out = most_syncs([role(0, 1), role(4, 3), role(8, 2)])
     assert out == {**{k: v for k, v in role(4, 3).items() if k != "rank"}, "host_syncs_rank": 4}
-    assert "on rank 4, the role that syncs most: 3 (1.50 per step)" in text(out)[0]
+    assert "on rank 4, the role that syncs most: 3 (1.50 per step)" in sync_lines(out)[0]

@@ -6,7 +6,7 @@ workspaces), so both sides count the same things."""
 
 from __future__ import annotations
 
-GiB = 2**30
+from ndtrain.planner.hardware import GiB
 
 # The planner's memory categories (planner/memory.memory_breakdown) under the dry run's names:
 # its logits (kept for the loss's backward) are activations a forward made and holds.
@@ -98,7 +98,7 @@ def text(out: dict) -> str:
     reads = out["host_reads"]
     lines.append(f"  host reads of device values in the step: {len(reads)}")
     lines += [f"    {r}" for r in reads]
-    from ndtrain.tools.dryrun_syncs import text as sync_lines
+    from ndtrain.tools.dryrun_syncs import sync_lines
 
     lines += sync_lines(out)
     if "roles" in out:

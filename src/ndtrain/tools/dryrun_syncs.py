@@ -14,7 +14,7 @@ CPU run in a test), every read counts.
 
 The dry run (`--steps N`) runs what the job loop runs over one logging interval of N steps
 (train.log_interval = N): N real `train_step`s, then the interval's one read of their values
-(step_values.read_steps). The step makes none itself; `host_syncs` is the total: one per interval.
+(train/step.py read_steps). The step makes none itself; `host_syncs` is the total: one per interval.
 Only the first step is measured (memory, FLOPs, operators, traffic); the others are counted."""
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def most_syncs(roles: list[dict]) -> dict:
     return {k: most[k] for k in keys} | {"host_syncs_rank": most["rank"]}
 
 
-def text(out: dict) -> list[str]:
+def sync_lines(out: dict) -> list[str]:
     """The report's lines on host syncs."""
     if "host_syncs" not in out:
         return []
