@@ -93,7 +93,6 @@ def test_windows_are_shifted_slices_of_the_token_stream(data):
     for row, j in enumerate(batch.indices.tolist()):
         window = torch.from_numpy(tokens[j * SEQ : j * SEQ + SEQ + 1].astype(np.int64))
         assert torch.equal(batch.inputs[row], window[:-1]) and torch.equal(batch.targets[row], window[1:])
-    assert torch.equal(batch.sample_ids, batch.global_ids)
 
 
 def test_splits_do_not_overlap(data):

@@ -255,7 +255,7 @@ def test_cuda_stragglers_are_named_by_compute_not_wall_time(monkeypatch, parity_
         guard = recovery.Recovery(
             cfg, None, rt=types.SimpleNamespace(rank=rank, device=CUDA, world_size=1),
             progress=types.SimpleNamespace(step=0, window_at=lambda c: None),
-            loader=types.SimpleNamespace(consumed_samples=0), ckpt=None, logger=None,
+            loader=types.SimpleNamespace(consumed_samples=0, shares=None), ckpt=None, logger=None,
             compute=metrics.compute_modules([model]), layout="one process")
         try:
             guard.before_step()

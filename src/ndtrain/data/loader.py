@@ -198,10 +198,6 @@ class Batch:
     components: torch.Tensor | None = None  # [local_batch] mixture component of each sample
     split: object | None = None  # the step's uneven split, a layout.batch_shares.BatchSplit (None: equal slices)
 
-    @property
-    def sample_ids(self) -> torch.Tensor:
-        return self.global_ids
-
     def pin_memory(self) -> "Batch":
         self.inputs, self.targets = self.inputs.pin_memory(), self.targets.pin_memory()
         return self

@@ -87,10 +87,9 @@ def busy_at_mean_rows(busy, loader, result):
     """A rank's busy time (seconds, or a callable reading them) as if it had trained the mean
     share's rows: with uneven shares a rank given more rows is busy longer by design, and the
     straggler monitor must not name it for that. Unchanged with equal slices."""
-    ids = getattr(result, "sample_ids", None)  # tools and tests hand in results and loaders of their own
-    if getattr(loader, "shares", None) is None or ids is None or not len(ids):
+    if loader.shares is None or not len(result.sample_ids):
         return busy
-    scale = result.extra["global_batch"] / loader.dp_size / len(ids)
+    scale = result.extra["global_batch"] / loader.dp_size / len(result.sample_ids)
     return (lambda: busy() * scale) if callable(busy) else busy * scale
 
 
