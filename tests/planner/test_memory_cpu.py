@@ -10,7 +10,6 @@ import pytest
 from ndtrain.model.config import preset
 from ndtrain.planner.api import predict
 from ndtrain.planner.hardware import this_machine
-from ndtrain.planner.memory import DDP_BUCKETS
 
 FIT = {"alpha": 1e-4, "beta": 1e9}
 LAYOUTS = {"DDP": "dp_replicate={w},dp_shard=1", "ZeRO-1": "dp_shard={w},zero=1", "ZeRO-2": "dp_shard={w},zero=2",
@@ -66,9 +65,16 @@ def test_ranking_of_ddp_and_zero3_matches_measurement(cpu):
             assert tot["ZeRO-3", w, mp, 24] < tot["DDP", w, mp, 24]
 
 
-def test_the_gpu_model_keeps_its_buckets():
+def test_the_gpu_model_holds_one_blocks_reduce_buffer_on_fsdp_and_none_on_ddp():
+    """On a GPU, replication in bf16 runs on FSDP2, which reduces each block's gradients from a
+    buffer of its own; fp32 replication runs on DDP's reducer, whose buckets are the gradients."""
     from ndtrain.planner.hardware import get_hardware
 
     shape = preset("tiny")
-    m = predict(shape, "dp_replicate=2,dp_shard=1", 128, 4, get_hardware("h100"), world=2, precision="bf16").memory
-    assert m["buffers"] == DDP_BUCKETS
+    h100 = get_hardware("h100")
+    bf16 = predict(shape, "dp_replicate=2,dp_shard=1", 128, 4, h100, world=2, precision="bf16").memory
+    fp32 = predict(shape, "dp_replicate=2,dp_shard=1", 128, 4, h100, world=2, precision="fp32").memory
+    from ndtrain.planner.shapes import shape_of
+
+    assert bf16["buffers"] == pytest.approx(shape_of(shape).dense_params_layer * 4)  # reduced in fp32
+    assert fp32["buffers"] == 0

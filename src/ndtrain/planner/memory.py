@@ -32,7 +32,6 @@ from ndtrain.planner.stack import Stack
 # Caching-allocator slack, a share of the allocations that churn every step (activations, logits,
 # buffers); for GPUs the constant `fragmentation` (planner/constants.py, with its range) replaces it.
 FRAGMENTATION = 0.10
-DDP_BUCKETS = 2 * 25e6 * 4  # two 25 MB-element gradient buckets in flight
 
 # CPU ranks (Gloo). Measured per rank with benchmarks/memory_peak.py (peak resident set) and
 # torch.profiler's memory events (live tensor bytes), tiny preset at 8 and 24 layers, world 2
@@ -221,9 +220,14 @@ def memory_breakdown(pb: Problem, lay: Layout, split: Split) -> dict:
         else:  # a fused kernel: bf16 logits and the fp32 softmax kept, an fp32 gradient transient
             kept, transient = elt + 4, 4
         logits = logit_elems * (kept * held + transient) if head else 0.0
-        buckets = DDP_BUCKETS if pb.gpu else gloo_dp_buffers(pb, lay, embed, head, pbytes)
+        layer_psi = sh.dense_params_layer / t + sh.expert_params_layer / lay.ep
+        if not pb.gpu:
+            buckets = gloo_dp_buffers(pb, lay, embed, head, pbytes)
+        elif lay.dp * lay.cp <= 1 or lay.on_ddp_reducer(pb.cfg.is_moe, pb.precision):
+            buckets = 0.0  # DDP's buckets are the gradients (gradient_as_bucket_view); NCCL reduces in place
+        else:
+            buckets = layer_psi * st.grad_reduce_bytes  # FSDP2 reduces a block's gradients from its own buffer
         if zero == 3 and lay.reshards_after_forward:
-            layer_psi = (sh.dense_params_layer / t + sh.expert_params_layer / lay.ep)
             buffers = layer_psi * (2 * pbytes + st.grad_reduce_bytes)  # two gathered layers + one layer's grads
             if pb.gpu and st.root_kept_gathered:
                 # The root group is gathered all step. At the loss's backward (its gradient
