@@ -1,5 +1,6 @@
 """Memory terms the dry run (tools/dryrun) measured on ndtrain's runtime and the planner now
-prices as the runtime holds them (docs/dryrun.md, "The published set")."""
+prices as the runtime holds them (docs/dryrun.md, "How the two sides file the same bytes"; the
+fixes in docs/results/dryrun.md)."""
 
 import pytest
 

@@ -16,9 +16,10 @@ RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 DOC = RESULTS / "benchmarks.md"  # today's figures
 # The pages of measured runs and how near its table a table's `Host:` line must be: after the
 # previous table on today's page (its tables ran on different hosts), anywhere in the table's own
-# section in the history (each run ran on one host). planner-validation.md holds predictions
+# section in the history and in the dry run's figures (each section ran on one host; the dry run's
+# memory and bytes are no host's, its CPU seconds are). planner-validation.md holds predictions
 # against published runs, which ran on no host of ours.
-MEASURED = {"benchmarks.md": "table", "history.md": "section"}
+MEASURED = {"benchmarks.md": "table", "history.md": "section", "dryrun.md": "section"}
 FIRST_SCREEN = 60  # lines a reader sees before scrolling: today's figures must be there
 
 # The line benchmarks/common.py's host_header() prints, as the doc writes it before each table:

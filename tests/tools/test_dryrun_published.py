@@ -1,7 +1,7 @@
-"""The published set (docs/dryrun.md, "The published set"): every row's dry run with the planner
-beside it, each figure of the comparison within the bounds the doc states for it. `make
-test-slow`: each row is a process of its own, under a minute of CPU on the reference host; the
-whole llama3-70b rank (80 layers) is the doc's extra, not run here (its cost is in "Cost").
+"""The published set (docs/dryrun.md, "Against the planner"; its figures in docs/results/dryrun.md):
+every row's dry run with the planner beside it, each figure of the comparison within the bounds the
+doc states for it. `make test-slow`: each row is a process of its own, under a minute of CPU on the
+reference host; the whole llama3-70b rank (80 layers) is the doc's extra, not run here (its cost is in "Cost").
 
 A figure is the dry run over the planner: the peak, FLOPs, each memory category (activations
 with the temporaries beside them: the planner's activations hold the logits and the loss's
@@ -34,7 +34,7 @@ _405B = ("--config", "configs/llama3-70b-64gpu.toml", "--model.preset=llama3-405
          "--parallel.tp=8", "--parallel.pp=8", "--parallel.dp_shard=8", "--model.n_layers=16")
 # At the peak of a pipeline stage (and of the ring's backward) the whole fp32 gradients are still
 # accumulating, the temporaries the step reduce-scatters once: the sharded gradients the planner
-# counts do not exist yet (docs/dryrun.md, the 405b notes).
+# counts do not exist yet (docs/dryrun.md, "A pipeline stage's gradients").
 NOT_YET = {"gradients": None}
 
 # name -> (arguments, layout, bounds that differ from DEFAULT: (low, high), or None: not compared)
