@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from ndtrain.data.loader import (IGNORE, ORDER_KEYED, KeyedPermutation, StatefulLoader, TokenDataset,
-                                 validation_batches, validation_windows)
+from ndtrain.data.loader import IGNORE, StatefulLoader, TokenDataset, validation_batches, validation_windows
+from ndtrain.data.order import ORDER_KEYED, KeyedPermutation
 from ndtrain.errors import NdtrainError
 
 SEQ = 8

@@ -1,4 +1,4 @@
-"""The epoch order is a keyed bijection computed per position (data/loader.py KeyedPermutation):
+"""The epoch order is a keyed bijection computed per position (data/order.py KeyedPermutation):
 a permutation for every n, a pure function of (seed, epoch), memory independent of the corpus
 size; and a loader state written before it (no "order") resumes with the order it started with."""
 
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from ndtrain.data.loader import ORDER_KEYED, ORDER_PERMUTATION, KeyedPermutation, StatefulLoader, TokenDataset
+from ndtrain.data.loader import StatefulLoader, TokenDataset
+from ndtrain.data.order import ORDER_KEYED, ORDER_PERMUTATION, KeyedPermutation
 from ndtrain.errors import NdtrainError
 
 SEQ = 8

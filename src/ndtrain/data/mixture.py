@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ndtrain.data.loader import ORDER_KEYED, Batch, EpochOrders, StatefulLoader, TokenDataset, _check_int, _check_rank
+from ndtrain.data.loader import Batch, StatefulLoader, TokenDataset, _check_rank
+from ndtrain.data.order import ORDER_KEYED, EpochOrders, _check_int
 from ndtrain.data.manifest import fingerprint
 from ndtrain.errors import NdtrainError
 
