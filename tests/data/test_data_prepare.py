@@ -248,6 +248,12 @@ def test_manifest_errors(make_data):
         (lambda m: m["settings"].update(val_fraction="0.1"), r"field 'settings\.val_fraction' must be a number"),
         (lambda m: m.update(default_corpus=0), r"field 'default_corpus' must be true or false"),
         (lambda m: m["parts"][0].update(max_bytes=0), r"field 'parts\[0\]\.max_bytes'"),
+        (lambda m: m["parts"][0].update(train=[1, m["parts"][0]["train"][1]]), r"field 'parts\[0\]\.train' must be a range \[0, b\]"),
+        (lambda m: m["parts"][0]["val"].__setitem__(1, m["num_tokens"] - 1), r"field 'parts\[0\]\.val' must be a range ending at num_tokens"),
+        (lambda m: m["parts"][0].update(val_split=None), r"field 'parts\[0\]\.val_split' must be an object"),
+        (lambda m: m["sources"][0].update(part=1), r"field 'sources\[0\]\.part' must be an integer in \[0, 0\]"),
+        (lambda m: m.update(tokenizer_sha256="ab"), r"field 'tokenizer_sha256' must be a string matching"),
+        (lambda m: m.update(roots=["a", 3]), r"field 'roots\[1\]' must be a string"),
     ]:
         m = json.loads(json.dumps(good))
         edit(m)
@@ -257,6 +263,26 @@ def test_manifest_errors(make_data):
         assert str(info.value).startswith(str(out / "manifest.json")) and "\n" not in str(info.value)
     with pytest.raises(NdtrainError, match="no manifest found"):
         read_manifest(out.parent / "elsewhere")
+    # Keys the reader does not know are neither refused nor dropped: a newer prepare's records still read.
+    (out / "manifest.json").write_text(json.dumps({**good, "later": 1, "shards": [{**good["shards"][0], "later": 2}]}))
+    assert read_manifest(out, check_tokens=False)["shards"][0]["later"] == 2
+
+
+def test_format_1_manifest(tmp_path):
+    """Format 1 reads as one shard and one part; its splits must cover the stream in order."""
+    good = {"format": "ndtrain-tokens", "format_version": 1, "tokenizer": "byte", "vocab_size": 256, "dtype": "uint16",
+            "num_tokens": 40, "splits": {"train": [0, 36], "val": [36, 40]}}
+    (tmp_path / "manifest.json").write_text(json.dumps(good))
+    m = read_manifest(tmp_path, check_tokens=False)
+    assert (m["shards"], m["parts"], m["eos_id"]) == ([{"file": "tokens.bin", "num_tokens": 40}],
+                                                      [{"train": [0, 36], "val": [36, 40]}], None)
+    for splits, match in [({"train": [1, 36], "val": [36, 40]}, r"field 'splits\.train'"),
+                          ({"train": [0, 36], "val": [30, 40]}, r"field 'splits\.val' must be \[36, 40\]"),
+                          ({"train": [0, 36], "val": [36, 41]}, r"field 'splits\.val'"), ({"train": [0, 36]}, r"'splits\.val' is missing")]:
+        (tmp_path / "manifest.json").write_text(json.dumps({**good, "splits": splits}))
+        with pytest.raises(NdtrainError, match=match) as info:
+            read_manifest(tmp_path, check_tokens=False)
+        assert str(info.value).startswith(str(tmp_path / "manifest.json")) and "\n" not in str(info.value)
 
 
 def test_ensure_prepared(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""The manifest that describes a prepared corpus, its field-by-field validation, and its fingerprint.
+"""The manifest that describes a prepared corpus, its validation (pydantic models), and its fingerprint.
 
 A corpus directory holds numbered token shards (`tokens-00000.bin`, ...) and one `manifest.json`.
 The shards concatenated in order are one token stream; prepare appends to it in *parts* (one per
@@ -16,13 +16,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ndtrain.errors import NdtrainError
+from ndtrain.errors import NdtrainError, pydantic_problem
 
 FORMAT = "ndtrain-tokens"
 # Bump when the on-disk layout or the meaning of a field changes; readers refuse other versions
@@ -32,8 +32,7 @@ READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 TOKENS_NAME = "tokens.bin"  # format 1's single token file
 TOKENIZER_NAME = "tokenizer.json"
-SHARD_RE = re.compile(r"tokens-\d{5,}\.bin")  # plain names only: a manifest can never point outside its directory
-_HEX64 = re.compile(r"[0-9a-f]{64}")
+SHARD_RE = r"^tokens-\d{5,}\.bin$"  # plain names only: a manifest can never point outside its directory
 
 
 def shard_name(index: int) -> str:
@@ -65,152 +64,142 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         tmp.unlink(missing_ok=True)
 
 
-# ---- typed field checks ---------------------------------------------------------------------
-class _Fields:
-    """Each check names the file and the field, so a hand-edited or truncated manifest fails
-    with one line that says what to fix."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def fail(self, field: str, what: str, value) -> None:
-        shown = repr(value)
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        raise NdtrainError(f"{self.path}: field '{field}' must be {what}, got {shown}")
-
-    def get(self, obj: dict, key: str, field: str):
-        if key not in obj:
-            raise NdtrainError(f"{self.path}: field '{field}' is missing")
-        return obj[key]
-
-    def int(self, obj: dict, key: str, field: str, lo: int = 0, hi: int | None = None) -> int:
-        v = self.get(obj, key, field)
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-            self.fail(field, f"an integer in [{lo}, {hi if hi is not None else 'inf'}]", v)
-        return v
-
-    def str(self, obj: dict, key: str, field: str, pattern: re.Pattern | None = None, choices=None) -> str:
-        v = self.get(obj, key, field)
-        if not isinstance(v, str) or (pattern is not None and not pattern.fullmatch(v)) or \
-                (choices is not None and v not in choices):
-            what = f"one of {', '.join(choices)}" if choices else (f"a string matching {pattern.pattern}" if pattern else "a string")
-            self.fail(field, what, v)
-        return v
-
-    def number(self, obj: dict, key: str, field: str, lo: float, hi: float) -> float:
-        v = self.get(obj, key, field)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v < hi:
-            self.fail(field, f"a number in [{lo}, {hi})", v)
-        return v
-
-    def bool(self, obj: dict, key: str, field: str) -> bool:
-        v = self.get(obj, key, field)
-        if not isinstance(v, bool):
-            self.fail(field, "true or false", v)
-        return v
-
-    def list(self, obj: dict, key: str, field: str) -> list:
-        v = self.get(obj, key, field)
-        if not isinstance(v, list):
-            self.fail(field, "a list", v)
-        return v
-
-    def dict(self, obj, field: str) -> dict:
-        if not isinstance(obj, dict):
-            self.fail(field, "an object", obj)
-        return obj
-
-    def range(self, obj: dict, key: str, field: str, lo: int, hi: int) -> list[int]:
-        v = self.get(obj, key, field)
-        if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
-                and lo <= v[0] <= v[1] <= hi):
-            self.fail(field, f"a range [a, b] with {lo} <= a <= b <= {hi}", v)
-        return v
+# ---- the fields, checked by pydantic -----------------------------------------------------------
+_Count = Annotated[int, Field(ge=0)]
+_Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+_Range = Annotated[list[_Count], Field(min_length=2, max_length=2)]  # [a, b); the checks across fields place it
+_VocabSize = Annotated[int, Field(ge=1, le=1 << 32)]
 
 
-def _check_v2(m: dict, f: _Fields) -> None:
-    vocab = f.int(m, "vocab_size", "vocab_size", 1, 1 << 32)
-    f.str(m, "tokenizer", "tokenizer")
-    f.str(m, "dtype", "dtype", choices=("uint16", "uint32"))
-    if np.dtype(m["dtype"]) != dtype_for_vocab(vocab):
-        f.fail("dtype", f"{dtype_for_vocab(vocab).name} for vocab_size {vocab}", m["dtype"])
-    f.int(m, "eos_id", "eos_id", 0, vocab - 1)
-    if m.get("tokenizer_sha256") is not None:
-        f.str(m, "tokenizer_sha256", "tokenizer_sha256", _HEX64)
-    f.str(m, "stream_sha256", "stream_sha256", _HEX64)
-    for key in ("num_documents", "num_bytes"):
-        f.int(m, key, key)
-    total = 0
-    for i, s in enumerate(f.list(m, "shards", "shards")):
-        where = f"shards[{i}]"
-        f.dict(s, where)
-        f.str(s, "file", f"{where}.file", SHARD_RE)
-        total += f.int(s, "num_tokens", f"{where}.num_tokens")
-        f.int(s, "num_documents", f"{where}.num_documents")
-        f.str(s, "sha256", f"{where}.sha256", _HEX64)
-    num_tokens = f.int(m, "num_tokens", "num_tokens")
-    if num_tokens != total:
-        f.fail("num_tokens", f"the sum of the shards' num_tokens ({total:,})", num_tokens)
-    end = 0
-    parts = f.list(m, "parts", "parts")
-    if not parts:
-        f.fail("parts", "a non-empty list", parts)
-    for i, p in enumerate(parts):
-        where = f"parts[{i}]"
-        f.dict(p, where)
-        train = f.range(p, "train", f"{where}.train", end, num_tokens)
-        if train[0] != end:
-            f.fail(f"{where}.train", f"a range starting where the previous part ends ({end})", train)
-        val = f.range(p, "val", f"{where}.val", train[1], num_tokens)
-        if val[0] != train[1]:
-            f.fail(f"{where}.val", f"a range starting at train's end ({train[1]})", val)
-        f.str(p, "sha256", f"{where}.sha256", _HEX64)
-        if p.get("max_bytes") is not None:
-            f.int(p, "max_bytes", f"{where}.max_bytes", 1)
-        if "val_split" in p:  # how the val range was drawn (parts prepared before it held the tail)
-            vs = f.dict(p["val_split"], f"{where}.val_split")
-            f.str(vs, "method", f"{where}.val_split.method")
-            for key in ("documents", "drawn_tokens", "tail_tokens"):
-                f.int(vs, key, f"{where}.val_split.{key}")
-        end = val[1]
-    if end != num_tokens:
-        f.fail(f"parts[{len(parts) - 1}].val", f"a range ending at num_tokens ({num_tokens:,})", parts[-1]["val"])
-    for i, s in enumerate(f.list(m, "sources", "sources")):
-        where = f"sources[{i}]"
-        f.dict(s, where)
-        f.str(s, "path", f"{where}.path")
-        for key in ("size", "mtime_ns", "num_documents", "num_bytes", "num_tokens"):
-            f.int(s, key, f"{where}.{key}")
-        f.int(s, "part", f"{where}.part", 0, len(parts) - 1)
-    settings = f.dict(f.get(m, "settings", "settings"), "settings")
-    for key in ("tokenizer", "text_field"):
-        f.str(settings, key, f"settings.{key}")
-    f.int(settings, "vocab_size", "settings.vocab_size", 1)
-    f.number(settings, "val_fraction", "settings.val_fraction", 0.0, 1.0)
-    f.bool(settings, "default_corpus", "settings.default_corpus")
-    f.bool(m, "default_corpus", "default_corpus")
-    for i, r in enumerate(f.list(m, "roots", "roots")):
-        if not isinstance(r, str):
-            f.fail(f"roots[{i}]", "a string", r)
-    f.str(m, "python_version", "python_version")
-    f.dict(f.get(m, "args", "args"), "args")
+class _CrossFieldError(Exception):
+    """(field, what it must be, its value): a rule across fields is broken. Not a ValueError, so
+    pydantic lets it through unwrapped, with the field path that its own errors could not give."""
 
 
-def _check_v1(m: dict, f: _Fields) -> None:
-    """Format 1, normalised in memory to one shard and one part (nothing is written back)."""
-    f.str(m, "tokenizer", "tokenizer")
-    vocab = f.int(m, "vocab_size", "vocab_size", 1, 1 << 32)
-    f.str(m, "dtype", "dtype", choices=("uint16", "uint32"))
-    n = f.int(m, "num_tokens", "num_tokens")
-    splits = f.dict(f.get(m, "splits", "splits"), "splits")
-    train = f.range(splits, "train", "splits.train", 0, n)
-    val = f.range(splits, "val", "splits.val", 0, n)
-    if train[0] != 0 or val[0] != train[1] or val[1] != n:
-        f.fail("splits", "train [0, a] and val [a, num_tokens]", splits)
-    del vocab
-    m["shards"] = [{"file": TOKENS_NAME, "num_tokens": n}]
-    m["parts"] = [{"train": train, "val": val}]
-    m["eos_id"] = None  # documents were joined by a newline: no boundary token
+def _fail(field: str, what: str, value) -> None:
+    raise _CrossFieldError(field, what, value)
+
+
+class _Fields(BaseModel):
+    """Strict: an integer is an int (never a bool, a float or a string), a number is finite. Keys
+    no model names are ignored, and read_manifest returns the file's own dict, so they stay."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class _Shard(_Fields):
+    file: Annotated[str, Field(pattern=SHARD_RE)]
+    num_tokens: _Count
+    num_documents: _Count
+    sha256: _Hex64
+
+
+class _ValSplit(_Fields):
+    method: str
+    documents: _Count
+    drawn_tokens: _Count
+    tail_tokens: _Count
+
+
+class _Part(_Fields):
+    train: _Range
+    val: _Range
+    sha256: _Hex64
+    max_bytes: Annotated[int, Field(ge=1)] | None = None
+    val_split: _ValSplit = None  # how val was drawn; absent (never null) where a part holds its stream's tail
+
+
+class _Source(_Fields):
+    path: str
+    size: _Count
+    mtime_ns: _Count
+    num_documents: _Count
+    num_bytes: _Count
+    num_tokens: _Count
+    part: _Count
+
+
+class _Settings(_Fields):
+    tokenizer: str
+    text_field: str
+    vocab_size: Annotated[int, Field(ge=1)]
+    val_fraction: Annotated[float, Field(ge=0, lt=1)]
+    default_corpus: bool
+
+
+class _V2(_Fields):
+    vocab_size: _VocabSize
+    tokenizer: str
+    dtype: Literal["uint16", "uint32"]
+    eos_id: int
+    tokenizer_sha256: _Hex64 | None = None
+    stream_sha256: _Hex64
+    num_documents: _Count
+    num_bytes: _Count
+    shards: list[_Shard]
+    num_tokens: _Count
+    parts: Annotated[list[_Part], Field(min_length=1)]
+    sources: list[_Source]
+    settings: _Settings
+    default_corpus: bool
+    roots: list[str]
+    python_version: str
+    args: dict
+
+    @model_validator(mode="after")
+    def _one_stream(self):
+        """The shards add up to num_tokens, which the parts cover in order, each a train range
+        then a val range; every source names a part."""
+        vocab, n = self.vocab_size, self.num_tokens
+        if self.dtype != dtype_for_vocab(vocab).name:
+            _fail("dtype", f"{dtype_for_vocab(vocab).name} for vocab_size {vocab}", self.dtype)
+        if not 0 <= self.eos_id < vocab:
+            _fail("eos_id", f"an integer in [0, {vocab - 1}]", self.eos_id)
+        if n != (total := sum(s.num_tokens for s in self.shards)):
+            _fail("num_tokens", f"the sum of the shards' num_tokens ({total:,})", n)
+        end = 0
+        for i, p in enumerate(self.parts):
+            for name, (a, b), start, why in (("train", p.train, end, "where the previous part ends"),
+                                             ("val", p.val, p.train[1], "at train's end")):
+                if a != start or not a <= b <= n:
+                    _fail(f"parts[{i}].{name}", f"a range [{start}, b] starting {why}, with b <= num_tokens ({n:,})", [a, b])
+            end = p.val[1]
+        if end != n:
+            _fail(f"parts[{len(self.parts) - 1}].val", f"a range ending at num_tokens ({n:,})", self.parts[-1].val)
+        for i, s in enumerate(self.sources):
+            if s.part >= len(self.parts):
+                _fail(f"sources[{i}].part", f"an integer in [0, {len(self.parts) - 1}]", s.part)
+        return self
+
+
+class _Splits(_Fields):
+    train: _Range
+    val: _Range
+
+
+class _V1(_Fields):
+    tokenizer: str
+    vocab_size: _VocabSize
+    dtype: Literal["uint16", "uint32"]
+    num_tokens: _Count
+    splits: _Splits
+
+    @model_validator(mode="after")
+    def _one_part(self):
+        (t0, t1), n = self.splits.train, self.num_tokens
+        if t0 != 0 or t1 > n:
+            _fail("splits.train", f"a range [0, a] with a <= num_tokens ({n:,})", self.splits.train)
+        if self.splits.val != [t1, n]:
+            _fail("splits.val", f"[{t1}, {n}], from train's end to num_tokens", self.splits.val)
+        return self
+
+
+def _one_line(path: Path, field: str, what: str | None, value) -> NdtrainError:
+    if what is None:
+        return NdtrainError(f"{path}: field '{field}' is missing")
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return NdtrainError(f"{path}: field '{field}' must be {what}, got {shown}")
 
 
 def read_manifest(data_dir: str | os.PathLike, check_tokens: bool = True) -> dict:
@@ -236,8 +225,16 @@ def read_manifest(data_dir: str | os.PathLike, check_tokens: bool = True) -> dic
             f"{path}: format version {version!r} is not supported "
             f"(this ndtrain reads versions {', '.join(map(str, READABLE_VERSIONS))}); prepare the data again"
         )
-    f = _Fields(path)
-    (_check_v1 if version == 1 else _check_v2)(manifest, f)
+    try:
+        (_V1 if version == 1 else _V2).model_validate(manifest)
+    except ValidationError as exc:
+        raise _one_line(path, *pydantic_problem(exc)) from None
+    except _CrossFieldError as exc:
+        raise _one_line(path, *exc.args) from None
+    if version == 1:  # normalised in memory to one shard and one part (nothing is written back)
+        manifest["shards"] = [{"file": TOKENS_NAME, "num_tokens": manifest["num_tokens"]}]
+        manifest["parts"] = [{"train": manifest["splits"]["train"], "val": manifest["splits"]["val"]}]
+        manifest["eos_id"] = None  # documents were joined by a newline: no boundary token
     if check_tokens:
         check_shards(data_dir, manifest)
     return manifest
