@@ -141,7 +141,7 @@ def test_document_mask_config_rules():
                                  "parallel": {"pp": 2, "dp_shard": 1}, "train": {"global_batch": 8, "micro_batch": 4}})
         pdims.checked_layout(cfg.parallel, 2, cfg.model, cfg.data.seq_len, cfg.train, cfg.data)
     assert err.value.key == "data.document_mask"
-    with pytest.raises(ConfigError, match="data.document_mask.*expected true or false"):
+    with pytest.raises(ConfigError, match="data.document_mask.*must be true or false"):
         load_config(None, {"data": {"document_mask": "yes"}})
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from ndtrain.config.checks import TRACKERS, check_job_config, layout_batches
-from ndtrain.errors import ConfigError, NdtrainError
+from ndtrain.errors import ConfigError, NdtrainError, pydantic_problem
 from ndtrain.layout.degrees import reshard_default, section_fields
 from ndtrain.model.config import PRESETS, ModelConfig
 
@@ -247,10 +247,6 @@ def _validator(cls):
     return TypeAdapter(keys)
 
 
-_EXPECTED = {"bool_type": "expected true or false", "int_type": "expected an integer", "float_type": "expected a number",
-             "string_type": "expected a string", "list_type": "expected a list", "finite_number": "must be a finite number"}
-
-
 def _apply(obj, section: str, values: dict):
     names = {f.name for f in dataclasses.fields(obj)}
     given = {}
@@ -264,12 +260,11 @@ def _apply(obj, section: str, values: dict):
     try:
         checked = _validator(type(obj)).validate_python(given)
     except ValidationError as exc:  # the first error, as one line naming its key
-        err = exc.errors(include_url=False)[0]
-        key, value = f"{section}.{_toml_key(err['loc'][0])}", err["input"]
-        if err["type"] == "literal_error":  # the vocabulary as the layout rules spell it
-            allowed = typing.get_args(typing.get_type_hints(type(obj))[err["loc"][0]])
-            raise ConfigError(key, f"must be one of {', '.join(allowed)}, got {value!r}") from None
-        raise ConfigError(key, f"{_EXPECTED.get(err['type'], err['msg'])}, got {value!r}") from None
+        name, what, value = pydantic_problem(exc)
+        head = name.split("[")[0]
+        if exc.errors()[0]["type"] == "literal_error":  # the vocabulary as the layout rules spell it
+            what = f"one of {', '.join(typing.get_args(typing.get_type_hints(type(obj))[head]))}"
+        raise ConfigError(f"{section}.{_toml_key(head)}{name[len(head):]}", f"must be {what}, got {value!r}") from None
     for key, value in checked.items():
         setattr(obj, key, value)
 
