@@ -24,8 +24,13 @@ def init_fake_group(rank: int, world: int) -> None:
 
 
 def fake_tensor_mode():
-    """Tensors with shapes, dtypes and strides but no data; real tensors met inside become fake."""
-    return require("fake_tensor_mode")(allow_non_fake_inputs=True)
+    """Tensors with shapes, dtypes and strides but no data; real tensors met inside become fake.
+    Its dispatch cache's hits take the cheaper key and output of compat/fake_cache.py."""
+    from ndtrain.compat.fake_cache import quicken
+
+    mode = require("fake_tensor_mode")(allow_non_fake_inputs=True)
+    quicken(mode)
+    return mode
 
 
 def host_read_op():
@@ -41,6 +46,12 @@ def op_watcher(on_op):
     base = require("dispatch_mode")
 
     class OpWatcher(base):
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            # torch wraps a mode's __torch_dispatch__ to keep Dynamo out of it: two more Python
+            # calls on every operator; a dry run compiles nothing.
+            return False
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = on_op(func, args, kwargs or {})
             return _with_result(out) if func.namespace == "c10d" else out

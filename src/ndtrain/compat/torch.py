@@ -150,6 +150,13 @@ PRIVATE: dict[str, Private] = {
                                  ("stage_grad_metas", _PP_UTILS, "_derive_grad_metas"),
                                  ("stage_tensor_meta", _PP_UTILS, "extract_tensor_meta"),
                                  ("stage_inference_mode", _PP_UTILS, "InferenceMode"))},
+    **{key: _p("torch._subclasses.fake_tensor", attr,
+               "the dry run: a cheaper hit in the fake mode's dispatch cache (compat/fake_cache.py)",
+               "fallback: torch's own key and output (the same figures, slower)")
+       for key, attr in (("fake_cache_key_args", "FakeTensorMode._prep_args_for_hash"),
+                         ("fake_cache_output", "FakeTensorMode._output_from_cache_entry"),
+                         ("fake_kernel_invocation", "in_kernel_invocation_manager"),
+                         ("fake_tensor_metadata", "TensorMetadata"))},
     "flex_validate_device": _p("torch.nn.attention.flex_attention", "_validate_device",
                                "tests only: running flex attention's backward on CPU", "the tests that use it fail"),
 }

@@ -157,13 +157,21 @@ class Watch:
         if phase in ("forward", "backward"):
             phase = "backward" if recomputing() else "forward"
             self.phase = phase
-        kinds = _kinds(args, kwargs)
-        if kinds == {"real"}:  # a device mesh's rank tables (real, made before the fake mode)
+        if func is _DEVICE and not self.shadow:
+            t = args[0]
+            if isinstance(t, fake_tensor_class()) and not t.fake_mode.in_kernel_invocation:
+                # A fake tensor's device, asked by torch's C++ on nearly every operator: answered
+                # here as the fake mode would answer it, without a second dispatch down to it.
+                self.ops[phase] += 1
+                return t.fake_device
+        inputs = _tensors(args, kwargs)
+        kinds = _kinds(inputs)
+        if kinds == _REAL:  # a device mesh's rank tables (real, made before the fake mode)
             with real_tensors():
                 return func(*args, **kwargs)
         if self.shadow:  # uncounted; a read there (a stand-in's shard offsets) is no step's
             return self._host_read(func, args, kwargs, False) if func is self._read else func(*args, **kwargs)
-        if "wrapper" in kinds:  # a DTensor's operator: passed on, it comes back here as its shards' own
+        if kinds & _WRAPPER:  # a DTensor's operator: passed on, it comes back here as its shards' own
             return NotImplemented
         self.ops[phase] += 1
         if func is self._read:
@@ -179,7 +187,7 @@ class Watch:
         for t in _tensors(out):
             self._track(t, comm)
         if comm:
-            for t in _tensors((args, kwargs)):
+            for t in inputs:
                 self._track(t, comm)
         return out
 
@@ -243,22 +251,38 @@ def _kind(name: str) -> str:
     return name
 
 
-def _kinds(args, kwargs) -> set[str]:
-    """What the operator's tensors are: fake, real, or a wrapper (DTensor) around others."""
-    fake = fake_tensor_class()
-    return {"fake" if isinstance(t, fake) else "real" if type(t) is torch.Tensor else "wrapper"
-            for t in _tensors((args, kwargs))}
+_DEVICE = torch.ops.prim.device.default
+_FAKE, _REAL, _WRAPPER = 1, 2, 4  # _kinds' bits
 
 
-def _tensors(obj):
+def _kinds(tensors: list) -> int:
+    """What the operator's tensors are, as bits: fake, real, or a wrapper (DTensor) around others."""
+    fake, kinds = fake_tensor_class(), 0
+    for t in tensors:
+        kinds |= _FAKE if isinstance(t, fake) else _REAL if type(t) is torch.Tensor else _WRAPPER
+    return kinds
+
+
+def _tensors(*objs) -> list:
+    """The tensors in these (nested lists, tuples and dicts), in order. A list built in one pass,
+    not a recursive generator: it runs on every operator's arguments and results."""
+    out: list = []
+    for obj in objs:
+        _collect(obj, out)
+    return out
+
+
+def _collect(obj, out: list) -> None:
     if isinstance(obj, torch.Tensor):
-        yield obj
+        out.append(obj)
     elif isinstance(obj, (list, tuple)):
         for x in obj:
-            yield from _tensors(x)
+            if isinstance(x, torch.Tensor):
+                out.append(x)
+            elif isinstance(x, (list, tuple, dict)):
+                _collect(x, out)
     elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors(x)
+        _collect(tuple(obj.values()), out)
 
 
 def _where() -> str:
