@@ -86,7 +86,7 @@ def main() -> int:
         peak_reserved = torch.cuda.max_memory_reserved(dev) / 2**30
     else:
         name, hw, peak_alloc, peak_reserved = "CPU (dry run)", "a100-80", float("nan"), float("nan")
-    pred = predict(cfg.model, f"dp_shard=1,mb={a.micro_batch}", a.seq, a.micro_batch, hw, world=1, precision="bf16")
+    pred = predict(cfg.model, f"dp_shard=1,micro_batch={a.micro_batch}", a.seq, a.micro_batch, hw, world=1, precision="bf16")
     step = statistics.median(times)
     tps = a.seq * a.micro_batch / step
     fpt = flops_per_token(cfg.model, a.seq)

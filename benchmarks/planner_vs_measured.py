@@ -114,8 +114,8 @@ def measure(args, key: str, world: int, par: dict) -> tuple[float, list[float], 
 
 
 def predicted(args, hw, world: int, par: dict):
-    lay = {k: v for k, v in par.items() if k != "pp_schedule"}
-    lay.update(mb=args.micro_batch, schedule=par.get("pp_schedule", "1F1B"), ac="none")
+    lay = {**par, "micro_batch": args.micro_batch, "pp_schedule": par.get("pp_schedule", "1F1B"),
+           "activation_checkpoint": "none"}
     return predict(model_cfg(args), lay, args.seq, args.global_batch, hw, world=world, precision="fp32")
 
 

@@ -120,7 +120,7 @@ def predictions(args, profile: Path) -> dict:
     for key, nproc, par in LAYOUTS:
         hw = this_machine(str(profile if nproc == 2 else one))
         lay = {k: v for k, v in par.items() if not k.startswith(("replicate_sync", "diloco"))}
-        lay.update(mb=args.micro_batch, ac="none")
+        lay.update(micro_batch=args.micro_batch, activation_checkpoint="none")
         pred = predict(cfg, lay, args.seq, args.global_batch, hw, world=2 * nproc, precision="fp32")
         if key.startswith("DiLoCo"):
             pb = make_problem(cfg, args.seq, args.global_batch, 2 * nproc, hw, precision="fp32")

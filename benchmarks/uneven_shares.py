@@ -83,7 +83,7 @@ def predict(cfg, quota: float, rows: list[int]) -> float:
     for rank, n in enumerate(rows):
         mb = -(-n // m)
         pb = make_problem(cfg.model, seq, m * mb * len(rows), len(rows), "this-machine", precision="fp32")
-        t = Evaluator(pb)(Layout(dp_replicate=len(rows), mb=mb)).time
+        t = Evaluator(pb)(Layout(dp_replicate=len(rows), micro_batch=mb)).time
         busy = t["compute"] + t["recompute"] + t["optimizer"]
         times.append(busy / (quota if rank == 1 else 1.0) + t["exposed_comm"])
     return gb * seq / max(times)

@@ -154,7 +154,7 @@ def test_every_layout_key_of_parallel_is_a_config_key_with_the_configs_default()
             assert hasattr(par, key), key
     # The config's layout is a bare Layout but for dp_shard (the rest of the world) and the micro-batch.
     cfg = load_config(None, {})
-    assert from_config(cfg.parallel, cfg.train, cfg.data) == Layout(dp_shard=-1, mb=cfg.train.micro_batch)
+    assert from_config(cfg.parallel, cfg.train, cfg.data) == Layout(dp_shard=-1, micro_batch=cfg.train.micro_batch)
 
 
 @pytest.mark.parametrize("override,message", [
@@ -193,7 +193,7 @@ def test_reshard_after_forward_follows_the_stage_unless_given():
     from ndtrain.layout import problems
     from ndtrain.model.config import preset
 
-    found = problems(parse_layout("dp_shard=2,zero=2,raf=1", 2), preset("debug"), 2)
+    found = problems(parse_layout("dp_shard=2,zero=2,reshard_after_forward=1", 2), preset("debug"), 2)
     assert found and found[0].key == "parallel.reshard_after_forward"
 
 

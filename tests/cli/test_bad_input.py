@@ -479,7 +479,7 @@ CASES = [
          r"dp_shard"),
     Case("verify-tp-heads", lambda w, d: ["verify", "--layouts", "tp=3", f"--data.path={w['corpus']}"],
          r"parallel\.tp"),
-    Case("verify-schedule-unknown", lambda w, d: ["verify", "--layouts", "pp=2,schedule=Nope",
+    Case("verify-schedule-unknown", lambda w, d: ["verify", "--layouts", "pp=2,pp_schedule=Nope",
                                                   f"--data.path={w['corpus']}"], r"Nope"),
     Case("verify-zero-2-with-pp", lambda w, d: ["verify", "--layouts", "dp_shard=2,zero=2,pp=2",
                                                 f"--data.path={w['corpus']}"], r"parallel\.zero"),

@@ -457,7 +457,7 @@ def test_building_a_model_off_cpu_looks_up_no_cpu_only_name(monkeypatch):
             return super().__getitem__(key)
 
     monkeypatch.setattr(compat, "PRIVATE", Recording(PRIVATE))
-    parallelize(build_model(preset("debug"), "meta"), Layout(ac="selective"))
+    parallelize(build_model(preset("debug"), "meta"), Layout(activation_checkpoint="selective"))
     assert not _CPU_ONLY & set(seen)
     parallelize(build_model(preset("debug"), "cpu"), Layout())  # on CPU it is looked up
     assert "onednn_linear" in seen

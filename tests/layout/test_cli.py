@@ -87,11 +87,11 @@ def test_verify_needs_a_layout_and_the_one_syntax(capsys):
 
 @pytest.mark.timeout(300)
 def test_verify_one_layout_per_argument(capsys, corpus_dir):
-    assert cli(["verify", "--layouts", "dp_shard=2", "tp=2,sp=0", "--steps", "2", f"--data.path={corpus_dir}",
+    assert cli(["verify", "--layouts", "dp_shard=2", "tp=2,sequence_parallel=0", "--steps", "2", f"--data.path={corpus_dir}",
                 "--data.seq_len=64", "--train.global_batch=8", "--optimizer.eps=1e-6", "--optimizer.lr=1e-3",
                 "--optimizer.warmup_steps=0"]) == 0
     out = capsys.readouterr().out
-    assert "dp_shard=2 " in out and "tp=2,sp=0" in out and out.count("PASS") == 2
+    assert "dp_shard=2 " in out and "tp=2,sequence_parallel=0" in out and out.count("PASS") == 2
 
 
 def test_ep_alone_takes_that_many_data_parallel_ranks(capsys):

@@ -18,16 +18,18 @@ from ndtrain.model.config import preset, replace
 
 def test_one_syntax_with_aliases_lists_and_one_line_errors():
     assert parse_items("tp=2,pp_schedule=interleaved-1f1b,pp_virtual_stages=2,layers_per_stage=[3,5,5,3]") == \
-        {"tp": 2, "schedule": "Interleaved1F1B", "v": 2, "layers_per_stage": (3, 5, 5, 3)}
-    assert parse_items("sequence_parallel=false,micro_batch=4,raf=0") == {"sp": False, "mb": 4,
-                                                                          "reshard_after_forward": False}
-    for bad, word in (("tp=2,foo=1", "unknown key"), ("tp=two", "not an integer"), ("sp=maybe", "not a boolean"),
-                      ("tp", "bad item"), ("schedule=Zigzag", "unknown pipeline schedule")):
+        {"tp": 2, "pp_schedule": "Interleaved1F1B", "pp_virtual_stages": 2, "layers_per_stage": (3, 5, 5, 3)}
+    # the short forms of the migration table (KEY_ALIASES) still read, as the one name
+    assert parse_items("sp=false,mb=4,raf=0,v=2,schedule=1f1b,ac=full") == {
+        "sequence_parallel": False, "micro_batch": 4, "reshard_after_forward": False, "pp_virtual_stages": 2,
+        "pp_schedule": "1F1B", "activation_checkpoint": "full"}
+    for bad, word in (("tp=2,foo=1", "unknown key"), ("tp=two", "not an integer"), ("sequence_parallel=maybe", "not a boolean"),
+                      ("tp", "bad item"), ("pp_schedule=Zigzag", "unknown pipeline schedule")):
         with pytest.raises(NdtrainError, match=word) as err:
             parse_items(bad)
         assert "\n" not in str(err.value)
-    lay = parse_layout("tp=2,pp=4,schedule=ZBVZeroBubble,zero=1", 64)
-    assert (lay.dp_shard, lay.v, lay.reshard_after_forward) == (8, 2, False)  # the rest, the V's v, ZeRO-1
+    lay = parse_layout("tp=2,pp=4,pp_schedule=ZBVZeroBubble,zero=1", 64)
+    assert (lay.dp_shard, lay.pp_virtual_stages, lay.reshard_after_forward) == (8, 2, False)  # the rest, the V's v, ZeRO-1
     assert parse_layout(lay.text(), 64) == lay  # round trip
 
 
@@ -53,7 +55,7 @@ def test_schedule_registry_is_torchs_rule():
     inter = schedules.get("Interleaved1F1B")
     assert inter.microbatch_problem(4, 2, 6) is None and inter.microbatch_problem(4, 2, 9)
     cfg = replace(preset("debug"), n_layers=8)
-    lay = Layout(pp=4, v=2, schedule="Interleaved1F1B", mb=1)
+    lay = Layout(pp=4, pp_virtual_stages=2, pp_schedule="Interleaved1F1B", micro_batch=1)
     assert problems(lay, cfg, 4, 64, 6) == []  # the planner asks the same question
     assert schedules.get("DualPipeV").microbatch_problem(4, 2, 7)  # needs 2p
     assert schedules.get("1F1B").microbatch_problem(4, 1, 3)  # needs p
@@ -63,9 +65,9 @@ def test_schedule_registry_is_torchs_rule():
 def test_partition_balances_ranks_under_interleaving():
     cfg = preset("llama3-405b")
     for v in (1, 2, 7):
-        lay = Layout(pp=16, v=v, schedule="1F1B" if v == 1 else "Interleaved1F1B")
+        lay = Layout(pp=16, pp_virtual_stages=v, pp_schedule="1F1B" if v == 1 else "Interleaved1F1B")
         counts = pipeline_split(cfg, 8192, lay)
-        per_rank = rank_layer_counts(counts, schedules.get(lay.schedule).stage_ranks(16, v), 16)
+        per_rank = rank_layer_counts(counts, schedules.get(lay.pp_schedule).stage_ranks(16, v), 16)
         # the embedding's and the head's ranks get a layer fewer, as Llama 3 405B was trained
         assert per_rank == [7] + [8] * 14 + [7] and sum(counts) == 126, v
 
@@ -124,3 +126,23 @@ def test_layout_package_imports_no_torch():
     code = ("import sys, ndtrain.layout, ndtrain.layout.flops, ndtrain.layout.timeline; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_one_name_per_key_and_the_short_forms_only_in_the_migration_table():
+    """Each Layout field is spelt as its config key; the short forms older commands used are read
+    through KEY_ALIASES alone (into a real field), and the Layout answers to none of them."""
+    from ndtrain.layout.degrees import FIELDS
+    from ndtrain.layout.syntax import KEY_ALIASES
+    from ndtrain.model.config import preset
+    from ndtrain.planner.api import predict
+
+    assert all(f.key == f.name for f in FIELDS)
+    names = {f.name for f in FIELDS}
+    assert set(KEY_ALIASES.values()) <= names and not set(KEY_ALIASES) & names
+    for short in KEY_ALIASES:
+        assert not hasattr(Layout(), short), short
+    # a layout dict written with the short forms (an older script's) prices as the one-name dict
+    old = {"dp_shard": 1, "pp": 2, "schedule": "1F1B", "mb": 2, "ac": "full"}
+    new = {"dp_shard": 1, "pp": 2, "pp_schedule": "1F1B", "micro_batch": 2, "activation_checkpoint": "full"}
+    a, b = (predict(preset("debug"), d, 64, 8, "h100", world=2) for d in (old, new))
+    assert a.layout == b.layout and a.step_time == b.step_time and a.layout.micro_batch == 2

@@ -43,7 +43,7 @@ def sample_layout(rng: random.Random, pb) -> Layout:
     m = max(1, pb.global_batch // max(dp * mb, 1))
     sched, v = rng.choice(list(_schedules(p, m, sh.layers, None, {})))
     return Layout(dp_replicate=dp // ds, dp_shard=ds, tp=t, cp=c, pp=p, ep=e, zero=z, reshard_after_forward=z == 3,
-                  mb=mb, v=v, ac=rng.choice(PLANNED_AC), sp=t > 1, schedule=sched)
+                  micro_batch=mb, pp_virtual_stages=v, activation_checkpoint=rng.choice(PLANNED_AC), sequence_parallel=t > 1, pp_schedule=sched)
 
 
 def config_check_accepts(name: str, seq: int, batch: int, lay: Layout, world: int) -> bool:

@@ -40,7 +40,7 @@ def test_defaults_choose_what_was_fastest(precision, chosen, tmp_path, monkeypat
     got = "ddp" if (lay.dp_replicate, lay.dp_shard) == (2, 1) else \
         f"zero{lay.zero}" if (lay.dp_replicate, lay.dp_shard) == (1, 2) else str((lay.dp_replicate, lay.dp_shard))
     assert got == chosen, plan.explanation
-    assert lay.mb == 4 and lay.tp == 1 and lay.pp == 1
+    assert lay.micro_batch == 4 and lay.tp == 1 and lay.pp == 1
     assert plan.explanation.startswith("data parallel (defaults)")
     assert cfg.parallel.dp_shard == -1 and cfg.parallel.zero == 3  # chosen in the plan's config, not the caller's
 
@@ -187,7 +187,7 @@ def test_auto_layout_is_buildable(world):
     plan = resolve_plan(cfg, world)
     dims = checked_layout(plan.config.parallel, world, cfg.model, cfg.data.seq_len, plan.config.train)
     assert dims == plan.layout and dims.world == world
-    assert cfg.train.global_batch % (dims.dp * dims.mb) == 0
+    assert cfg.train.global_batch % (dims.dp * dims.micro_batch) == 0
     assert plan.prediction.step_s > 0 and "predicted" in plan.explanation
 
 
@@ -205,7 +205,7 @@ def test_the_whole_choice_reaches_the_runtime():
     plan = resolve_plan(cfg, 64)
     assert from_config(plan.config.parallel, plan.config.train) == lay
     if lay.pp > 1:
-        assert sum(plan.config.parallel.layers_per_stage) == 32 and plan.config.parallel.pp_microbatches == lay.m > 0
+        assert sum(plan.config.parallel.layers_per_stage) == 32 and plan.config.parallel.pp_microbatches == lay.pp_microbatches > 0
     assert plan.layout == lay and plan.prediction.hardware == "h100"
 
 

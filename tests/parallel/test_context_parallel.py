@@ -287,7 +287,7 @@ def test_validation_and_positions_guard(cp_ranks, corpus_dir):
 def test_training_parity_vs_world1(parity_base):
     from ndtrain.tools.verify import verify
 
-    layouts = ["cp=2", "cp=2,cp_attention=allgather,ac=full,ga=2",
+    layouts = ["cp=2", "cp=2,cp_attention=allgather,activation_checkpoint=full,ga=2",
                "cp=2,dp_shard=2", "cp=2,tp=2", "cp=4"]
     _, results = verify(parity_base, layouts, steps=3, tol_loss=TOL, tol_weight=TOL)
     bad = [r for r in results if not r.passed or r.d_grad_norm > TOL]

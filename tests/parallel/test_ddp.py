@@ -1,6 +1,6 @@
 """Plain replication runs on torch's DDP reducer (Layout.on_ddp_reducer), invisibly:
 the same parameter names, gradients all-reduced once per step, and every other layout on FSDP2.
-Its numerics are in the parity matrix (test_parity.py: dp_replicate=2 with ga=2, ac=full, bf16)."""
+Its numerics are in the parity matrix (test_parity.py: dp_replicate=2 with ga=2, activation_checkpoint=full, bf16)."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ def _model(name: str = "debug"):
 
 @pytest.mark.parametrize("degrees,ddp", [
     ({"dp_replicate": 2}, True),
-    ({"dp_replicate": 2, "mp": "bf16"}, False),  # FSDP's bf16 blocks beat DDP under autocast
-    ({"dp_replicate": 2, "mp": "fp8"}, False),  # FSDP's float8 path
-    ({"dp_replicate": 2, "offload": True}, False),  # FSDP's CPU offload policy
+    ({"dp_replicate": 2, "mixed_precision": "bf16"}, False),  # FSDP's bf16 blocks beat DDP under autocast
+    ({"dp_replicate": 2, "mixed_precision": "fp8"}, False),  # FSDP's float8 path
+    ({"dp_replicate": 2, "cpu_offload": True}, False),  # FSDP's CPU offload policy
     ({"dp_replicate": 2, "dp_shard": 2}, False),  # HSDP
     ({"dp_shard": 2}, False),
     ({"dp_replicate": 2, "tp": 2}, False),
-    ({"dp_replicate": 2, "sync": "diloco"}, False),  # FSDP inside each replica
+    ({"dp_replicate": 2, "replicate_sync": "diloco"}, False),  # FSDP inside each replica
 ])
 def test_which_layouts_run_on_ddp(degrees, ddp):
     assert Layout(**degrees).on_ddp_reducer(_model().cfg.is_moe) is ddp

@@ -82,7 +82,7 @@ def collectives(monkeypatch):
 @pytest.mark.parametrize("overlap,momentum", [(0, 0.9), (1, 0.0)])
 def test_every_collective_tensor_is_on_the_model_device(collectives, overlap, momentum):
     par = SimpleNamespace(diloco_outer_lr=0.7, diloco_outer_momentum=momentum)
-    dims = Layout(inner_steps=4, fragments=2, overlap=overlap, outer_dtype="bf16")
+    dims = Layout(diloco_inner_steps=4, diloco_fragments=2, diloco_overlap_steps=overlap, diloco_outer_dtype="bf16")
     model = _Stage().to(DEVICE)
     steps = 5  # fragment 0 (empty here) sends at 2, fragment 1 at 4, and every fragment at the last step
     d = DiLoCo(par, _Mesh(), dims, [model], steps, n_layers=2)

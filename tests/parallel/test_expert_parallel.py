@@ -50,8 +50,8 @@ def test_expert_parallel_parity_aux_loss(parity_base):
 def test_expert_parallel_parity_capacity_and_aux_free(parity_base):
     """Capacity dropping with the aux-loss-free bias (the biases are buffers in the compared
     state): ep=2 with full and selective recompute, ep=4, and ep=2 with tensor parallel (tp=2)."""
-    layouts = ["dp_shard=2,ep=2,ac=full", "dp_shard=4,ep=4", "dp_shard=2,ep=2,tp=2", "dp_shard=2,ep=2,ac=selective",
-               "dp_shard=4,ep=2,tp=1,ac=selective,zero=1"]
+    layouts = ["dp_shard=2,ep=2,activation_checkpoint=full", "dp_shard=4,ep=4", "dp_shard=2,ep=2,tp=2", "dp_shard=2,ep=2,activation_checkpoint=selective",
+               "dp_shard=4,ep=2,tp=1,activation_checkpoint=selective,zero=1"]
     base = _moe_base(parity_base, capacity_factor=1.0, load_balance="aux_free")
     ref, results = verify(base, layouts, steps=3, tol_loss=TOL, tol_weight=TOL)
     _check(results, layouts)

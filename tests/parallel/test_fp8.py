@@ -118,7 +118,7 @@ def test_runtime_converts_exactly_the_rule(name, tp):
 
     cfg = load_config(None, {"model": {"preset": name}, "parallel": {"mixed_precision": "fp8"}})
     model = build_model(cfg.model, "meta")
-    returned = apply_float8(model, Layout(tp=tp, mp="fp8", fp8_recipe=cfg.parallel.fp8_recipe))
+    returned = apply_float8(model, Layout(tp=tp, mixed_precision="fp8", fp8_recipe=cfg.parallel.fp8_recipe))
     swapped = sorted(n for n, m in model.named_modules() if is_float8(m))
     assert swapped == sorted(returned) == sorted(fp8_linears(cfg.model, tp))
     assert "output" not in swapped and swapped
@@ -139,16 +139,16 @@ def test_debug_model_layers_that_qualify():
 # ---- what fp8 refuses --------------------------------------------------------------------------
 
 def test_fp8_refusals_name_their_key():
-    fp8 = Layout(mp="fp8")
+    fp8 = Layout(mixed_precision="fp8")
     assert fp8_problems(fp8, preset("debug"), 64) == []
     odd = preset("debug", dim=40, n_heads=4, n_kv_heads=2, ffn_dim=120)
     assert [k for k, _ in fp8_problems(fp8, odd, 64)] == ["parallel.mixed_precision"]
     assert [k for k, _ in fp8_problems(fp8, preset("debug"), 40)] == ["data.seq_len"]
-    assert [k for k, _ in fp8_problems(Layout(mp="fp8", cp=2), preset("debug"), 48)] == ["data.seq_len"]
+    assert [k for k, _ in fp8_problems(Layout(mixed_precision="fp8", cp=2), preset("debug"), 48)] == ["data.seq_len"]
     # The rules run inside the one validity check, with the key they name.
     from ndtrain.layout import problems
 
-    assert [p.key for p in problems(Layout(mp="fp8", dp_shard=1), odd, 1, 64)] == ["parallel.mixed_precision"]
+    assert [p.key for p in problems(Layout(mixed_precision="fp8", dp_shard=1), odd, 1, 64)] == ["parallel.mixed_precision"]
     with pytest.raises(ConfigError, match="parallel.fp8_recipe"):
         load_config(None, {"parallel": {"mixed_precision": "fp8", "fp8_recipe": "blockwise"}})
     # 48 is a multiple of 16, not of 16 x tp: known without a world, so the config itself is refused.
@@ -261,7 +261,7 @@ def test_fp8_tracks_bf16_under_fsdp(parity_base, curve, hang_deadline):
     from ndtrain.tools.verify import layout_config
 
     base = _base(parity_base, curve)
-    cfgs = [layout_config(base, f"dp_shard=2,mp={mp}") for mp in ("bf16", "fp8")]
+    cfgs = [layout_config(base, f"dp_shard=2,mixed_precision={mp}") for mp in ("bf16", "fp8")]
     (bf16, fp8), kinds = run_ranks(2, _fsdp_probe, cfgs, curve.steps, timeout_s=hang_deadline(120))[0]
     assert kinds == ["WeightWithDynamicFloat8CastTensor"]  # torchao's float8 all-gather weight
     _check_curves(fp8, bf16, "FSDP world 2 tensorwise", curve)

@@ -17,11 +17,11 @@ import pytest
 from ndtrain.tools.verify import verify
 
 FP8_TOL = 2e-2
-WORLD2 = ["dp_shard=2,mp=fp8,fp8_recipe=rowwise", "dp_replicate=2,mp=fp8", "tp=2,mp=fp8,ac=selective",
-          "dp_shard=2,zero=2,mp=fp8,ga=2", "dp_shard=2,mp=fp8,ac=full", "dp_shard=2,offload=true,mp=fp8"]
-WORLD4 = ["tp=4,mp=fp8", "dp_replicate=2,dp_shard=2,mp=fp8", "dp_shard=2,tp=2,sp=0,mp=fp8",
-          "dp_shard=2,cp=2,mp=fp8", "pp=2,dp_shard=2,mp=fp8",
-          "pp=2,dp_shard=2,mp=fp8,schedule=ZBVZeroBubble,v=2,fp8_recipe=rowwise"]
+WORLD2 = ["dp_shard=2,mixed_precision=fp8,fp8_recipe=rowwise", "dp_replicate=2,mixed_precision=fp8", "tp=2,mixed_precision=fp8,activation_checkpoint=selective",
+          "dp_shard=2,zero=2,mixed_precision=fp8,ga=2", "dp_shard=2,mixed_precision=fp8,activation_checkpoint=full", "dp_shard=2,cpu_offload=true,mixed_precision=fp8"]
+WORLD4 = ["tp=4,mixed_precision=fp8", "dp_replicate=2,dp_shard=2,mixed_precision=fp8", "dp_shard=2,tp=2,sequence_parallel=0,mixed_precision=fp8",
+          "dp_shard=2,cp=2,mixed_precision=fp8", "pp=2,dp_shard=2,mixed_precision=fp8",
+          "pp=2,dp_shard=2,mixed_precision=fp8,pp_schedule=ZBVZeroBubble,pp_virtual_stages=2,fp8_recipe=rowwise"]
 
 
 def _check(results, layouts):
@@ -47,10 +47,10 @@ def test_fp8_with_experts_and_compile(parity_base):
     compiled before forking leaves its children waiting on the parent's compile workers)."""
     moe = {k: dict(v) for k, v in parity_base.items()}
     moe["model"] = {"preset": "debug-moe"}
-    layouts = ["dp_shard=2,ep=2,mp=fp8", "dp_shard=2,ep=2,tp=2,mp=fp8"]
+    layouts = ["dp_shard=2,ep=2,mixed_precision=fp8", "dp_shard=2,ep=2,tp=2,mixed_precision=fp8"]
     _, results = verify(moe, layouts, steps=3, tol_loss=FP8_TOL, tol_weight=FP8_TOL)
     _check(results, layouts)
-    layouts = ["dp_shard=2,mp=fp8,compile=true,ac=full"]
+    layouts = ["dp_shard=2,mixed_precision=fp8,compile=true,activation_checkpoint=full"]
     _, results = verify(parity_base, layouts, steps=3, tol_loss=FP8_TOL, tol_weight=FP8_TOL)
     _check(results, layouts)
 
@@ -65,7 +65,7 @@ def test_fp8_tracks_bf16_under_fsdp_x_tp(parity_base, hang_deadline):
     from ndtrain.tools.verify import _run_many, layout_config
 
     base = _base(parity_base, LONG)
-    specs = ["dp_shard=2,tp=2,mp=bf16", "dp_shard=2,tp=2,mp=fp8", "dp_shard=2,tp=2,mp=fp8,fp8_recipe=rowwise"]
+    specs = ["dp_shard=2,tp=2,mixed_precision=bf16", "dp_shard=2,tp=2,mixed_precision=fp8", "dp_shard=2,tp=2,mixed_precision=fp8,fp8_recipe=rowwise"]
     bf16, tensorwise, rowwise = (r["losses"] for r in run_ranks(4, _run_many, [layout_config(base, s) for s in specs],
                                                                  LONG.steps, timeout_s=hang_deadline(120))[0])
     _check_curves(tensorwise, bf16, "FSDP x TP tensorwise", LONG)

@@ -33,7 +33,7 @@ out = []
 for world in (64, 1024):
     for rank in (0, world // 2 + 3):  # a first-stage rank, and one of a middle stage
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-        dims = Layout(pp=4, dp_replicate=4, dp_shard=world // 64, tp=4, sync="diloco")
+        dims = Layout(pp=4, dp_replicate=4, dp_shard=world // 64, tp=4, replicate_sync="diloco")
         mesh = build_mesh(dims, "cpu")
         created[0] = 0
         diloco = DiLoCo(par, mesh, dims, [], 100, 4)

@@ -11,19 +11,19 @@ from ndtrain.tools.verify import verify
 FP32_TOL = 1e-5  # fp32, 3 AdamW steps: reduction order only; derived in conftest's parity_base docstring
 BF16_TOL = 1e-2  # bf16 parameters carry ~3 significant digits; 3 steps stay well inside 1e-2
 
-WORLD2 = ["dp_replicate=2", "dp_shard=2", "tp=2", "tp=2,sp=0"]
-WORLD4 = ["dp_shard=4", "dp_replicate=2,dp_shard=2", "tp=4", "dp_shard=2,tp=2", "dp_shard=2,tp=2,sp=0"]
-VARIANTS = ["", ",ga=2", ",ac=full"]
+WORLD2 = ["dp_replicate=2", "dp_shard=2", "tp=2", "tp=2,sequence_parallel=0"]
+WORLD4 = ["dp_shard=4", "dp_replicate=2,dp_shard=2", "tp=4", "dp_shard=2,tp=2", "dp_shard=2,tp=2,sequence_parallel=0"]
+VARIANTS = ["", ",ga=2", ",activation_checkpoint=full"]
 # ZeRO stages in the paper's sense (the trainer's accumulation differs per stage, so ga=2 too):
 # 1 optimizer state sharded, 2 also gradients, 3 also parameters (and 3 keeping them gathered).
 ZERO2 = ["dp_shard=2,zero=1", "dp_shard=2,zero=1,ga=2", "dp_shard=2,zero=2", "dp_shard=2,zero=2,ga=2",
          "dp_shard=2,zero=3,reshard_after_forward=0,ga=2"]
 ZERO4 = ["dp_replicate=2,dp_shard=2,zero=1,ga=2", "dp_shard=2,tp=2,zero=1", "dp_shard=2,cp=2,zero=2,ga=2",
          "cp=2,zero=1"]
-EXTRA2 = ["dp_shard=2,offload=true", "tp=2,ac=selective", "dp_shard=2,ac=every_n,ga=2"]
-EXTRA4 = ["dp_shard=2,tp=2,zero=2,ac=selective", "dp_replicate=2,tp=2,sp=0,ga=2"]
-BF16 = ["mp=bf16", "dp_shard=2,mp=bf16", "dp_replicate=2,mp=bf16,ga=2", "dp_shard=2,tp=2,mp=bf16", "dp_shard=2,zero=1,mp=bf16,ga=2",
-        "dp_shard=2,zero=2,mp=bf16"]
+EXTRA2 = ["dp_shard=2,cpu_offload=true", "tp=2,activation_checkpoint=selective", "dp_shard=2,activation_checkpoint=every_n,ga=2"]
+EXTRA4 = ["dp_shard=2,tp=2,zero=2,activation_checkpoint=selective", "dp_replicate=2,tp=2,sequence_parallel=0,ga=2"]
+BF16 = ["mixed_precision=bf16", "dp_shard=2,mixed_precision=bf16", "dp_replicate=2,mixed_precision=bf16,ga=2", "dp_shard=2,tp=2,mixed_precision=bf16", "dp_shard=2,zero=1,mixed_precision=bf16,ga=2",
+        "dp_shard=2,zero=2,mixed_precision=bf16"]
 
 
 def _check(results, tol):
@@ -36,7 +36,7 @@ ALL_FP32 = [base + v for base in WORLD2 + WORLD4 for v in VARIANTS] + ZERO2 + ZE
 # The default suite's share of the matrix: every base layout once, accumulation and full
 # recomputation on one base each, every ZeRO stage at world 2, and each mechanism of the world-4
 # rows once. The rest (the same mechanisms on the other bases) runs under `make test-heavy` and in CI.
-DEFAULT_FP32 = (WORLD2 + WORLD4 + ["dp_shard=2,ga=2", "dp_shard=2,tp=2,ac=full"] + ZERO2
+DEFAULT_FP32 = (WORLD2 + WORLD4 + ["dp_shard=2,ga=2", "dp_shard=2,tp=2,activation_checkpoint=full"] + ZERO2
                 + ["dp_shard=2,tp=2,zero=1", "dp_shard=2,cp=2,zero=2,ga=2"] + EXTRA2 + EXTRA4[:1])
 
 
@@ -72,7 +72,7 @@ def test_clipping_active_layouts_agree(parity_base):
     base = {k: dict(v) for k, v in parity_base.items()}
     base["optimizer"]["grad_clip"] = 0.05
     base["optimizer"]["eps"] = 1e-3  # large eps: the update scales with the clipped gradient
-    _, results = verify(base, ["dp_shard=2,tp=2,sp=0", "tp=2"], steps=3, tol_loss=FP32_TOL, tol_weight=FP32_TOL)
+    _, results = verify(base, ["dp_shard=2,tp=2,sequence_parallel=0", "tp=2"], steps=3, tol_loss=FP32_TOL, tol_weight=FP32_TOL)
     _check(results, FP32_TOL)
 
 
@@ -89,7 +89,7 @@ def test_bf16_mixed_precision(parity_base):
 def test_compiled_blocks_match_eager(parity_base):
     """torch.compile per block (cold compiles take tens of seconds on 2 cores: slow suite), also
     under DDP, what the defaults choose for small models on few ranks."""
-    _, results = verify(parity_base, ["compile=true", "dp_shard=2,compile=true,ac=full",
+    _, results = verify(parity_base, ["compile=true", "dp_shard=2,compile=true,activation_checkpoint=full",
                                       "dp_replicate=2,dp_shard=1,compile=true"], steps=3,
                         tol_loss=FP32_TOL, tol_weight=FP32_TOL)
     _check(results, FP32_TOL)

@@ -10,25 +10,25 @@ from ndtrain.tools.verify import verify
 
 TOL = 1e-5  # fp32, 3 AdamW steps: reduction order only; derived in conftest's parity_base docstring
 
-WORLD2 = ["pp=2,schedule=GPipe", "pp=2,schedule=1F1B", "pp=2,schedule=1F1B,ga=4,ac=full",
-          "pp=2,v=2,schedule=Interleaved1F1B", "pp=2,v=2,schedule=InterleavedZeroBubble",
-          "pp=2,v=2,schedule=ZBVZeroBubble,ac=full", "pp=2,v=2,schedule=DualPipeV",
-          "pp=2,v=2,schedule=ZBVZeroBubble,pp_microbatches=8"]
-WORLD4 = ["pp=4,schedule=GPipe", "pp=4,schedule=1F1B", "pp=4,schedule=1F1B,pp_split=llama3",
-          "pp=4,v=2,schedule=Interleaved1F1B", "pp=4,v=2,schedule=Interleaved1F1B,ga=2",
-          "pp=4,v=2,schedule=InterleavedZeroBubble", "pp=4,v=2,schedule=ZBVZeroBubble",
-          "pp=4,v=2,schedule=DualPipeV",
-          "pp=2,dp_shard=2", "pp=2,dp_replicate=2", "pp=2,tp=2", "pp=2,tp=2,sp=0,ac=full",
-          "pp=2,v=2,dp_shard=2,schedule=ZBVZeroBubble", "pp=2,v=2,tp=2,schedule=Interleaved1F1B,ga=4"]
+WORLD2 = ["pp=2,pp_schedule=GPipe", "pp=2,pp_schedule=1F1B", "pp=2,pp_schedule=1F1B,ga=4,activation_checkpoint=full",
+          "pp=2,pp_virtual_stages=2,pp_schedule=Interleaved1F1B", "pp=2,pp_virtual_stages=2,pp_schedule=InterleavedZeroBubble",
+          "pp=2,pp_virtual_stages=2,pp_schedule=ZBVZeroBubble,activation_checkpoint=full", "pp=2,pp_virtual_stages=2,pp_schedule=DualPipeV",
+          "pp=2,pp_virtual_stages=2,pp_schedule=ZBVZeroBubble,pp_microbatches=8"]
+WORLD4 = ["pp=4,pp_schedule=GPipe", "pp=4,pp_schedule=1F1B", "pp=4,pp_schedule=1F1B,pp_split=llama3",
+          "pp=4,pp_virtual_stages=2,pp_schedule=Interleaved1F1B", "pp=4,pp_virtual_stages=2,pp_schedule=Interleaved1F1B,ga=2",
+          "pp=4,pp_virtual_stages=2,pp_schedule=InterleavedZeroBubble", "pp=4,pp_virtual_stages=2,pp_schedule=ZBVZeroBubble",
+          "pp=4,pp_virtual_stages=2,pp_schedule=DualPipeV",
+          "pp=2,dp_shard=2", "pp=2,dp_replicate=2", "pp=2,tp=2", "pp=2,tp=2,sequence_parallel=0,activation_checkpoint=full",
+          "pp=2,pp_virtual_stages=2,dp_shard=2,pp_schedule=ZBVZeroBubble", "pp=2,pp_virtual_stages=2,tp=2,pp_schedule=Interleaved1F1B,ga=4"]
 # Context parallel inside a pipeline (every stage gets the cp shard's global positions for RoPE)
 # and the ZeRO stages a pipeline runs (it reduces gradients once per step: 1 and 3).
-CP_ZERO4 = ["pp=2,cp=2", "pp=2,cp=2,v=2,schedule=ZBVZeroBubble", "pp=2,cp=2,v=2,schedule=Interleaved1F1B,ga=4",
+CP_ZERO4 = ["pp=2,cp=2", "pp=2,cp=2,pp_virtual_stages=2,pp_schedule=ZBVZeroBubble", "pp=2,cp=2,pp_virtual_stages=2,pp_schedule=Interleaved1F1B,ga=4",
             "pp=2,dp_shard=2,zero=1", "pp=2,dp_shard=2,zero=3,reshard_after_forward=0",
-            "pp=2,v=2,dp_shard=2,zero=1,schedule=DualPipeV"]
+            "pp=2,pp_virtual_stages=2,dp_shard=2,zero=1,pp_schedule=DualPipeV"]
 # Tied embeddings: the first and last stage each hold the weight, their gradients are summed.
-TIED2 = ["pp=2", "pp=2,v=2,schedule=ZBVZeroBubble"]
-TIED4 = ["pp=4", "pp=4,v=2,schedule=DualPipeV", "pp=2,tp=2", "pp=2,dp_shard=2,zero=1"]
-WORLD8 = ["pp=2,dp_shard=2,tp=2", "pp=2,v=2,dp_shard=2,tp=2,schedule=Interleaved1F1B"]
+TIED2 = ["pp=2", "pp=2,pp_virtual_stages=2,pp_schedule=ZBVZeroBubble"]
+TIED4 = ["pp=4", "pp=4,pp_virtual_stages=2,pp_schedule=DualPipeV", "pp=2,tp=2", "pp=2,dp_shard=2,zero=1"]
+WORLD8 = ["pp=2,dp_shard=2,tp=2", "pp=2,pp_virtual_stages=2,dp_shard=2,tp=2,pp_schedule=Interleaved1F1B"]
 
 
 def _base(parity_base, clip: bool = False) -> dict:
@@ -68,8 +68,8 @@ def test_pp_with_moe_expert_parallel_aux_free(parity_base):
     forward on a schedule's first step must not count as training tokens."""
     base = {k: dict(v) for k, v in parity_base.items()}
     base["model"] = {"preset": "debug-moe", "load_balance": "aux_free"}
-    layouts = ["pp=2,dp_shard=2,ep=2", "pp=2,v=2,dp_shard=2,ep=2,schedule=ZBVZeroBubble",
-               "pp=2,cp=2,ep=2", "pp=2,v=2,cp=2,ep=2,zero=1,schedule=DualPipeV"]  # pp x cp x ep, as plans propose
+    layouts = ["pp=2,dp_shard=2,ep=2", "pp=2,pp_virtual_stages=2,dp_shard=2,ep=2,pp_schedule=ZBVZeroBubble",
+               "pp=2,cp=2,ep=2", "pp=2,pp_virtual_stages=2,cp=2,ep=2,zero=1,pp_schedule=DualPipeV"]  # pp x cp x ep, as plans propose
     _, results = verify(base, layouts, steps=3, tol_loss=TOL, tol_weight=TOL)
     _check(results, layouts)
 

@@ -214,7 +214,7 @@ def test_verify_layouts_default_to_a_runnable_microbatch_count(parity_base):
     from ndtrain.tools.verify import layout_config
 
     parity_base = {**parity_base, "model": {"preset": "debug", "n_layers": 8}}
-    cases = {"pp=2,schedule=1F1B": 4, "pp=4,v=2,schedule=DualPipeV": 1, "pp=2,dp_shard=2,tp=2": 2,
+    cases = {"pp=2,pp_schedule=1F1B": 4, "pp=4,pp_virtual_stages=2,pp_schedule=DualPipeV": 1, "pp=2,dp_shard=2,tp=2": 2,
              "pp=2,ga=4": 2, "dp_shard=2": 4}
     for spec, micro in cases.items():
         assert layout_config(parity_base, spec).train.micro_batch == micro, spec

@@ -226,7 +226,7 @@ def _tp_rank(tokens):
         cfg = load_config(None, {"model": {"preset": "debug"}, "data": {"seq_len": tokens.shape[1]},
                                  "parallel": {"dp_shard": 1, "tp": 2, "activation_checkpoint": ac}})
         dims = pdims.checked_layout(cfg.parallel, 2, cfg.model, tokens.shape[1], data=cfg.data)
-        assert dims.sp
+        assert dims.sequence_parallel
         model = materialize(parallelize(build_model(cfg.model, "meta"), dims, pdims.build_mesh(dims, "cpu")), 0, "cpu")
         loss = model(tokens).float().square().mean()
         with _CountOps() as counter:

@@ -171,19 +171,19 @@ def test_planner_prices_compile_for_tp_where_the_runtime_allows_it():
     from ndtrain.planner.problem import make_problem
 
     pb = make_problem(preset("llama3-8b"), 4096, 64, 8, "h200", precision="bf16")
-    d = compile_choice(pb, parse_layout("tp=8,dp_shard=1,mb=1", 8), 10**6)
+    d = compile_choice(pb, parse_layout("tp=8,dp_shard=1,micro_batch=1", 8), 10**6)
     assert d is not None and d["compiled_step_s"] < d["eager_step_s"] and d["compile"]
-    assert compile_choice(pb, parse_layout("tp=8,dp_shard=1,mb=1,ac=selective", 8), 10**6) is not None
-    assert compile_choice(pb, parse_layout("tp=8,dp_shard=1,mb=1,ac=full", 8), 10**6) is not None  # torchtitan's 70B
+    assert compile_choice(pb, parse_layout("tp=8,dp_shard=1,micro_batch=1,activation_checkpoint=selective", 8), 10**6) is not None
+    assert compile_choice(pb, parse_layout("tp=8,dp_shard=1,micro_batch=1,activation_checkpoint=full", 8), 10**6) is not None  # torchtitan's 70B
     moe = make_problem(preset("mixtral-8x7b"), 4096, 64, 8, "h200", precision="bf16")
-    assert compile_choice(moe, parse_layout("tp=8,dp_shard=1,mb=1", 8), 10**6) is not None  # MoE blocks compile too
+    assert compile_choice(moe, parse_layout("tp=8,dp_shard=1,micro_batch=1", 8), 10**6) is not None  # MoE blocks compile too
 
 
 # ---- inductor, through the trainer ------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("layout", ["tp=2,compile=true", "tp=2,sp=0,compile=true,ac=selective",
-                                    "dp_shard=2,tp=2,compile=true", "tp=2,compile=true,ac=full"])
+@pytest.mark.parametrize("layout", ["tp=2,compile=true", "tp=2,sequence_parallel=0,compile=true,activation_checkpoint=selective",
+                                    "dp_shard=2,tp=2,compile=true", "tp=2,compile=true,activation_checkpoint=full"])
 def test_inductor_compiled_tp_matches_eager_tp(parity_base, layout):
     """3 AdamW steps of the debug model, compiled (inductor) and eager in the same layout, each
     against one process. One launch per layout: compiled blocks are cold-compiled per process

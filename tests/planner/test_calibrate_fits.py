@@ -51,9 +51,9 @@ def test_fp32_replication_is_priced_on_the_ddp_reducer_bf16_on_fsdp():
     grads = {}
     for mp in ("fp32", "bf16"):
         pb = make_problem(preset("debug"), 256, 8, 2, hw, precision=mp)
-        lay = Layout(dp_replicate=2, mb=4)  # the problem holds the precision
+        lay = Layout(dp_replicate=2, micro_batch=4)  # the problem holds the precision
         grads[mp] = dp_comm(pb, lay, pb.shape.layers)[2]
-    assert Layout(dp_replicate=2).on_ddp_reducer() and not Layout(dp_replicate=2, mp="bf16").on_ddp_reducer()
+    assert Layout(dp_replicate=2).on_ddp_reducer() and not Layout(dp_replicate=2, mixed_precision="bf16").on_ddp_reducer()
     assert not Layout(dp_replicate=2).on_ddp_reducer(moe=True)
     # bf16 reduces fp32 gradients too (FSDP's reduce dtype): same bytes, the blocking fit costs more
     assert grads["fp32"] * 5 < grads["bf16"]
@@ -99,7 +99,7 @@ def test_bf16_layers_get_their_own_gemm_efficiency():
     hw = from_profile({**prof, "mm_eff": eff["fp32"], "mm_eff_bf16": eff["bf16"]})
     for precision, measured in (("fp32", 25e-3), ("bf16", 18e-3)):
         pb = make_problem(_config(4, dim), seq, BATCH, 1, hw, precision=precision)
-        assert layer_costs(pb, Layout(dp_shard=1, mb=BATCH))["compute"] == pytest.approx(measured, rel=1e-6)
+        assert layer_costs(pb, Layout(dp_shard=1, micro_batch=BATCH))["compute"] == pytest.approx(measured, rel=1e-6)
     # A profile from before the bf16 layer was timed: one efficiency for both
     old = from_profile({**prof, "mm_eff": eff["fp32"]})
     assert old.cpu_mm_eff("bf16") == old.cpu_mm_eff("fp32") == eff["fp32"]

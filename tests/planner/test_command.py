@@ -21,7 +21,7 @@ def test_plan_text_with_explain(capsys):
 def test_plan_json_and_single_layout(capsys):
     assert cli(["plan", "--model-shape", "layers=24,hidden=2304,heads=24,mlp=gelu,vocab=51200", "--gpus", "32",
                 "--gpu", "a100-80", "--seq", "2048", "--global-batch", "512", "--json", "--relaxed",
-                "--layout", "dp_replicate=32,mb=4,ac=full"]) == 0
+                "--layout", "dp_replicate=32,micro_batch=4,activation_checkpoint=full"]) == 0
     out = json.loads(capsys.readouterr().out)
     lay = out["layouts"][0]
     for key in ("memory_gib", "time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "hfu", "days", "energy_mwh"):
@@ -109,10 +109,10 @@ def test_plan_says_whether_the_token_budget_repays_a_compile(capsys, monkeypatch
     catalog's compile time, the fused-elementwise saving), a layout whose compiled blocks the
     runtime refuses says so; an uncalibrated CPU gets no line."""
     base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--seq", "8192",
-            "--global-batch-tokens", "1M", "--top", "1", "--layout", "dp_shard=8,mb=1,ac=selective"]
+            "--global-batch-tokens", "1M", "--top", "1", "--layout", "dp_shard=8,micro_batch=1,activation_checkpoint=selective"]
     assert cli([*base, "--tokens", "15T"]) == 0
     assert "torch.compile on:" in capsys.readouterr().out
-    zero_bubble = [*base[:-1], "dp_shard=4,pp=2,schedule=InterleavedZeroBubble,v=2,mb=1,ac=none"]
+    zero_bubble = [*base[:-1], "dp_shard=4,pp=2,pp_schedule=InterleavedZeroBubble,pp_virtual_stages=2,micro_batch=1,activation_checkpoint=none"]
     assert cli([*zero_bubble, "--tokens", "15T"]) == 0
     assert "torch.compile off: InterleavedZeroBubble runs the backward in separate input and weight passes" \
         in capsys.readouterr().out

@@ -25,7 +25,7 @@ def peers_problem(profile: dict, precision: str = "fp32"):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_cpu_rule_weighs_the_compile_against_the_run(precision):
     pb = peers_problem(CALIBRATED, precision)
-    lay = parse_layout("dp_replicate=2,dp_shard=1,mb=4", 2)
+    lay = parse_layout("dp_replicate=2,dp_shard=1,micro_batch=4", 2)
     d = compile_choice(pb, lay, 10)
     saved = d["eager_step_s"] - d["compiled_step_s"]
     # The blocks save the measured fraction of their own time; embedding, head, loss, the
@@ -40,7 +40,7 @@ def test_cpu_rule_weighs_the_compile_against_the_run(precision):
 
 
 def test_a_measured_compile_time_and_saving_replace_the_defaults():
-    lay = parse_layout("dp_replicate=2,dp_shard=1,mb=4", 2)
+    lay = parse_layout("dp_replicate=2,dp_shard=1,micro_batch=4", 2)
     slow = compile_choice(peers_problem({**CALIBRATED, "compile_s": 36.0}), lay, 1)
     base = compile_choice(peers_problem(CALIBRATED), lay, 1)
     assert slow["compile_s"] == 36.0 and slow["breakeven_steps"] in (2 * base["breakeven_steps"] - 1,
@@ -50,14 +50,14 @@ def test_a_measured_compile_time_and_saving_replace_the_defaults():
 
 
 def test_what_cannot_be_priced_gets_no_decision():
-    lay = parse_layout("dp_replicate=2,dp_shard=1,mb=4", 2)
+    lay = parse_layout("dp_replicate=2,dp_shard=1,micro_batch=4", 2)
     assert compile_choice(peers_problem({}), lay, 10**6) is None  # uncalibrated CPU: no compile time known
     pb = peers_problem(CALIBRATED)
     # fully checkpointed TP blocks compile (parallel/compose.py checkpoints the compiled block)
-    assert compile_choice(pb, parse_layout("tp=2,dp_shard=1,mb=4,ac=full", 2), 10**6) is not None
-    assert compile_choice(pb, parse_layout("dp_replicate=2,dp_shard=1,mb=4,ac=every_n", 2), 10**6) is None
+    assert compile_choice(pb, parse_layout("tp=2,dp_shard=1,micro_batch=4,activation_checkpoint=full", 2), 10**6) is not None
+    assert compile_choice(pb, parse_layout("dp_replicate=2,dp_shard=1,micro_batch=4,activation_checkpoint=every_n", 2), 10**6) is None
     # a schedule whose compiled blocks the runtime refuses: off, and why (not "cannot be priced")
-    split_bwd = parse_layout("pp=2,dp_shard=1,mb=1,schedule=ZBVZeroBubble,v=2", 2)
+    split_bwd = parse_layout("pp=2,dp_shard=1,micro_batch=1,pp_schedule=ZBVZeroBubble,pp_virtual_stages=2", 2)
     d = compile_choice(pb, split_bwd, 10**6)
     assert d["compile"] is False and d["breakeven_steps"] is None and d["compiled_step_s"] == d["eager_step_s"]
     assert d["description"].startswith("torch.compile off: ZBVZeroBubble runs the backward in separate")
@@ -67,7 +67,7 @@ def test_gpus_price_compile_as_fused_elementwise_kernels():
     """On a GPU the saving is the elementwise traffic fused kernels avoid (kappa_fused against
     kappa_eager); the compile time is the catalog's estimate."""
     pb = make_problem(preset("llama3-1b"), 2048, 8, 8, "h200", precision="bf16")
-    lay = parse_layout("dp_shard=8,mb=1", 8)
+    lay = parse_layout("dp_shard=8,micro_batch=1", 8)
     d = compile_choice(pb, lay, 100)
     assert d["compiled_step_s"] < d["eager_step_s"] and d["compile_s"] == pb.hw.compile_s > 0
     assert not d["compile"] and compile_choice(pb, lay, d["breakeven_steps"] + 1)["compile"]
@@ -77,5 +77,5 @@ def test_dense_and_moe_blocks_compile_separately():
     moe = preset("debug-moe")  # a dense first layer, then MoE layers
     pb = make_problem(moe, 64, 8, 1, from_profile(CALIBRATED, "test"), precision="fp32")
     assert block_kinds(pb) == 2
-    assert compile_choice(pb, parse_layout("dp_shard=1,mb=8", 1), 1)["compile_s"] == 2 * pb.hw.compile_s
+    assert compile_choice(pb, parse_layout("dp_shard=1,micro_batch=8", 1), 1)["compile_s"] == 2 * pb.hw.compile_s
     assert block_kinds(dataclasses.replace(pb, cfg=preset("debug"))) == 1

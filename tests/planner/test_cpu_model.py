@@ -38,7 +38,7 @@ def test_accelerators_carry_no_cpu_terms():
 def test_ranks_beyond_the_cores_share_them(tmp_path):
     hw = _profile(tmp_path)
     cfg = preset("tiny", vocab_size=256)
-    lay = Layout(dp_shard=4, mb=2)
+    lay = Layout(dp_shard=4, micro_batch=2)
     shared = step_breakdown(make_problem(cfg, 256, 8, 4, hw, precision="fp32"), lay)
     alone = step_breakdown(make_problem(cfg, 256, 8, 4, dataclasses.replace(hw, cores=4), precision="fp32"), lay)
     assert shared["compute"] == pytest.approx(2 * alone["compute"])
@@ -46,7 +46,7 @@ def test_ranks_beyond_the_cores_share_them(tmp_path):
     for t in (shared, alone):
         assert t["total"] == pytest.approx(t["compute"] + t["exposed_comm"] + t["bubble"] + t["optimizer"])
     # a pipeline's idle ranks lend their cores: the bubble shrinks, the step never beats the critical path
-    pp = Layout(dp_shard=1, pp=4, mb=2)
+    pp = Layout(dp_shard=1, pp=4, micro_batch=2)
     pb = make_problem(cfg, 256, 8, 4, hw, precision="fp32")
     full_speed = step_breakdown(make_problem(cfg, 256, 8, 4, dataclasses.replace(hw, cores=4), precision="fp32"), pp)
     t = step_breakdown(pb, pp)
@@ -58,7 +58,7 @@ def test_ranks_beyond_the_cores_share_them(tmp_path):
 def test_dp_comm_hides_only_with_a_spare_core(tmp_path):
     hw = _profile(tmp_path)
     cfg = preset("tiny", vocab_size=256)
-    lay = Layout(dp_replicate=2, dp_shard=1, mb=2)
+    lay = Layout(dp_replicate=2, dp_shard=1, micro_batch=2)
     busy = step_breakdown(make_problem(cfg, 256, 8, 2, hw, precision="fp32"), lay)
     spare = step_breakdown(make_problem(cfg, 256, 8, 2, dataclasses.replace(hw, cores=4), precision="fp32"), lay)
     assert busy["comm"]["dp"] > spare["comm"]["dp"]
@@ -70,7 +70,7 @@ def test_cpu_ranks_pay_one_collective_per_fsdp_unit(tmp_path):
     hw = _profile(tmp_path)
     cfg = preset("tiny", vocab_size=256)
     pb = make_problem(cfg, 256, 8, 2, hw, precision="fp32")
-    t = step_breakdown(pb, Layout(dp_shard=2, mb=2))  # 2 micro-batches, 8 layers + the root
+    t = step_breakdown(pb, Layout(dp_shard=2, micro_batch=2))  # 2 micro-batches, 8 layers + the root
     params = num_params(cfg)
     one = lambda kind: 9 * collective_time(pb.hw, kind, 2, 1, 4 * params / 9)  # noqa: E731
     # ZeRO-3: everything gathered in every forward, every block but the last again in every
@@ -82,10 +82,10 @@ def test_cpu_ranks_pay_one_collective_per_fsdp_unit(tmp_path):
     assert 2 < gathers < 4
     assert t["comm"]["dp"] == pytest.approx(gathers * one("all_gather") + 2 * one("reduce_scatter"), rel=1e-6)
     # ZeRO-1: parameters gathered once (the step's first forward), gradients reduced once
-    t1 = step_breakdown(pb, Layout(dp_shard=2, mb=2, zero=1, reshard_after_forward=False))
+    t1 = step_breakdown(pb, Layout(dp_shard=2, micro_batch=2, zero=1, reshard_after_forward=False))
     assert t1["comm"]["dp"] == pytest.approx(one("all_gather") + one("reduce_scatter"), rel=1e-6)
     # ZeRO-2: as ZeRO-1, but a reduce-scatter after every micro-batch
-    t2 = step_breakdown(pb, Layout(dp_shard=2, mb=2, zero=2, reshard_after_forward=False))
+    t2 = step_breakdown(pb, Layout(dp_shard=2, micro_batch=2, zero=2, reshard_after_forward=False))
     assert t2["comm"]["dp"] == pytest.approx(one("all_gather") + 2 * one("reduce_scatter"), rel=1e-6)
 
 
@@ -105,7 +105,7 @@ def test_measured_attention_host_and_optimizer_costs_are_used(tmp_path):
     assert hw.attention_rate("fp32", 512) == pytest.approx(3e10)  # halfway in log(seq)
     assert hw.attention_rate("bf16", 512) == hw.peak("bf16")  # not measured: the matmul rate
     cfg = preset("tiny", vocab_size=256)
-    slow, fast = (predict(cfg, {"dp_shard": 1, "mb": 2}, 256, 8, h, world=1, precision="fp32") for h in (hw, base))
+    slow, fast = (predict(cfg, {"dp_shard": 1, "micro_batch": 2}, 256, 8, h, world=1, precision="fp32") for h in (hw, base))
     assert slow.time["compute"] > fast.time["compute"]
     assert slow.time["optimizer"] == pytest.approx(1e-8 * 6.4e6, rel=0.05)
 
@@ -116,7 +116,7 @@ def test_measured_tp_cost_replaces_the_collective_model(tmp_path):
     assert hw.tp_cost(2, 2, "layer", 1e6) == pytest.approx(2e-2)
     assert hw.tp_cost(8, 8, "head", 0) == 5e-2  # largest measured world, nearest degree
     cfg = preset("tiny", vocab_size=256)
-    p = predict(cfg, {"dp_shard": 1, "tp": 2, "mb": 2}, 256, 8, hw, world=2, precision="fp32")
+    p = predict(cfg, {"dp_shard": 1, "tp": 2, "micro_batch": 2}, 256, 8, hw, world=2, precision="fp32")
     act = 2 * 256 * 256 * 4
     per_mb = 8 * (1e-2 + 1e-8 * act) + 5e-2
     assert p.time["comm"]["tp"] == pytest.approx(4 * per_mb)  # 4 micro-batches
@@ -153,7 +153,7 @@ def test_pipeline_actions_cost_cpu_ranks_not_gpus(tmp_path):
     cfg = preset("tiny", vocab_size=256)
 
     def pp_comm(hw, schedule, v):
-        lay = {"dp_shard": 1, "pp": 2, "schedule": schedule, "v": v, "mb": 2}
+        lay = {"dp_shard": 1, "pp": 2, "pp_schedule": schedule, "pp_virtual_stages": v, "micro_batch": 2}
         return predict(cfg, lay, 256, 8, hw, world=2, precision="fp32" if hw.generation == "cpu" else "bf16").time["comm"]["pp"]
 
     cpu = _bare(tmp_path)
@@ -184,7 +184,7 @@ def test_an_uncalibrated_host_is_priced_from_its_probe(tmp_path, monkeypatch):
     4.640 s/step for `make train` where an AMX host measured 0.894. With the probe cached, its
     rates price the compute, and bf16's GEMMs reach what its whole block measured over fp32."""
     cfg = preset("tiny", vocab_size=256)
-    lay = {"dp_replicate": 2, "dp_shard": 1, "mb": 8}
+    lay = {"dp_replicate": 2, "dp_shard": 1, "micro_batch": 8}
     slow = _probed(tmp_path, monkeypatch, 70e9, 150e9, 1.5)
     assert (slow.peak("fp32"), slow.peak("bf16"), slow.calibrated) == (70e9, 150e9, False)
     assert slow.cpu_mm_eff("bf16") == pytest.approx(1.5 / (150 / 70))  # the block's speed-up, not the matmul's

@@ -32,7 +32,7 @@ def test_parsing():
 @pytest.fixture(scope="module")
 def setup():
     pb = make_problem(preset("llama3-8b"), 8192, 512, 64, "h100")
-    lay = parse_layout("tp=8,dp_replicate=2,dp_shard=4,mb=1,ac=selective", 64)
+    lay = parse_layout("tp=8,dp_replicate=2,dp_shard=4,micro_batch=1,activation_checkpoint=selective", 64)
     return pb, lay, diloco.replica_prediction(pb, lay)
 
 
@@ -73,7 +73,7 @@ def test_pays_below_is_the_break_even(setup):
 
 def test_cli(capsys):
     args = ["plan", "--model", "llama3-8b", "--gpus", "64", "--gpu", "h100", "--seq", "8192", "--global-batch", "512",
-            "--layout", "tp=8,dp_replicate=2,dp_shard=4,mb=1,ac=selective", "--replicas-across", "10Gbit,30ms"]
+            "--layout", "tp=8,dp_replicate=2,dp_shard=4,micro_batch=1,activation_checkpoint=selective", "--replicas-across", "10Gbit,30ms"]
     assert cli(args) == 0
     out = capsys.readouterr().out
     assert "per-step sync" in out and "DiLoCo H=32" in out and "pays below" in out
@@ -81,6 +81,6 @@ def test_cli(capsys):
     rep = json.loads(capsys.readouterr().out)["replicas_across"]
     assert [r["name"] for r in rep["rows"]] == ["per-step sync", "DiLoCo H=16"]
     assert rep["rows"][1]["speedup"] > 1
-    assert cli(args[:-4] + ["--layout", "tp=8,dp_shard=8,mb=1", "--replicas-across", "10Gbit"]) == 2
+    assert cli(args[:-4] + ["--layout", "tp=8,dp_shard=8,micro_batch=1", "--replicas-across", "10Gbit"]) == 2
     err = capsys.readouterr().err.strip()
     assert "dp_replicate >= 2" in err and "\n" not in err

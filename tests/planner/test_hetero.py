@@ -41,7 +41,7 @@ def _pool(batch=256):
 
 def test_stage_shares_beat_the_uniform_split_of_the_same_layout():
     pool = _pool()
-    lay = Layout(dp_shard=4, tp=8, pp=4, zero=1, reshard_after_forward=False, mb=1, ac="full", sp=True, mp="bf16")
+    lay = Layout(dp_shard=4, tp=8, pp=4, zero=1, reshard_after_forward=False, micro_batch=1, activation_checkpoint="full", sequence_parallel=True, mixed_precision="bf16")
     even, mixed = uniform(pool, lay), stage_shares(pool, lay)
     assert mixed.shares["h100"]["layers_per_stage"] == [29, 29] and mixed.shares["a100-80"]["layers_per_stage"] == [11, 11]
     # the critical stage drops from an A100 stage of 20 layers to an H100 stage of 29 at ~3x the speed
@@ -61,9 +61,9 @@ def test_plan_json_has_the_contract_keys_and_the_mixed_plan_wins():
     assert best["kind"] in ("batch_shares", "stage_shares")
     if best["kind"] == "batch_shares":
         shares = best["shares"]
-        assert shares["h100"]["mb"] > shares["a100-80"]["mb"]
+        assert shares["h100"]["micro_batch"] > shares["a100-80"]["micro_batch"]
         assert shares["h100"]["micro_batches"] == shares["a100-80"]["micro_batches"]
-        assert 64 * (shares["h100"]["mb"] + shares["a100-80"]["mb"]) * shares["h100"]["micro_batches"] \
+        assert 64 * (shares["h100"]["micro_batch"] + shares["a100-80"]["micro_batch"]) * shares["h100"]["micro_batches"] \
             // (best["layout"]["tp"] * best["layout"]["cp"] * best["layout"]["pp"]) == 512
     assert list(sub["shares"]) == ["h100"]
 

@@ -63,7 +63,7 @@ def test_small_hidden_size_is_priced_below_a_large_one():
     small = pb("llama3-8b", world=8)
     cfg = preset("llama3-8b", dim=1024, n_heads=8, n_kv_heads=8, ffn_dim=3584)
     tiny = make_problem(cfg, 4096, 64, 8, "h100")
-    lay = Layout(dp_shard=1, tp=8, mb=1)
+    lay = Layout(dp_shard=1, tp=8, micro_batch=1)
 
     def rate(problem):
         c = layer_costs(problem, lay)
@@ -77,7 +77,7 @@ def test_small_hidden_size_is_priced_below_a_large_one():
 
 
 def test_tp_overlap_hides_tp_traffic_up_to_its_window():
-    lay = Layout(dp_shard=1, tp=8, mb=1)
+    lay = Layout(dp_shard=1, tp=8, micro_batch=1)
     plain = layer_costs(pb(stack="ndtrain"), lay)["tp"]
     mcore = pb(stack="megatron-core-2024")
     hidden = layer_costs(mcore, lay)["tp"]
@@ -88,7 +88,7 @@ def test_tp_overlap_hides_tp_traffic_up_to_its_window():
 
 
 def test_contention_makes_hidden_traffic_cost_compute():
-    lay = Layout(dp_shard=1, tp=8, mb=1)
+    lay = Layout(dp_shard=1, tp=8, micro_batch=1)
     mcore = pb(stack="megatron-core-2024")
     free = layer_costs(mcore.with_constants({"contention": 0.0}), lay)
     costly = layer_costs(mcore.with_constants({"contention": 0.2}), lay)
@@ -96,21 +96,21 @@ def test_contention_makes_hidden_traffic_cost_compute():
 
 
 def test_pipeline_sends_exposed_without_overlap():
-    lay = Layout(dp_shard=1, pp=4, mb=1, schedule="1F1B")
+    lay = Layout(dp_shard=1, pp=4, micro_batch=1, pp_schedule="1F1B")
     ours = step_breakdown(pb(world=4), lay)["comm"]["pp"]
     blocking = step_breakdown(pb(world=4, stack="megatron-2021"), lay)["comm"]["pp"]
     assert blocking > 2 * ours
 
 
 def test_data_parallel_overlap_per_stack():
-    lay = Layout(dp_replicate=8, dp_shard=1, mb=1)
+    lay = Layout(dp_replicate=8, dp_shard=1, micro_batch=1)
     hidden = step_breakdown(pb(), lay)
     exposed = step_breakdown(pb(stack="megatron-2021"), lay)
     assert hidden["comm"]["dp"] < 0.2 * exposed["comm"]["dp"]
 
 
 def test_cp_ring_hides_behind_attention_allgather_does_not():
-    lay = Layout(dp_shard=4, cp=2, mb=1)
+    lay = Layout(dp_shard=4, cp=2, micro_batch=1)
     long = pb(seq=32768, batch=8)
     assert layer_costs(long, lay)["cp"] == 0.0  # each hop is shorter than the block it feeds
     gathered = layer_costs(long, dataclasses.replace(lay, cp_attention="allgather"))["cp"]
@@ -119,10 +119,10 @@ def test_cp_ring_hides_behind_attention_allgather_does_not():
 
 
 def test_expert_all_to_all_hidden_only_where_the_stack_pairs_micro_batches():
-    lay = Layout(dp_shard=16, pp=4, ep=16, mb=1, schedule="DualPipeV", v=2)
+    lay = Layout(dp_shard=16, pp=4, ep=16, micro_batch=1, pp_schedule="DualPipeV", pp_virtual_stages=2)
     ours = pb("deepseek-v3", world=64, batch=64, precision="fp8")
     deepseek = pb("deepseek-v3", world=64, batch=64, precision="fp8", stack="deepseek-2024")
-    one = dataclasses.replace(lay, schedule="1F1B", v=1)
+    one = dataclasses.replace(lay, pp_schedule="1F1B", pp_virtual_stages=1)
     assert layer_costs(ours, lay)["ep"] == pytest.approx(layer_costs(ours, one)["ep"])  # torch's DualPipeV: in turn
     assert layer_costs(deepseek, lay)["ep"] < layer_costs(deepseek, one)["ep"]
 
@@ -157,7 +157,7 @@ def test_oversubscription_above_the_pod():
 
 
 def test_meta_rank_order_keeps_the_pipeline_inside_a_pod():
-    lay = Layout(dp_shard=128, tp=8, pp=16, mb=1, schedule="1F1B")
+    lay = Layout(dp_shard=128, tp=8, pp=16, micro_batch=1, pp_schedule="1F1B")
     net = {"pod_gpus": 3072, "oversubscription": 7.0}
     ours = make_problem(preset("llama3-405b"), 8192, 2048, 16384, "h100", network=net)
     meta = make_problem(preset("llama3-405b"), 8192, 2048, 16384, "h100", network=net, stack="llama3-2024")
@@ -168,7 +168,7 @@ def test_meta_rank_order_keeps_the_pipeline_inside_a_pod():
 
 
 def test_fp8_scaling_overhead_is_paid():
-    lay = Layout(dp_shard=8, mb=1)
+    lay = Layout(dp_shard=8, micro_batch=1)
     p = pb(precision="fp8")
     free = layer_costs(p.with_constants({"fp8_cast_bytes": 0.0}), lay)
     assert layer_costs(p, lay)["F"] > free["F"]
@@ -181,7 +181,7 @@ def test_fp8_activations_kept_in_fp8_only_by_stacks_that_do():
 
     te = STACKS["megatron-core-2024"]
     assert activation_bytes(sh, te, seq, 1, fp8=True) < activation_bytes(sh, te, seq, 1)
-    lay = Layout(dp_shard=8, mb=1)
+    lay = Layout(dp_shard=8, micro_batch=1)
     ours_bf16 = Evaluator(pb())(lay, check=False).memory["activations"]
     ours_fp8 = Evaluator(pb(precision="fp8"))(lay, check=False).memory["activations"]
     assert ours_fp8 == pytest.approx(ours_bf16)  # torchao keeps the bf16 input
@@ -191,7 +191,7 @@ def test_fp8_activations_kept_in_fp8_only_by_stacks_that_do():
 
 
 def test_moe_imbalance_slows_experts_and_all_to_all():
-    lay = Layout(dp_shard=16, ep=16, mb=1)
+    lay = Layout(dp_shard=16, ep=16, micro_batch=1)
     p = pb("mixtral-8x7b", world=16, batch=16)
     even = layer_costs(p.with_constants({"moe_imbalance": 1.0}), lay)
     skew = layer_costs(p.with_constants({"moe_imbalance": 1.3}), lay)
@@ -199,7 +199,7 @@ def test_moe_imbalance_slows_experts_and_all_to_all():
 
 
 def test_fewer_tokens_per_expert_cost_more_per_flop():
-    lay = Layout(dp_shard=8, ep=8, mb=1)
+    lay = Layout(dp_shard=8, ep=8, micro_batch=1)
     few = preset("mixtral-8x7b", n_experts=64, n_active_experts=2, expert_ffn_dim=14336 // 8)
     many = preset("mixtral-8x7b", n_experts=8, n_active_experts=2, expert_ffn_dim=14336 // 8)
     w_few = layer_costs(make_problem(few, 1024, 8, 8, "h100"), lay)["W"]
@@ -210,7 +210,7 @@ def test_fewer_tokens_per_expert_cost_more_per_flop():
 def test_all_to_all_across_nodes_costs_more_and_node_limit_helps():
     n = 1e8
     assert collective_time(H100, "all_to_all", 64, 1, n) > collective_time(H100, "all_to_all", 8, 1, n)
-    lay = Layout(dp_shard=64, ep=64, mb=1)
+    lay = Layout(dp_shard=64, ep=64, micro_batch=1)
     base = dict(model="deepseek-v3", world=64, batch=64, precision="fp8")
     limited = layer_costs(pb(**base, stack="deepseek-2024"), lay)["ep"]
     unlimited = layer_costs(pb(**base, stack="megatron-core-2024"), lay)["ep"]
@@ -221,7 +221,7 @@ def test_all_to_all_across_nodes_costs_more_and_node_limit_helps():
 
 
 def test_causal_attention_is_half_the_unfused_square():
-    lay = Layout(dp_shard=8, mb=1)
+    lay = Layout(dp_shard=8, micro_batch=1)
     flash = layer_costs(pb(seq=32768, batch=8), lay)
     short = layer_costs(pb(seq=4096, batch=64), lay)
     # attention per token grows with the sequence: the long layer costs more per token
@@ -232,7 +232,7 @@ def test_causal_attention_is_half_the_unfused_square():
 
 
 def test_fragmentation_constant_moves_memory():
-    lay = Layout(dp_shard=8, mb=1)
+    lay = Layout(dp_shard=8, micro_batch=1)
     p = pb()
     lo = Evaluator(p.with_constants({"fragmentation": 0.05}))(lay, check=False).memory["total"]
     hi = Evaluator(p.with_constants({"fragmentation": 0.20}))(lay, check=False).memory["total"]
@@ -262,7 +262,7 @@ def test_power_limit_lowers_the_clock_of_compute_bound_kernels_only():
 
 
 def test_hbm2e_variant_prices_memory_bound_work_at_its_bandwidth():
-    lay = Layout(dp_shard=8, mb=2)
+    lay = Layout(dp_shard=8, micro_batch=2)
     h80, h96 = pb(seq=8192, batch=16), pb(seq=8192, batch=16, gpu="h100-96")
     assert CATALOG["h100-96"].hbm_bw == 2.4e12 and CATALOG["h100-96"].peak_bf16 == H100.peak_bf16
     a = activation_bytes(h80.shape, h80.stack, 8192, 2)
@@ -278,19 +278,19 @@ def test_eager_launches_bound_small_layers_and_fused_kernels_launch_fewer():
 
     small = make_problem(preset("llama3-8b", dim=256, n_heads=4, n_kv_heads=4, ffn_dim=768, n_layers=4), 256, 8, 8,
                          "h100")
-    lay = Layout(dp_shard=8, mb=1)
+    lay = Layout(dp_shard=8, micro_batch=1)
     lc = layer_costs(small, lay)
     assert lc["launch"] > 0 and lc["F"] == pytest.approx(OPS_EAGER * small.k["launch_s"])
     fused = layer_costs(small, dataclasses.replace(lay, compile=True))
     assert fused["F"] == pytest.approx(OPS_FUSED * small.k["launch_s"])
-    assert layer_costs(pb(seq=8192, batch=16), Layout(dp_shard=8, mb=2))["launch"] == 0.0  # 8B: kernels are longer
+    assert layer_costs(pb(seq=8192, batch=16), Layout(dp_shard=8, micro_batch=2))["launch"] == 0.0  # 8B: kernels are longer
 
 
 def test_loss_over_a_128k_vocabulary_eager_and_fused():
     from ndtrain.planner.gemm import head_seconds
     from ndtrain.planner.layer import LOSS_BYTES_EAGER, LOSS_BYTES_FUSED, head_cost
 
-    lay = Layout(dp_shard=8, mb=2)
+    lay = Layout(dp_shard=8, micro_batch=2)
     eager, fused = pb(seq=8192, batch=16), pb(seq=8192, batch=16, stack="megatron-core-2024")
     logits = 2 * 8192 * 128256
     assert head_cost(eager, lay) - head_seconds(eager, lay) == pytest.approx(LOSS_BYTES_EAGER * logits / H100.hbm_bw)
@@ -304,7 +304,7 @@ def test_fsdp2_copies_cost_hbm_time_per_gather_and_reduce():
     from ndtrain.planner.stack import STACKS
     from ndtrain.planner.timing import fsdp_copy_seconds
 
-    lay = Layout(dp_shard=8, zero=3, mb=1)
+    lay = Layout(dp_shard=8, zero=3, micro_batch=1)
     ours = pb(seq=8192, batch=16)
     flat = make_problem(preset("llama3-8b"), 8192, 16, 8, "h100", stack=dataclasses.replace(STACKS["ndtrain"],
                                                                                               fsdp_copies=False))
@@ -323,7 +323,7 @@ def test_fsdp2_copies_cost_hbm_time_per_gather_and_reduce():
 
 
 def test_fsdp_traffic_exposed_at_small_local_batch_hidden_at_large():
-    lay = Layout(dp_shard=128, zero=3, mb=1)
+    lay = Layout(dp_shard=128, zero=3, micro_batch=1)
     small = step_breakdown(pb(seq=1024, batch=128, world=128), lay)
     large = step_breakdown(pb(seq=8192, batch=128, world=128), lay)
     assert small["comm"]["dp"] / small["total"] > 2 * large["comm"]["dp"] / large["total"]
@@ -335,7 +335,7 @@ def test_long_context_kernel_efficiency_and_ring_merges():
     p = pb(seq=131072, batch=8, world=64)
     eff = [attention_efficiency(p, n) for n in (512, 2048, 8192, 131072)]
     assert eff == sorted(eff) and eff[0] < 0.6 * eff[-1] and eff[-1] < p.k["attn_eff"]
-    lay = Layout(dp_shard=4, cp=16, mb=1)
+    lay = Layout(dp_shard=4, cp=16, micro_batch=1)
     ring = layer_costs(p, lay)
     gathered = layer_costs(p, dataclasses.replace(lay, cp_attention="allgather"))
     q = 131072 / 16 * p.shape.heads * p.shape.head_dim
@@ -343,12 +343,12 @@ def test_long_context_kernel_efficiency_and_ring_merges():
 
 
 def test_selective_recompute_as_each_stack_recomputes():
-    lay = Layout(dp_shard=8, mb=1, ac="selective")
+    lay = Layout(dp_shard=8, micro_batch=1, activation_checkpoint="selective")
     ours = pb(seq=8192, batch=16)
     a = activation_bytes(ours.shape, ours.stack, 8192, 1)
     # ndtrain's policy keeps every matmul and attention output: the whole forward elementwise work again
     assert layer_costs(ours, lay)["recompute"] == pytest.approx(ours.k["kappa_eager"] * a / H100.hbm_bw / 3)
     # Megatron's keeps all but the scores, which flash attention never stores: nothing to recompute
     assert layer_costs(pb(seq=8192, batch=16, stack="megatron-core-2024"), lay)["recompute"] == 0.0
-    full = layer_costs(ours, dataclasses.replace(lay, ac="full"))
+    full = layer_costs(ours, dataclasses.replace(lay, activation_checkpoint="full"))
     assert full["recompute"] > 10 * layer_costs(ours, lay)["recompute"]

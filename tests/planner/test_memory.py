@@ -85,18 +85,18 @@ def test_the_planner_costs_the_runtimes_stage_split():
     # One partition (ndtrain.layout.partition): the balanced split gives the first and last stage
     # of Llama 3 405B (embedding, head) a layer fewer, as Meta did; per rank under interleaving.
     pb = make_problem(preset("llama3-405b"), 8192, 2048, 16384, "h100")
-    split = stage_split(pb, Layout(dp_shard=128, tp=8, pp=16, schedule="1F1B"))
+    split = stage_split(pb, Layout(dp_shard=128, tp=8, pp=16, pp_schedule="1F1B"))
     assert split.counts == (7,) + (8,) * 14 + (7,) and split.ranks == split.counts and split.head_rank == 15
-    v2 = stage_split(pb, Layout(dp_shard=128, tp=8, pp=16, v=2, schedule="Interleaved1F1B"))
+    v2 = stage_split(pb, Layout(dp_shard=128, tp=8, pp=16, pp_virtual_stages=2, pp_schedule="Interleaved1F1B"))
     assert sum(v2.counts) == 126 and len(v2.counts) == 32 and sum(v2.ranks) == 126 and v2.head_rank == 15
-    zbv = stage_split(pb, Layout(dp_shard=128, tp=8, pp=16, v=2, schedule="ZBVZeroBubble"))
+    zbv = stage_split(pb, Layout(dp_shard=128, tp=8, pp=16, pp_virtual_stages=2, pp_schedule="ZBVZeroBubble"))
     assert zbv.head_rank == 0  # the V puts the first and last stage on rank 0
-    assert stage_split(pb, Layout(dp_shard=8, tp=8, pp=128, v=2, schedule="Interleaved1F1B")) is None
+    assert stage_split(pb, Layout(dp_shard=8, tp=8, pp=128, pp_virtual_stages=2, pp_schedule="Interleaved1F1B")) is None
 
 
 def test_breakdown_adds_up_and_names_the_device():
     pb = make_problem(preset("llama3-8b"), 4096, 64, 8, "h100")
-    lay = Layout(dp_shard=2, tp=2, pp=2, zero=1, mb=1, ac="selective", schedule="1F1B")
+    lay = Layout(dp_shard=2, tp=2, pp=2, zero=1, micro_batch=1, activation_checkpoint="selective", pp_schedule="1F1B")
     mem = memory_breakdown(pb, lay, Split((16, 16), 1, (16, 16)))
     parts = ("params", "grads", "optimizer", "activations", "logits", "buffers", "overhead", "fragmentation")
     assert mem["total"] == pytest.approx(sum(mem[k] for k in parts))

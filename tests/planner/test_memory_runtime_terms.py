@@ -16,7 +16,7 @@ def test_a_pipeline_stage_holds_its_whole_gradients_in_the_reduce_dtype():
     """FSDP2 accumulates a pipeline stage's gradients unsharded in fp32 (its reduce dtype) until
     the step's one reduce-scatter; a stack accumulating in bf16 holds 2 bytes."""
     cfg = preset("llama3-405b", n_layers=16)
-    lay = Layout(pp=8, dp_shard=8, tp=8, zero=3, mb=1, ac="selective", schedule="1F1B")
+    lay = Layout(pp=8, dp_shard=8, tp=8, zero=3, micro_batch=1, activation_checkpoint="selective", pp_schedule="1F1B")
     for stack, nbytes in (("ndtrain", 4), ("megatron-core-2024", 2)):
         pb = make_problem(cfg, 8192, 128, 512, "h100", stack=stack)
         split = stage_split(pb, lay)
@@ -44,7 +44,7 @@ def test_fsdp_files_the_fp32_master_as_the_parameter():
     a parameter under ZeRO-3, as the dry run counts them); a stack with a bf16 model and the
     master in the optimizer files 2 + 2 + 12. The same 16 bytes either way."""
     cfg = preset("llama3-8b")
-    lay = Layout(dp_shard=8, zero=3, mb=1, ac="selective")
+    lay = Layout(dp_shard=8, zero=3, micro_batch=1, activation_checkpoint="selective")
     got = {}
     for stack in ("ndtrain", "megatron-core-2024"):
         pb = make_problem(cfg, 8192, 32, 8, "h100", stack=stack)
@@ -66,11 +66,11 @@ def test_zero3_buffers_at_the_loss_hold_the_root_and_the_last_block():
 
     cfg = preset("llama3-8b")
     pb = make_problem(cfg, 8192, 32, 8, "h100")
-    lay = Layout(dp_shard=8, zero=3, mb=1, ac="selective")
+    lay = Layout(dp_shard=8, zero=3, micro_batch=1, activation_checkpoint="selective")
     mem = memory_breakdown(pb, lay, stage_split(pb, lay))
     layer = pb.shape.dense_params_layer
     assert mem["buffers"] == pytest.approx(2 * (root_params(pb.shape, lay, True, True) + layer))
-    pp = Layout(pp=2, dp_shard=4, zero=3, mb=1, ac="selective", schedule="1F1B")
+    pp = Layout(pp=2, dp_shard=4, zero=3, micro_batch=1, activation_checkpoint="selective", pp_schedule="1F1B")
     mem = memory_breakdown(pb, pp, stage_split(pb, pp))
     if mem["device"] == "first":
         assert mem["buffers"] == pytest.approx(2 * root_params(pb.shape, pp, True, False) + layer * (2 * 2 + 4))
@@ -82,8 +82,8 @@ def test_eager_loss_holds_what_the_dry_run_holds_at_its_backward():
     logits, 16 (the dry runs of llama3-8b cp 8 and llama3-70b tp 8 hold exactly these)."""
     cfg = preset("llama3-8b")
     pb = make_problem(cfg, 8192, 64, 8, "h100")
-    for lay, nbytes in ((Layout(dp_shard=8, zero=3, mb=1, ac="selective"), 12),
-                        (Layout(dp_shard=4, tp=2, zero=3, mb=1, ac="selective"), 16)):
+    for lay, nbytes in ((Layout(dp_shard=8, zero=3, micro_batch=1, activation_checkpoint="selective"), 12),
+                        (Layout(dp_shard=4, tp=2, zero=3, micro_batch=1, activation_checkpoint="selective"), 16)):
         mem = memory_breakdown(pb, lay, stage_split(pb, lay))
         assert mem["logits"] == pytest.approx(nbytes * 8192 * pb.shape.vocab / lay.tp)
 
@@ -95,7 +95,7 @@ def test_a_shallow_short_sequence_rank_peaks_at_the_roots_reduce():
     from ndtrain.planner.memory import root_params
 
     pb = make_problem(preset("llama3-8b", n_layers=2), 1024, 32, 8, "h100")
-    lay = Layout(dp_shard=8, zero=3, mb=1, ac="selective")
+    lay = Layout(dp_shard=8, zero=3, micro_batch=1, activation_checkpoint="selective")
     mem = memory_breakdown(pb, lay, stage_split(pb, lay))
     root = root_params(pb.shape, lay, True, True)
     assert mem["activations"] == mem["logits"] == 0

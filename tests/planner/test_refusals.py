@@ -48,6 +48,6 @@ def test_refusal_in_json_and_memory_still_named_when_memory_empties_it(capsys):
 
 def test_single_layout_refused_by_strict_rule_says_relaxed(capsys):
     rc = cli(["plan", "--samples", "0", "--model-shape", GELU_1B, "--gpus", "8", "--seq", "2048",
-              "--global-batch", "64", "--layout", "dp_shard=8,mb=1"])
+              "--global-batch", "64", "--layout", "dp_shard=8,micro_batch=1"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err and "--relaxed" in err

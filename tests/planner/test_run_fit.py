@@ -14,8 +14,8 @@ from ndtrain.planner.hardware import COLLECTIVES, from_profile, host_probe
 from ndtrain.planner.host_cache import as_profile
 
 CFG = preset("tiny", vocab_size=256)
-LAYOUTS = {"ddp": "dp_replicate=2,dp_shard=1,mb=4", "zero3": "dp_shard=2,zero=3,mb=4",
-           "tp2": "dp_shard=1,tp=2,mb=4", "pp2": "dp_shard=1,pp=2,mb=2", "zero1": "dp_shard=2,zero=1,mb=8"}
+LAYOUTS = {"ddp": "dp_replicate=2,dp_shard=1,micro_batch=4", "zero3": "dp_shard=2,zero=3,micro_batch=4",
+           "tp2": "dp_shard=1,tp=2,micro_batch=4", "pp2": "dp_shard=1,pp=2,micro_batch=2", "zero1": "dp_shard=2,zero=1,micro_batch=8"}
 FIT = {"alpha": 2e-4, "beta": 0.8e9}
 # A calibrated profile (what `ndtrain calibrate` writes, abridged): measured fits, host times, in-situ DP
 CALIBRATED = {
@@ -130,7 +130,7 @@ def test_gpu_profile_scales_its_constants_and_fits():
     assert k["gemm_eff"] == pytest.approx(run_fit.consts.resolve("hopper")["gemm_eff"] / 2)
     assert k["alpha_inter"] == pytest.approx(4 * run_fit.consts.resolve("hopper")["alpha_inter"])
     cfg = preset("tiny")
-    lay = parse_layout("dp_shard=8,zero=3,mb=2", 8)
+    lay = parse_layout("dp_shard=8,zero=3,micro_batch=2", 8)
     obs = lambda s: run_fit.Observation("r", cfg, lay, 2048, 64, 8, "bf16", s)  # noqa: E731
     truth = run_fit.predict_run(run_fit.hardware(run_fit.scaled(base, {"compute": 1.3, "overhead": 1.3, "comm": 1.3})),
                             obs(1.0)).step_time

@@ -16,7 +16,7 @@ from ndtrain.planner.host_cache import as_profile
 from ndtrain.planner.problem import make_problem
 
 CFG = preset("tiny", vocab_size=256)
-DDP = parse_layout("dp_replicate=2,dp_shard=1,mb=4", 2)
+DDP = parse_layout("dp_replicate=2,dp_shard=1,micro_batch=4", 2)
 COMPILED = dataclasses.replace(DDP, compile=True)
 CALIBRATED = {"cores": 2, "matmul": {"fp32_1thread": 6e10, "bf16_1thread": 1.2e11},
               "memory": {"total_bytes": 64 * 2**30, "copy_bw": 1e10}, "host_s": {"layer": 2e-3, "head": 3e-3}}

@@ -59,22 +59,22 @@ def test_moe_search_uses_expert_parallelism():
 
 
 def test_parse_layout_and_errors():
-    lay = parse_layout("tp=8,pp=16,mb=1,ac=full,schedule=interleaved1f1b,v=2", 16384)
-    assert (lay.dp_shard, lay.tp, lay.pp, lay.v, lay.schedule) == (128, 8, 16, 2, "Interleaved1F1B")
-    assert parse_layout("pp=4,schedule=ZBVZeroBubble", 8).v == 2
+    lay = parse_layout("tp=8,pp=16,micro_batch=1,activation_checkpoint=full,pp_schedule=interleaved1f1b,pp_virtual_stages=2", 16384)
+    assert (lay.dp_shard, lay.tp, lay.pp, lay.pp_virtual_stages, lay.pp_schedule) == (128, 8, 16, 2, "Interleaved1F1B")
+    assert parse_layout("pp=4,pp_schedule=ZBVZeroBubble", 8).pp_virtual_stages == 2
     with pytest.raises(NdtrainError, match="unknown key"):
         parse_layout("tp=8,foo=1", 8)
     with pytest.raises(NdtrainError, match="not divisible"):
         parse_layout("tp=3", 8)
     cfg = preset("llama3-8b")
     assert "kv-heads" in problems(Layout(dp_shard=1, tp=16), cfg, 16, 4096, 16)[0]
-    assert "micro-batches" in problems(Layout(dp_shard=1, pp=8, schedule="1F1B"), cfg, 8, 4096, 4)[0]
+    assert "micro-batches" in problems(Layout(dp_shard=1, pp=8, pp_schedule="1F1B"), cfg, 8, 4096, 4)[0]
     assert not problems(Layout(dp_shard=1, pp=3), cfg, 3, 4096, 3)  # uneven stages: the runtime builds them
 
 
 def test_layout_that_does_not_fit_is_reported_not_dropped():
     pb = make_problem(preset("llama3-70b"), 8192, 64, 8, "h100")
-    pred = Evaluator(pb)(Layout(dp_replicate=8, dp_shard=1, mb=1))
+    pred = Evaluator(pb)(Layout(dp_replicate=8, dp_shard=1, micro_batch=1))
     assert not pred.fits and pred.memory["total"] > 80 * 2**30
 
 
@@ -93,7 +93,7 @@ def test_model_shape_gpt_and_moe():
 def test_auto_layout_contract():
     cfg = preset("debug")
     out = auto_layout(cfg, 4, 64, 16, (1, 2, 4, 8), "h100")
-    for key in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep", "micro_batch", "ac", "predicted_step_time"):
+    for key in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep", "micro_batch", "activation_checkpoint", "predicted_step_time"):
         assert key in out
     assert out["dp_replicate"] * out["dp_shard"] * out["tp"] * out["cp"] * out["pp"] == 4
     assert not problems(out["layout"], cfg, 4, 64, 16)  # the one validity check accepts it
@@ -111,10 +111,10 @@ def test_predict_step_time_accepts_runtime_keys():
     layout = {"dp_shard": 2, "tp": 2, "micro_batch": 2, "activation_checkpoint": "full", "sequence_parallel": True}
     t = predict_step_time(cfg, layout, 64, 8, "this-machine")
     p = predict(cfg, layout, 64, 8, "this-machine")
-    assert t == p.step_time > 0 and p.layout.ac == "full"
+    assert t == p.step_time > 0 and p.layout.activation_checkpoint == "full"
     assert p.time["total"] == pytest.approx(p.time["compute"] + p.time["exposed_comm"] + p.time["bubble"]
                                             + p.time["optimizer"])
-    assert predict_step_time(cfg, "pp=2,mb=1", 64, 8, "h100", world=4) > 0
+    assert predict_step_time(cfg, "pp=2,micro_batch=1", 64, 8, "h100", world=4) > 0
 
 
 def test_predict_accepts_a_whole_parallel_config():
@@ -125,7 +125,7 @@ def test_predict_accepts_a_whole_parallel_config():
     d = dataclasses.asdict(ParallelConfig(dp_shard=2, tp=2))
     d["micro_batch"] = 2
     p = predict(preset("debug"), d, 64, 8, "this-machine")
-    assert (p.layout.dp_shard, p.layout.tp, p.layout.mb) == (2, 2, 2)
+    assert (p.layout.dp_shard, p.layout.tp, p.layout.micro_batch) == (2, 2, 2)
 
 
 def test_pruned_search_finds_the_exhaustive_optimum():
@@ -150,8 +150,8 @@ def test_pruned_search_finds_the_exhaustive_optimum():
                                 for v in range(1, 9):
                                     for ac in AC_POLICIES:
                                         lay = Layout(dp_replicate=dp // ds, dp_shard=ds, tp=t, cp=c, pp=p, zero=z,
-                                                     reshard_after_forward=z == 3, mb=mb, v=v, ac=ac, sp=t > 1,
-                                                     schedule=sched)
+                                                     reshard_after_forward=z == 3, micro_batch=mb, pp_virtual_stages=v, activation_checkpoint=ac, sequence_parallel=t > 1,
+                                                     pp_schedule=sched)
                                         if pb.why_invalid(lay) or (p == 1 and sched != "1F1B"):
                                             continue
                                         if c > 1 and 4096 // c < 256:
@@ -169,7 +169,7 @@ def test_search_prices_the_pinned_fp32_matmul_precision():
     used to ignore the knob and always price TF32, and its per-layer cache would have reused one
     setting's costs for the other."""
     pb = make_problem(preset("llama3-8b"), 4096, 64, 8, "h100", precision="fp32")
-    fix = dict(tp=1, cp=1, pp=1, dp_shard=8, dp_replicate=1, zero=3, mb=1, ac="full")
+    fix = dict(tp=1, cp=1, pp=1, dp_shard=8, dp_replicate=1, zero=3, micro_batch=1, activation_checkpoint="full")
     tf32 = search(pb, top_k=1, fixed={**fix, "fp32_matmul_precision": "tf32"}).top[0]
     ieee = search(pb, top_k=1, fixed={**fix, "fp32_matmul_precision": "ieee"}).top[0]
     assert (tf32.layout.fp32_matmul_precision, ieee.layout.fp32_matmul_precision) == ("tf32", "ieee")

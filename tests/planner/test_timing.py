@@ -1,6 +1,7 @@
 """Time model pieces: collective costs, pipeline bubbles, TP volume, overlap."""
 
 import math
+import re
 
 import pytest
 
@@ -56,30 +57,30 @@ def test_bubbles_per_schedule():
 
 def test_tp_traffic_is_8bsh_per_layer_and_micro_batch():
     pb = make_problem(preset("llama3-8b"), 4096, 64, 8, "h100")
-    lay = Layout(dp_shard=1, tp=8, mb=2, ac="none")
+    lay = Layout(dp_shard=1, tp=8, micro_batch=2, activation_checkpoint="none")
     lc = layer_costs(pb, lay)
     bsh = 2 * 4096 * 4096 * 2  # bytes of one b x s x h activation
     ring = 2 * 7 / 8 * bsh / H100.intra_bw + 14 * H100.alpha_intra
     assert lc["tp"] == pytest.approx(4 * ring)  # 4 all-reduces = 8bsh(t-1)/t on the wire
-    full = layer_costs(pb, Layout(dp_shard=1, tp=8, mb=2, ac="full"))
+    full = layer_costs(pb, Layout(dp_shard=1, tp=8, micro_batch=2, activation_checkpoint="full"))
     assert full["tp"] == pytest.approx(6 * ring)  # the recomputed forward repeats its 2
 
 
 def test_recompute_adds_a_forward_and_dp_overlap_hides_gradients():
     pb = make_problem(preset("llama3-8b"), 4096, 64, 8, "h100")
-    none = step_breakdown(pb, Layout(dp_shard=8, zero=1, mb=1, ac="none"))
-    full = step_breakdown(pb, Layout(dp_shard=8, zero=1, mb=1, ac="full"))
+    none = step_breakdown(pb, Layout(dp_shard=8, zero=1, micro_batch=1, activation_checkpoint="none"))
+    full = step_breakdown(pb, Layout(dp_shard=8, zero=1, micro_batch=1, activation_checkpoint="full"))
     assert full["recompute"] > 0.2 * none["compute"]
     assert none["comm"]["dp"] < 0.05 * none["total"]  # hidden behind the last backward
     meg = make_problem(preset("llama3-8b"), 4096, 64, 8, "h100", stack="megatron-2021")
-    exposed = step_breakdown(meg, Layout(dp_replicate=8, dp_shard=1, mb=1, ac="none"))
+    exposed = step_breakdown(meg, Layout(dp_replicate=8, dp_shard=1, micro_batch=1, activation_checkpoint="none"))
     assert exposed["comm"]["dp"] > none["comm"]["dp"]
 
 
 def test_zero3_moves_more_than_zero1():
     pb = make_problem(preset("llama3-8b"), 4096, 64, 64, "h100")
-    z1 = step_breakdown(pb, Layout(dp_shard=64, zero=1, mb=1))
-    z3 = step_breakdown(pb, Layout(dp_shard=64, zero=3, mb=1))
+    z1 = step_breakdown(pb, Layout(dp_shard=64, zero=1, micro_batch=1))
+    z3 = step_breakdown(pb, Layout(dp_shard=64, zero=3, micro_batch=1))
     assert z3["total"] >= z1["total"]
 
 
@@ -87,7 +88,7 @@ def test_fp8_prices_only_the_matmuls_the_runtime_converts():
     """layout/fp8.py's rule: block Linears in fp8 (at the fp8 ceiling, not the bf16 one applied to
     the fp8 peak), head in bf16, and nothing when the dims are not multiples of 16 (the runtime
     converts no layer; nor does the planner speed any up)."""
-    lay = Layout(dp_shard=8, mb=1, ac="none")
+    lay = Layout(dp_shard=8, micro_batch=1, activation_checkpoint="none")
 
     def problem(cfg, precision, stack="ndtrain"):
         return make_problem(cfg, 4096, 64, 8, "h100", precision=precision, stack=stack)
@@ -133,7 +134,7 @@ def test_fp32_step_on_a_gpu_differs_by_the_tf32_over_ieee_ratio_in_its_gemms():
     from ndtrain.planner.gemm import head_seconds, layer_matmuls
 
     pb = make_problem(preset("llama3-8b"), 4096, 4, 1, "h100", precision="fp32")
-    tf32, ieee = (Layout(dp_shard=1, mb=1, fp32_matmul_precision=s) for s in ("tf32", "ieee"))
+    tf32, ieee = (Layout(dp_shard=1, micro_batch=1, fp32_matmul_precision=s) for s in ("tf32", "ieee"))
     ratio = 494.5 / 67
     mm = {lay: layer_matmuls(pb, lay, 0) for lay in (tf32, ieee)}
     for part in ("F", "dgrad", "wgrad"):
@@ -158,7 +159,7 @@ def test_ndtrain_plan_prices_and_prints_the_key(capsys):
     for setting in ("tf32", "ieee"):
         argv = ["--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--precision", "fp32", "--seq", "4096",
                 "--global-batch", "64", "--samples", "0", "--json",
-                "--layout", f"dp_shard=8,zero=1,mb=1,fp32_matmul_precision={setting}"]
+                "--layout", f"dp_shard=8,zero=1,micro_batch=1,fp32_matmul_precision={setting}"]
         assert plan_main(argv) == 0
         out[setting] = json.loads(capsys.readouterr().out)["layouts"][0]
     assert out["tf32"]["layout"]["fp32_matmul_precision"] == "tf32"
@@ -166,4 +167,5 @@ def test_ndtrain_plan_prices_and_prints_the_key(capsys):
     assert "--parallel.fp32_matmul_precision=ieee" in out["ieee"]["config_check"]
     assert out["ieee"]["step_time_s"] > 3 * out["tf32"]["step_time_s"]
     assert plan_main([a for a in argv if a != "--json"]) == 0
-    assert "fp32_matmul=ieee" in capsys.readouterr().out  # the layout line of the text report
+    # the layout line of the text report (not the config line's --parallel.fp32_matmul_precision=ieee)
+    assert re.search(r"(^|\s)fp32_matmul_precision=ieee\b", capsys.readouterr().out, re.M)

@@ -84,7 +84,7 @@ def test_from_run_writes_the_profile_plan_reads(tmp_path, capsys):
     # `ndtrain plan --profile` reads it
     assert cli(["plan", "--model-shape", "layers=8,hidden=256,heads=8,kv_heads=4,ffn=768,vocab=256", "--gpus", "2",
                 "--gpu", "this-machine", "--seq", "128", "--global-batch", "8", "--profile", str(out), "--samples", "0",
-                "--layout", "dp_replicate=2,dp_shard=1,mb=4", "--precision", "fp32", "--json"]) == 0
+                "--layout", "dp_replicate=2,dp_shard=1,micro_batch=4", "--precision", "fp32", "--json"]) == 0
     (planned,) = json.loads(capsys.readouterr().out)["layouts"]
     assert planned["step_time_s"] == pytest.approx(run_fit.predict_run(hw, observe(read_run(run))).step_time, rel=1e-9)
 

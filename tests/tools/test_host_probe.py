@@ -126,18 +126,18 @@ def test_host_choices_and_an_explicit_value_wins(cache, capsys):
     cache(probe(SPR, fp32=140e9, bf16=1452e9, onednn=0.95, attn_bf16=1.6, block=4.0))
     cfg = load_config(None, PEERS)
     plan = resolve_plan(cfg, 2)
-    assert (plan.layout.cpu_matmul, plan.layout.mp) == ("blas", "bf16") == (plan.host.cpu_matmul, plan.host.precision)
+    assert (plan.layout.cpu_matmul, plan.layout.mixed_precision) == ("blas", "bf16") == (plan.host.cpu_matmul, plan.host.precision)
     assert (cfg.parallel.cpu_matmul, cfg.parallel.mixed_precision) == ("onednn", "fp32")  # the caller's stays
     # the kernel choice reaches the Trainer in the plan, and it sets it per model
     assert plan.host.bf16_attention == "bf16"
     assert plan.host.precision_speedup >= 1.5 and "precision bf16" in plan.explanation
     given = resolve_plan(load_config(None, {**PEERS, "parallel": {"cpu_matmul": "onednn", "mixed_precision": "fp32"}}), 2)
-    assert (given.layout.cpu_matmul, given.layout.mp) == ("onednn", "fp32") and given.host.precision == ""
+    assert (given.layout.cpu_matmul, given.layout.mixed_precision) == ("onednn", "fp32") and given.host.precision == ""
     # the AMD host: bf16 matmuls 2.2x fp32's, but a whole bf16 block only 1.4x; the planner
     # predicts under 1.5x and fp32 stays
     cache(probe(AMD))
     plan = resolve_plan(load_config(None, PEERS), 2)
-    assert plan.layout.mp == "fp32" and plan.host.precision_speedup < 1.5
+    assert plan.layout.mixed_precision == "fp32" and plan.host.precision_speedup < 1.5
     # a stored config (a checkpoint's) decides again, as compile_auto does
     from ndtrain.config import from_dict, to_dict
 

@@ -167,7 +167,7 @@ def test_a_checkpoints_shares_for_another_layout_are_dropped_with_a_line():
     progress = TrainProgress(step=5, batch_shares=[0.5, 0.3, 0.2])  # saved by a run on 3 ranks
     cfg = load_config(None, {"parallel": {"balance": "measured", "batch_shares": [3, 1]}, "train": {"micro_batch": 4}})
     bal = object.__new__(Balancer)  # its clock needs a model; sync reads the state only
-    bal.state = SimpleNamespace(progress=progress, dp_size=2, loader=loader, cfg=cfg, layout=Layout(dp_shard=2, mb=4))
+    bal.state = SimpleNamespace(progress=progress, dp_size=2, loader=loader, cfg=cfg, layout=Layout(dp_shard=2, micro_batch=4))
     bal.initial, bal.clock, bal.since = [3.0, 1.0], SimpleNamespace(take=lambda: 0.0), 0
     assert "for 3 data-parallel ranks, this run has 2" in bal.sync()
     assert progress.batch_shares is None and loader.shares == ([3.0, 1.0], 4)
@@ -191,7 +191,7 @@ def test_plan_weights_favour_the_faster_kind_in_rank_order():
     from ndtrain.train.balance import plan_weights
 
     cfg = load_config(None, {**PLANNED, "parallel": {"balance": "plan", "gpus": "1xa100-80,1xh100"}})
-    w = plan_weights(cfg, Layout(dp_replicate=2, mb=4), dp=2)
+    w = plan_weights(cfg, Layout(dp_replicate=2, micro_batch=4), dp=2)
     assert w[1] == 1.0 and 0.25 < w[0] < 0.5  # the H100 (rank 1) is the fast one
     with pytest.raises(ConfigError, match="names 2 data-parallel ranks but the data-parallel degree is 4"):
         plan_weights(cfg, Layout(dp_replicate=4), dp=4)
@@ -204,7 +204,7 @@ def test_a_run_starts_with_the_shares_its_balance_mode_names():
     from ndtrain.layout import Layout
     from ndtrain.train.balance import initial_weights
 
-    lay = Layout(dp_replicate=2, mb=4)
+    lay = Layout(dp_replicate=2, micro_batch=4)
     assert initial_weights(load_config(None, {}), lay, 2) is None  # equal slices
     given = load_config(None, {"parallel": {"batch_shares": [3, 1]}, "train": {"global_batch": 16, "micro_batch": 8}})
     assert initial_weights(given, lay, 2) == [3.0, 1.0]
@@ -215,7 +215,7 @@ def test_a_run_starts_with_the_shares_its_balance_mode_names():
     tight = load_config(None, {**PLANNED, "train": {"global_batch": 4, "micro_batch": 1},
                                "parallel": {"balance": "plan", "gpus": "1xh100,1xa100-80"}})
     with pytest.raises(ConfigError, match="fewer than the 3 micro-batches") as exc:
-        initial_weights(tight, Layout(dp_replicate=2, mb=1), 2)
+        initial_weights(tight, Layout(dp_replicate=2, micro_batch=1), 2)
     assert exc.value.key == "parallel.gpus"
 
 

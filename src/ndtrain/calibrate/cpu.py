@@ -158,7 +158,7 @@ def fit_mm_eff(prof: dict, precision: str = "fp32") -> float:
     dim, seq = SHAPES[-1]
     hw = from_profile({**prof, "mm_eff": 1.0, "mm_eff_bf16": 1.0})
     pb = make_problem(_config(4, dim), seq, BATCH, 1, hw, precision=precision)
-    model = layer_costs(pb, Layout(dp_shard=1, mb=BATCH))["compute"]
+    model = layer_costs(pb, Layout(dp_shard=1, micro_batch=BATCH))["compute"]
     gemms = 3 * 2 * BATCH * seq * pb.shape.mm_params_layer / hw.peak(precision)
     measured = prof["host_s"]["measured" if precision == "fp32" else f"measured_{precision}"][f"{dim},{seq}"][0]
     return min(1.5, max(0.25, gemms / max(measured - (model - gemms), 1e-9)))

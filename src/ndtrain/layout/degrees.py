@@ -50,11 +50,10 @@ _SAME = object()
 
 @dataclass(frozen=True)
 class Key:
-    """Where a Layout field lives in the job config, when that is not `[parallel] <field name>`
-    (the renamed few, and the two keys of other sections); `default`: the config's default where
+    """Where a Layout field lives in the job config, when that is not `[parallel]` (the two keys
+    of other sections; the key is always the field's name); `default`: the config's default where
     it differs from a bare Layout's."""
 
-    name: str | None = None
     section: str = "parallel"
     default: object = _SAME
 
@@ -80,22 +79,22 @@ class Layout:
     # given, it follows the stage (`reshard_default`): true at zero = 3, false at 1 and 2, where
     # parameters are never sharded; true there is refused (layout/rules.py).
     reshard_after_forward: bool = True
-    sp: Annotated[bool, Key("sequence_parallel")] = True  # sequence parallel, with tp > 1
-    mb: Annotated[int, Key("micro_batch", "train")] = 1  # sequences per rank per forward/backward
-    schedule: Annotated[str, Key("pp_schedule")] = DEFAULT  # a name in layout/schedules.py's registry
-    v: Annotated[int, Key("pp_virtual_stages")] = 1  # stages per pipeline rank
+    sequence_parallel: bool = True  # sequence parallel, with tp > 1
+    micro_batch: Annotated[int, Key(section="train")] = 1  # sequences per rank per forward/backward
+    pp_schedule: str = DEFAULT  # a name in layout/schedules.py's registry
+    pp_virtual_stages: int = 1  # stages per pipeline rank
     # Pipeline micro-batches per step; 0 = one per micro-batch of the accumulation.
-    m: Annotated[int, Key("pp_microbatches")] = 0
+    pp_microbatches: int = 0
     # How layers are split when layers_per_stage is empty (layout/partition.py).
-    split: Annotated[PpSplit, Key("pp_split")] = "balanced"
+    pp_split: PpSplit = "balanced"
     layers_per_stage: tuple[int, ...] = ()
-    ac: Annotated[AcPolicy, Key("activation_checkpoint")] = "none"
+    activation_checkpoint: AcPolicy = "none"
     ac_every: int = 2  # for every_n: checkpoint every N-th layer
     # fp32 | bf16 (bf16 params/compute, fp32 gradient reduction) | fp8 (bf16, and the qualifying
     # Linear layers' matmuls in float8 through torchao; layout/fp8.py, docs/fp8.md)
-    mp: Annotated[Precision, Key("mixed_precision")] = "fp32"
+    mixed_precision: Precision = "fp32"
     fp8_recipe: Fp8Recipe = "tensorwise"  # with mp = fp8: torchao's scaling recipe
-    offload: Annotated[bool, Key("cpu_offload")] = False
+    cpu_offload: bool = False
     compile: bool = False  # torch.compile each decoder block
     # The Linear layers' CPU fp32 kernel (model/linear.py): "onednn" (faster than MKL's on the AMD
     # host measured, docs/results/benchmarks.md) or "blas" (torch's own choice); GPUs and other dtypes
@@ -106,17 +105,17 @@ class Layout:
     # have no TF32: their fp32 stays IEEE whichever is set.
     fp32_matmul_precision: Fp32MatmulPrecision = "tf32"
     cp_attention: CpAttention = "ring"
-    # [data] document_mask: attention stays inside each packed document.
-    doc_mask: Annotated[bool, Key("document_mask", "data")] = False
+    # attention stays inside each packed document
+    document_mask: Annotated[bool, Key(section="data")] = False
     # How dp_replicate replicas agree (layout/diloco.py, docs/diloco.md): "step" all-reduces
-    # gradients every step; "diloco" trains each replica alone for `inner_steps` steps, then takes
-    # an outer step, in `fragments` staggered parameter fragments whose reduction overlaps
-    # `overlap` inner steps.
-    sync: Annotated[ReplicateSync, Key("replicate_sync")] = "step"
-    inner_steps: Annotated[int, Key("diloco_inner_steps")] = 8
-    fragments: Annotated[int, Key("diloco_fragments")] = 1
-    overlap: Annotated[int, Key("diloco_overlap_steps")] = 0
-    outer_dtype: Annotated[OuterDtype, Key("diloco_outer_dtype")] = "fp32"  # the outer gradient on the wire
+    # gradients every step; "diloco" trains each replica alone for `diloco_inner_steps` steps, then
+    # takes an outer step, in `diloco_fragments` staggered parameter fragments whose reduction
+    # overlaps `diloco_overlap_steps` inner steps.
+    replicate_sync: ReplicateSync = "step"
+    diloco_inner_steps: int = 8
+    diloco_fragments: int = 1
+    diloco_overlap_steps: int = 0
+    diloco_outer_dtype: OuterDtype = "fp32"  # the outer gradient on the wire
 
     # ---- derived quantities ----------------------------------------------------------------
     @property
@@ -152,7 +151,7 @@ class Layout:
         from ndtrain.layout.schedules import SPLIT_BACKWARD
 
         return (self.effective_zero == 3 and self.reshard_after_forward
-                and not (self.pp > 1 and self.schedule in SPLIT_BACKWARD))
+                and not (self.pp > 1 and self.pp_schedule in SPLIT_BACKWARD))
 
     @property
     def grads_sharded_per_microbatch(self) -> bool:
@@ -168,16 +167,16 @@ class Layout:
         model (a shard group of one rank, no tp/cp/pp/ep) and all-reduce whole gradients every
         step (in fp32, on torch's DDP reducer: `on_ddp_reducer`)."""
         return (self.dp_replicate > 1 and self.shard_degree == 1 and self.tp == 1 and self.pp == 1
-                and self.ep == 1 and self.sync == "step")
+                and self.ep == 1 and self.replicate_sync == "step")
 
-    def on_ddp_reducer(self, moe: bool = False, mp: str | None = None) -> bool:
+    def on_ddp_reducer(self, moe: bool = False, precision: str | None = None) -> bool:
         """Whether the runtime runs this layout on torch's DDP reducer rather than FSDP2: plain
         replication in fp32, without CPU offload, of a dense model (`moe`: the model has routed
-        experts, which a step may leave without gradient; `mp`: the precision where the caller
+        experts, which a step may leave without gradient; `precision`: the precision where the caller
         holds it apart from the layout, as the planner's problem does). bf16 stays on FSDP2,
         whose bf16 blocks beat DDP under autocast on CPU (docs/results/history.md, run F). The
         planner prices the reducer's all-reduce with its own in-situ fit where one was calibrated."""
-        return self.plain_replication and (mp or self.mp) == "fp32" and not self.offload and not moe
+        return self.plain_replication and (precision or self.mixed_precision) == "fp32" and not self.cpu_offload and not moe
 
     @property
     def pairs_forward_backward(self) -> bool:
@@ -185,7 +184,7 @@ class Layout:
         (layout/schedules.py: DualPipeV), where expert all-to-alls can overlap compute."""
         from ndtrain.layout.schedules import get
 
-        return self.pp > 1 and get(self.schedule).pairs_forward_backward
+        return self.pp > 1 and get(self.pp_schedule).pairs_forward_backward
 
     @property
     def expert_shard_degree(self) -> int:
@@ -194,7 +193,7 @@ class Layout:
 
     @property
     def stages(self) -> int:
-        return self.pp * self.v
+        return self.pp * self.pp_virtual_stages
 
     def rows(self, global_batch: int) -> int:
         """Sequences each data-parallel rank processes per step."""
@@ -202,26 +201,27 @@ class Layout:
 
     def micro_batches(self, global_batch: int) -> int:
         """Forward/backward passes per step and rank (pipeline micro-batches when pp > 1)."""
-        return microbatch_count(self.m if self.pp > 1 else 0, self.rows(global_batch), self.mb)
+        return microbatch_count(self.pp_microbatches if self.pp > 1 else 0, self.rows(global_batch), self.micro_batch)
 
     def short(self) -> str:
-        """Compact description for reports: the degrees above 1, then what matters with them."""
-        parts = [f"{d}={getattr(self, d)}" for d in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")
-                 if getattr(self, d) != 1]
+        """Description for reports, in the text syntax's keys (space-separated): the degrees above 1,
+        then what matters with them."""
+        keys = [d for d in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep") if getattr(self, d) != 1]
         if self.shard_degree > 1:
-            parts.append(f"zero={self.zero}")
+            keys.append("zero")
             if self.zero == 3 and not self.reshard_after_forward:
-                parts.append("raf=0")
+                keys.append("reshard_after_forward")
         if self.pp > 1:
-            parts.append(self.schedule + (f" v={self.v}" if self.v > 1 else ""))
-        if self.tp > 1 and not self.sp:
-            parts.append("sp=0")
-        if self.mp == "fp32" and self.fp32_matmul_precision != "tf32":
-            parts.append(f"fp32_matmul={self.fp32_matmul_precision}")
-        if self.sync == "diloco":
-            parts.append(f"diloco H={self.inner_steps}" + (f" F={self.fragments}" if self.fragments > 1 else ""))
-        parts += [f"mb={self.mb}", f"ac={self.ac}"]
-        return " ".join(parts)
+            keys += ["pp_schedule"] + (["pp_virtual_stages"] if self.pp_virtual_stages > 1 else [])
+        if self.tp > 1 and not self.sequence_parallel:
+            keys.append("sequence_parallel")
+        if self.mixed_precision == "fp32" and self.fp32_matmul_precision != "tf32":
+            keys.append("fp32_matmul_precision")
+        if self.replicate_sync == "diloco":
+            keys += ["replicate_sync",
+                     "diloco_inner_steps"] + (["diloco_fragments"] if self.diloco_fragments > 1 else [])
+        keys += ["micro_batch", "activation_checkpoint"]
+        return " ".join(f"{k}={_format(getattr(self, k))}" for k in keys)
 
     def describe(self) -> str:
         """The mesh degrees above 1, as the runtime logs them."""
@@ -230,7 +230,7 @@ class Layout:
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["sp"] = int(self.sp and self.tp > 1)
+        d["sequence_parallel"] = int(self.sequence_parallel and self.tp > 1)
         d["layers_per_stage"] = list(self.layers_per_stage)
         return d
 
@@ -253,7 +253,7 @@ class Layout:
         """`--section.key=value` command-line overrides that build this layout from any config:
         the degrees, the ZeRO keys and the micro-batch always, other keys when off their default."""
         default, args = Layout(), []
-        always = set(DEGREES) | {"zero", "reshard_after_forward", "mb"}
+        always = set(DEGREES) | {"zero", "reshard_after_forward", "micro_batch"}
         for name, (section, key) in CONFIG_KEYS.items():
             value = getattr(self, name)
             if value != getattr(default, name) or name in always:
@@ -265,9 +265,9 @@ class Layout:
 
 @dataclass(frozen=True)
 class LayoutField:
-    name: str  # the Layout attribute (the short name: sp, m, schedule, ...)
+    name: str  # the Layout attribute
     section: str  # the job config section that holds it
-    key: str  # its key there
+    key: str  # its key there: the same name
     type: object  # the annotation, Key removed
     default: object  # a bare Layout's
     config_default: object  # the config's
@@ -283,7 +283,7 @@ def _read_fields() -> tuple[LayoutField, ...]:
             key = next((m for m in hint.__metadata__ if isinstance(m, Key)), key)
             hint = hint.__origin__
         default = f.default
-        out.append(LayoutField(f.name, key.section, key.name or f.name, hint, default,
+        out.append(LayoutField(f.name, key.section, f.name, hint, default,
                                default if key.default is _SAME else key.default,
                                typing.get_args(hint) if typing.get_origin(hint) is Literal else None))
     return tuple(out)
@@ -291,13 +291,9 @@ def _read_fields() -> tuple[LayoutField, ...]:
 
 FIELDS = _read_fields()
 FIELD = {f.name: f for f in FIELDS}
-# Layout field -> (config section, config key): the one mapping between the two vocabularies.
+# Layout field -> (config section, config key): where each field is read from and written to in a
+# job config (the key is the field's own name).
 CONFIG_KEYS = {f.name: (f.section, f.key) for f in FIELDS}
-# The one table of other spellings a layout key is read under (the text syntax: `plan --layout`,
-# `--fix`, `verify --layouts`): every config key (CONFIG_KEYS, so a renamed field is found by its
-# config name), and three short forms. Code spells a field by its Layout name only.
-KEY_ALIASES = {**{key: name for name, (_, key) in CONFIG_KEYS.items()},
-               "virtual_stages": "v", "raf": "reshard_after_forward", "precision": "mp"}
 
 
 def choices(name: str) -> tuple | None:
@@ -398,3 +394,4 @@ def fill_degrees(lay: Layout, world: int) -> Layout:
     if ep == -1:
         ep = degrees["dp_shard"] * degrees["cp"]
     return dataclasses.replace(lay, ep=ep, **degrees)
+

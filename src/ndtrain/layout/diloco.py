@@ -4,7 +4,7 @@ same check; the runtime (parallel/diloco.py) uses the same schedule.
 
 Schedule: fragment f of F (F = 1 is classic DiLoCo) sends its outer gradient after inner step s
 when s % H == ((f + 1) * H / F) % H, so fragments are H/F steps apart and each is synced every H
-steps; the reduced result is applied `overlap` steps later (0: in the same step). The last step
+steps; the reduced result is applied `diloco_overlap_steps` steps later (0: in the same step). The last step
 of a run syncs every fragment whose last send is older, so a run ends on one global model.
 """
 
@@ -15,7 +15,7 @@ from ndtrain.layout.degrees import SYNCS
 
 def diloco_on(par) -> bool:
     """Whether replicas sync by DiLoCo; `par` is a [parallel] section or a Layout."""
-    return getattr(par, "replicate_sync", getattr(par, "sync", "step")) == "diloco"
+    return par.replicate_sync == "diloco"
 
 
 def diloco_problems(lay, model):
@@ -24,23 +24,24 @@ def diloco_problems(lay, model):
     (layout/rules.py RULES): the trainer, `config show`/`config check`, `verify` and the planner
     all see these. The ZeRO stage composes: FSDP shards (and reduces) inside each replica only,
     whatever the stage, and the replicas meet in the outer step alone."""
-    if lay.sync not in SYNCS:  # its vocabulary is the layout's (layout/rules.py values)
+    if lay.replicate_sync not in SYNCS:  # its vocabulary is the layout's (layout/rules.py values)
         return
-    if lay.inner_steps < 1:
-        yield "parallel.diloco_inner_steps", f"must be >= 1, got {lay.inner_steps}"
+    if lay.diloco_inner_steps < 1:
+        yield "parallel.diloco_inner_steps", f"must be >= 1, got {lay.diloco_inner_steps}"
         return
-    if lay.fragments < 1:
-        yield "parallel.diloco_fragments", f"must be >= 1, got {lay.fragments}"
+    if lay.diloco_fragments < 1:
+        yield "parallel.diloco_fragments", f"must be >= 1, got {lay.diloco_fragments}"
         return
-    if lay.inner_steps % lay.fragments:
-        yield "parallel.diloco_fragments", (f"{lay.fragments} fragments must divide diloco_inner_steps={lay.inner_steps} "
+    if lay.diloco_inner_steps % lay.diloco_fragments:
+        yield "parallel.diloco_fragments", (f"{lay.diloco_fragments} fragments must divide "
+                                            f"diloco_inner_steps={lay.diloco_inner_steps} "
                                             f"(one fragment is synced every H/fragments steps)")
         return
-    stride = lay.inner_steps // lay.fragments
-    if not 0 <= lay.overlap < stride:
+    stride = lay.diloco_inner_steps // lay.diloco_fragments
+    if not 0 <= lay.diloco_overlap_steps < stride:
         yield "parallel.diloco_overlap_steps", (f"must be in [0, diloco_inner_steps/diloco_fragments) = [0, {stride}), "
-                                                f"got {lay.overlap}")
-    if lay.sync != "diloco":
+                                                f"got {lay.diloco_overlap_steps}")
+    if lay.replicate_sync != "diloco":
         return
     if lay.dp_replicate < 2:
         yield "parallel.replicate_sync", (f"diloco synchronises dp_replicate replicas, but dp_replicate="
@@ -50,8 +51,8 @@ def diloco_problems(lay, model):
         # across replicas, every step; DiLoCo's inner steps must stay inside one replica.
         yield "parallel.replicate_sync", ("diloco does not support mixture-of-experts models yet (expert routing "
                                           "state spans replicas); use replicate_sync=step")
-    if lay.fragments > model.n_layers:
-        yield "parallel.diloco_fragments", (f"{lay.fragments} fragments but model.n_layers={model.n_layers}: a "
+    if lay.diloco_fragments > model.n_layers:
+        yield "parallel.diloco_fragments", (f"{lay.diloco_fragments} fragments but model.n_layers={model.n_layers}: a "
                                             f"fragment is a set of whole layers")
 
 

@@ -114,7 +114,7 @@ def fp8_problems(lay, model, seq_len: int | None = None) -> list[tuple[str, str]
     when mixed precision is not fp8). `lay` is a resolved ndtrain.layout.Layout (mp, fp8_recipe,
     tp, cp), `model` a ModelConfig. layout.problems() runs this as one of its rules."""
     out = []  # fp8_recipe's vocabulary is the layout's (layout/rules.py values)
-    if lay.mp != "fp8":
+    if lay.mixed_precision != "fp8":
         return out
     tp, cp = lay.tp, lay.cp
     if not _any_converts(model, tp):

@@ -103,10 +103,10 @@ def pipeline_split(cfg: ModelConfig, seq_len: int, lay) -> list[int]:
     builds and the planner costs. Raises NdtrainError when impossible."""
     from ndtrain.layout import schedules as registry
 
-    counts = stage_layer_counts(cfg, lay.stages, seq_len, lay.split, lay.layers_per_stage)
-    if lay.split != "balanced" or lay.layers_per_stage or lay.v == 1:
+    counts = stage_layer_counts(cfg, lay.stages, seq_len, lay.pp_split, lay.layers_per_stage)
+    if lay.pp_split != "balanced" or lay.layers_per_stage or lay.pp_virtual_stages == 1:
         return counts
-    owners = tuple(registry.get(lay.schedule).stage_ranks(lay.pp, lay.v))
+    owners = tuple(registry.get(lay.pp_schedule).stage_ranks(lay.pp, lay.pp_virtual_stages))
     return list(_rebalance(tuple(counts), part_costs(cfg, seq_len), owners, lay.pp))
 
 

@@ -71,15 +71,15 @@ def values(c: Context):
                 yield key, f"must be one of {', '.join(allowed)}, got {value!r}"
     if lay.ac_every < 1:
         yield "parallel.ac_every", f"must be positive, got {lay.ac_every}"
-    if lay.mb < 1:
-        yield "train.micro_batch", f"must be positive, got {lay.mb}"
-    if lay.v < 1:
-        yield "parallel.pp_virtual_stages", f"must be positive, got {lay.v}"
-    if lay.m < 0:
-        yield "parallel.pp_microbatches", f"must be >= 0, got {lay.m}"
+    if lay.micro_batch < 1:
+        yield "train.micro_batch", f"must be positive, got {lay.micro_batch}"
+    if lay.pp_virtual_stages < 1:
+        yield "parallel.pp_virtual_stages", f"must be positive, got {lay.pp_virtual_stages}"
+    if lay.pp_microbatches < 0:
+        yield "parallel.pp_microbatches", f"must be >= 0, got {lay.pp_microbatches}"
     # Checked whatever pp is: a misspelt schedule must not wait for the day pp > 1.
-    if lay.schedule not in sch.SCHEDULES:
-        yield "parallel.pp_schedule", f"unknown schedule {lay.schedule!r} (choose from {', '.join(sch.NAMES)})"
+    if lay.pp_schedule not in sch.SCHEDULES:
+        yield "parallel.pp_schedule", f"unknown schedule {lay.pp_schedule!r} (choose from {', '.join(sch.NAMES)})"
 
 
 def model_runs_here(c: Context):
@@ -132,26 +132,26 @@ def expert_parallel(c: Context):
 def pipeline(c: Context):
     lay, m = c.lay, c.model
     if lay.pp == 1:
-        if lay.v != 1:
+        if lay.pp_virtual_stages != 1:
             yield "parallel.pp_virtual_stages", "virtual stages need pp > 1"
         return
-    s = sch.SCHEDULES.get(lay.schedule)
+    s = sch.SCHEDULES.get(lay.pp_schedule)
     if s is None:
         return  # reported by `values`
-    problem = s.virtual_problem(lay.v)
+    problem = s.virtual_problem(lay.pp_virtual_stages)
     if problem:
         yield "parallel.pp_virtual_stages", problem
         return
     key = "parallel.layers_per_stage" if lay.layers_per_stage else (
-        "parallel.pp_split" if lay.split == "llama3" else "parallel.pp")
-    problem = partition_problem(m.n_layers, lay.stages, lay.split, lay.layers_per_stage)
+        "parallel.pp_split" if lay.pp_split == "llama3" else "parallel.pp")
+    problem = partition_problem(m.n_layers, lay.stages, lay.pp_split, lay.layers_per_stage)
     if problem:
         yield key, problem
     if c.strict:
         if lay.compile and s.split_backward:
             yield "parallel.compile", (f"{s.name} runs the backward in separate input and weight passes, which "
                                        f"compiled blocks do not support; set compile=false or use 1F1B/Interleaved1F1B")
-        if lay.ac == "selective" and s.split_backward:
+        if lay.activation_checkpoint == "selective" and s.split_backward:
             # torch 2.13's selective checkpointing hands each saved op to one backward only
             # ("Trying to backward an extra time. You are only allowed to backward once on any
             # region computed under selective activation checkpoint"); the weight pass (W) is a
@@ -197,32 +197,32 @@ def microbatch_split_problem(rows: int, m: int) -> str | None:
 
 def batches(c: Context):
     lay = c.lay
-    key = "parallel.pp_microbatches" if lay.m else "train.micro_batch"
-    s = sch.SCHEDULES.get(lay.schedule)
+    key = "parallel.pp_microbatches" if lay.pp_microbatches else "train.micro_batch"
+    s = sch.SCHEDULES.get(lay.pp_schedule)
     for i, gb in enumerate(c.batches):
         key_gb = "train.global_batch" if i == 0 else "train.batch_ramp"
         problem = global_batch_problem(gb, lay.dp, key_gb)
         if problem:
             yield key_gb, problem
             return
-        if lay.pp == 1 or s is None or s.virtual_problem(lay.v):
+        if lay.pp == 1 or s is None or s.virtual_problem(lay.pp_virtual_stages):
             continue
         rows, m = gb // lay.dp, lay.micro_batches(gb)
-        problem = microbatch_split_problem(rows, m) or s.microbatch_problem(lay.pp, lay.v, m)
+        problem = microbatch_split_problem(rows, m) or s.microbatch_problem(lay.pp, lay.pp_virtual_stages, m)
         if problem:
-            hint = "" if lay.m else " (set train.micro_batch smaller or parallel.pp_microbatches)"
+            hint = "" if lay.pp_microbatches else " (set train.micro_batch smaller or parallel.pp_microbatches)"
             yield key, f"global batch {gb} in {m} micro-batches: {problem}{hint}"
             return
 
 
 def offload(c: Context):
     lay = c.lay
-    if lay.offload and lay.dp * lay.cp == 1:
+    if lay.cpu_offload and lay.dp * lay.cp == 1:
         yield "parallel.cpu_offload", "CPU offload is FSDP's and needs data-parallel ranks (dp_replicate*dp_shard*cp > 1)"
 
 
 def document_mask(c: Context):
-    if c.lay.doc_mask and c.lay.pp > 1:
+    if c.lay.document_mask and c.lay.pp > 1:
         # Pipeline stages receive hidden states only, so per-row document ids and positions
         # would not reach the later stages.
         yield "data.document_mask", ("document masking does not combine with pipeline parallel (pp > 1) yet; "

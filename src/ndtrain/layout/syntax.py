@@ -1,7 +1,8 @@
 """One text syntax for a layout everywhere (`plan --layout`, `--fix`, `verify --layouts`,
-`config check`): `key=value` items joined by commas, e.g. `tp=2,pp=4,zero=1,schedule=ZBVZeroBubble`.
-Keys are the Layout's field names (layout/degrees.py), their config names or a few short forms
-(KEY_ALIASES); `mb` is `[train] micro_batch`. Each value is coerced by its field's type."""
+`config check`): `key=value` items joined by commas, e.g. `tp=2,pp=4,zero=1,pp_schedule=ZBVZeroBubble`.
+Keys are the config keys, which are the Layout's field names (layout/degrees.py), or the short forms
+of KEY_ALIASES (`mb`, `ac`, `schedule`, `v`, ...), which older commands and scripts used. Each value
+is coerced by its field's type."""
 
 from __future__ import annotations
 
@@ -9,8 +10,20 @@ import dataclasses
 import functools
 
 from ndtrain.errors import NdtrainError
-from ndtrain.layout.degrees import CONFIG_KEYS, FIELD, KEY_ALIASES, Layout, choices, fill_degrees, reshard_default
+from ndtrain.layout.degrees import CONFIG_KEYS, FIELD, Layout, choices, fill_degrees, reshard_default
 from ndtrain.layout.schedules import DEFAULT_INTERLEAVED
+
+# The one migration table: the short forms a layout key was spelt by before the Layout's fields
+# took the config's names, still read wherever a layout is read from outside (the text syntax of
+# `plan --layout`, `--fix`, `verify --layouts`; a layout dict given to planner.api.predict). Code
+# and output spell a field by its one name.
+KEY_ALIASES = {"sp": "sequence_parallel", "mb": "micro_batch", "schedule": "pp_schedule",
+               "v": "pp_virtual_stages", "virtual_stages": "pp_virtual_stages", "m": "pp_microbatches",
+               "split": "pp_split", "ac": "activation_checkpoint", "mp": "mixed_precision",
+               "precision": "mixed_precision", "offload": "cpu_offload", "doc_mask": "document_mask",
+               "sync": "replicate_sync", "inner_steps": "diloco_inner_steps", "fragments": "diloco_fragments",
+               "overlap": "diloco_overlap_steps", "outer_dtype": "diloco_outer_dtype",
+               "raf": "reshard_after_forward"}
 
 
 def parse_items(text: str | dict, what: str = "layout") -> dict:
@@ -30,7 +43,7 @@ def parse_items(text: str | dict, what: str = "layout") -> dict:
         name = KEY_ALIASES.get(key, key)
         if name not in CONFIG_KEYS:
             known = ", ".join(sorted(CONFIG_KEYS))
-            raise NdtrainError(f"{what}: unknown key {key!r}; keys are {known} (or their [parallel] names)")
+            raise NdtrainError(f"{what}: unknown key {key!r}; keys are {known}")
         out[name] = _typed(name, value, what)
     return out
 
@@ -64,7 +77,7 @@ def _typed(name: str, value, what: str):
     boolean for a number. Named values (schedules, Literal vocabularies) are matched without
     case; a value outside the vocabulary is left to the layout rules, which name its config key."""
     typ, text = FIELD[name].type, str(value).strip()
-    if name == "schedule":
+    if name == "pp_schedule":
         from ndtrain.layout.schedules import canonical_schedule
 
         return canonical_schedule(text)
@@ -87,18 +100,18 @@ def parse_layout(text: str | dict, world: int | None = None, base: Layout | None
     which takes the rest of the world, as `[parallel] dp_shard = -1` does). With `world` the
     -1 degrees are resolved (and a world the degrees cannot fill is an error).
 
-    Convenience defaults, as a user would expect: `v` defaults to 2 for the V schedules, and a
-    `v` above 1 without a schedule means Interleaved1F1B; at ZeRO-1/2 `reshard_after_forward`
+    Convenience defaults, as a user would expect: `pp_virtual_stages` defaults to 2 for the V
+    schedules, and above 1 without a schedule it means Interleaved1F1B; at ZeRO-1/2 `reshard_after_forward`
     is false (parameters stay gathered)."""
     items = parse_items(text)
     base = base or Layout(dp_shard=-1)
-    if "schedule" not in items and items.get("v", 1) > 1:
-        items["schedule"] = DEFAULT_INTERLEAVED
+    if "pp_schedule" not in items and items.get("pp_virtual_stages", 1) > 1:
+        items["pp_schedule"] = DEFAULT_INTERLEAVED
     from ndtrain.layout.schedules import SCHEDULES
 
-    sched = SCHEDULES.get(items.get("schedule", base.schedule))
-    if sched is not None and sched.fixed_v and "v" not in items:
-        items["v"] = sched.fixed_v
+    sched = SCHEDULES.get(items.get("pp_schedule", base.pp_schedule))
+    if sched is not None and sched.fixed_v and "pp_virtual_stages" not in items:
+        items["pp_virtual_stages"] = sched.fixed_v
     if "reshard_after_forward" not in items and not reshard_default(items.get("zero", base.zero)):
         items["reshard_after_forward"] = False
     lay = dataclasses.replace(base, **items)

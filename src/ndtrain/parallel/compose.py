@@ -36,14 +36,14 @@ def parallelize(model: nn.Module, dims: Layout, mesh=None) -> nn.Module:
     """`dims` is the resolved layout (ndtrain.layout.Layout): degrees and every knob."""
     set_cpu_kernel(model, dims.cpu_matmul)  # kernel choices, not transforms: before them all
     set_fp32_matmul_precision(dims.fp32_matmul_precision)
-    if dims.mp == "fp8":
+    if dims.mixed_precision == "fp8":
         from ndtrain.parallel.float8 import apply_float8
 
         apply_float8(model, dims)
     if dims.tp > 1:
         from ndtrain.parallel.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(model, mesh["tp"], dims.sp)
+        apply_tensor_parallel(model, mesh["tp"], dims.sequence_parallel)
     if dims.cp > 1:
         from ndtrain.parallel.context import apply_context_parallel
 
@@ -56,7 +56,7 @@ def parallelize(model: nn.Module, dims: Layout, mesh=None) -> nn.Module:
         from ndtrain.parallel.expert import moe_context_parallel
 
         moe_context_parallel(model, mesh["cp"])
-    checkpoint_and_compile(model, dims.ac, dims.ac_every, dims.compile)
+    checkpoint_and_compile(model, dims.activation_checkpoint, dims.ac_every, dims.compile)
     if dims.world // (dims.tp * dims.pp) > 1:
         from ndtrain.parallel.data_parallel import apply_ddp, apply_fsdp
 
@@ -66,8 +66,8 @@ def parallelize(model: nn.Module, dims: Layout, mesh=None) -> nn.Module:
 
         # DiLoCo: FSDP shards and reduces inside each replica only, at any ZeRO stage
         # (parallel/diloco.py syncs the replicas).
-        dp_mesh = mesh.fsdp_mesh(dims, across_replicas=dims.sync != "diloco")
-        apply_fsdp(model, dp_mesh, dims.reshards_after_forward, dims.mp, dims.offload,
+        dp_mesh = mesh.fsdp_mesh(dims, across_replicas=dims.replicate_sync != "diloco")
+        apply_fsdp(model, dp_mesh, dims.reshards_after_forward, dims.mixed_precision, dims.cpu_offload,
                    mesh["ep_fsdp"] if dims.ep > 1 else None)
     return model
 

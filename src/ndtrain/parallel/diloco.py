@@ -9,7 +9,7 @@ replica then continues from the new θ_sync. With H = 1, lr_out = 1 and μ = 0 t
 averaging the replicas after every step.
 
 Streaming: the parameters are split into F fragments of whole layers, synced H/F steps apart, so
-one fragment's traffic is in flight at a time. With `overlap` = τ > 0 its all-reduce is started
+one fragment's traffic is in flight at a time. With `diloco_overlap_steps` = τ > 0 its all-reduce is started
 asynchronously (on a group of its own) and applied τ inner steps later, merged as in Streaming
 DiLoCo: θ_local = α θ_local + (1 - α) θ_sync with α = 1/2.
 
@@ -81,8 +81,8 @@ class _Pending:
 
 class DiLoCo:
     def __init__(self, par, mesh, dims, model_parts, total_steps: int, n_layers: int):
-        self.H, self.lr, self.mu = dims.inner_steps, par.diloco_outer_lr, par.diloco_outer_momentum
-        self.F, self.tau, self.dtype = dims.fragments, dims.overlap, DTYPES[dims.outer_dtype]
+        self.H, self.lr, self.mu = dims.diloco_inner_steps, par.diloco_outer_lr, par.diloco_outer_momentum
+        self.F, self.tau, self.dtype = dims.diloco_fragments, dims.diloco_overlap_steps, DTYPES[dims.diloco_outer_dtype]
         self.total_steps = total_steps
         self.R = dims.dp_replicate
         self.replica = mesh["dp_replicate"].get_local_rank()

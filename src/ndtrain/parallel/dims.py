@@ -27,7 +27,7 @@ def checked_layout(par, world_size: int, model: ModelConfig, seq_len: int = 0, t
     if train is not None and getattr(par, "batch_shares", None):  # uneven shares need the dp degree
         from ndtrain.layout.batch_shares import check_shares
 
-        check_shares(list(par.batch_shares), lay.dp, batches, lay.mb)
+        check_shares(list(par.batch_shares), lay.dp, batches, lay.micro_batch)
     return lay
 
 

@@ -233,21 +233,21 @@ def build_pipeline(cfg, dims, mesh, device: torch.device, positions: torch.Tenso
     from ndtrain.model.init import materialize
     from ndtrain.parallel.compose import parallelize
 
-    p, v = dims.pp, dims.v
+    p, v = dims.pp, dims.pp_virtual_stages
     n_stages = p * v
     counts = pipeline_split(cfg.model, cfg.data.seq_len, dims)
     layers = stage_layers(counts)
     pp_mesh = mesh["pp"]
     rank = pp_mesh.get_local_rank()
     stages = []
-    for s in registry.get(dims.schedule).rank_stages(p, v, rank):
+    for s in registry.get(dims.pp_schedule).rank_stages(p, v, rank):
         part = build_stage_module(cfg.model, layers[s], s == 0, s == n_stages - 1)
         part = parallelize(part, dims, mesh)
         materialize(part, cfg.train.seed, device)
         stages.append(PipelineStage(part, s, n_stages, device, group=pp_mesh.get_group()))
     if positions is None:
         positions = torch.arange(cfg.data.seq_len, device=device)
-    pipe = Pipeline(stages, dims.schedule, p, v, dims.m, positions)
+    pipe = Pipeline(stages, dims.pp_schedule, p, v, dims.pp_microbatches, positions)
     if cfg.model.tie_embeddings:
         pipe.tied = TiedEmbedding(pipe.parts, mesh, dims)
     return pipe
@@ -273,7 +273,8 @@ class TiedEmbedding:
                     self.head = param
                     param._ndtrain_tied_copy = True  # counted once, by the embedding
         self.group = None
-        local = registry.get(dims.schedule).stage_ranks(dims.pp, dims.v)[-1] == 0  # V: last stage on rank 0
+        local = registry.get(dims.pp_schedule).stage_ranks(dims.pp,
+                                                           dims.pp_virtual_stages)[-1] == 0  # V: last stage on rank 0
         if not local:
             ranks = mesh.ranks  # [pp, dp_replicate, dp_shard, cp, tp] -> global rank
             flat = ranks.reshape(ranks.shape[0], -1)

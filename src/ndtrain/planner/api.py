@@ -11,6 +11,7 @@ from ndtrain.errors import NdtrainError
 from ndtrain.model.config import ModelConfig
 from ndtrain.layout import Layout, parse_layout
 from ndtrain.layout.degrees import CONFIG_KEYS
+from ndtrain.layout.syntax import KEY_ALIASES
 from ndtrain.planner.hardware import Hardware, get_hardware, this_machine
 from ndtrain.planner.problem import make_problem
 from ndtrain.planner.search import Evaluator, Prediction, search
@@ -93,18 +94,19 @@ def auto_layout(model_cfg: ModelConfig, world_size: int, seq_len: int, global_ba
     lay = best.layout
     if lay.pp > 1:  # the planner's whole choice reaches the runtime: its stage split and micro-batch count
         lay = dataclasses.replace(lay, layers_per_stage=tuple(best.time["stage_counts"]),
-                                  m=lay.micro_batches(global_batch))
-    wanted = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "zero", "reshard_after_forward", "sp", "schedule",
-              "v", "m", "layers_per_stage", "ac", "mb")
+                                  pp_microbatches=lay.micro_batches(global_batch))
+    wanted = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "zero", "reshard_after_forward", "sequence_parallel",
+              "pp_schedule", "pp_virtual_stages", "pp_microbatches", "layers_per_stage", "activation_checkpoint",
+              "micro_batch")
     overrides: dict = {}
     for name, (section, key) in CONFIG_KEYS.items():
         if name in wanted:
             value = getattr(lay, name)
             overrides.setdefault(section, {})[key] = list(value) if isinstance(value, tuple) else value
     flat = {**overrides["parallel"], **overrides["train"]}
-    flat["sequence_parallel"] = bool(lay.sp and lay.tp > 1)
+    flat["sequence_parallel"] = bool(lay.sequence_parallel and lay.tp > 1)
     return {
-        "layout": lay, "overrides": overrides, **flat, "ac": lay.ac,
+        "layout": lay, "overrides": overrides, **flat,
         "predicted_step_time": best.step_time, "predicted_tokens_per_s": best.tokens_per_s,
         "predicted_memory_bytes": best.memory["total"], "predicted_mfu": best.mfu, "hardware": hw.name,
     }
@@ -112,9 +114,8 @@ def auto_layout(model_cfg: ModelConfig, world_size: int, seq_len: int, global_ba
 
 # Keys a layout dict may use; other `[parallel]` keys (compile, cp_attention, ...) do not change the
 # prediction and are ignored, so a whole ParallelConfig can be passed as a dict.
-PLANNER_KEYS = {"dp_replicate", "dp_shard", "tp", "cp", "pp", "ep", "zero", "mb", "micro_batch", "v",
-                "pp_virtual_stages", "ac", "activation_checkpoint", "sp", "sequence_parallel", "schedule",
-                "pp_schedule"}
+PLANNER_KEYS = {"dp_replicate", "dp_shard", "tp", "cp", "pp", "ep", "zero", "micro_batch", "pp_virtual_stages",
+                "activation_checkpoint", "sequence_parallel", "pp_schedule"}
 
 
 def predict(model_cfg: ModelConfig, layout: dict | str, seq_len: int, global_batch: int, hardware=None,
@@ -122,9 +123,9 @@ def predict(model_cfg: ModelConfig, layout: dict | str, seq_len: int, global_bat
     """Memory and step-time prediction for one layout.
 
     layout: a dict or `key=value,...` string over dp_replicate, dp_shard, tp, cp, pp, ep, zero,
-    mb (or micro_batch), v (or pp_virtual_stages), ac (or activation_checkpoint), sp (or
-    sequence_parallel) and schedule (or pp_schedule); other keys are ignored, except
-    mixed_precision, which sets the precision when `precision` is not given.
+    micro_batch, pp_virtual_stages, activation_checkpoint, sequence_parallel and pp_schedule (or
+    their short forms, layout/syntax.KEY_ALIASES); other keys are ignored, except mixed_precision,
+    which sets the precision when `precision` is not given.
     Unset degrees are 1 except dp_shard, which takes the rest of `world` (required then). The result's .time holds the breakdown (compute,
     recompute, exposed_comm with per-dimension comm, bubble, optimizer, total) in seconds and
     .memory the per-device bytes.
@@ -155,6 +156,7 @@ def _problem(model_cfg: ModelConfig, layout: dict | str, seq_len: int, global_ba
     """predict's problem and layout, from its arguments."""
     hw = _hardware(hardware)
     if isinstance(layout, dict):
+        layout = {KEY_ALIASES.get(k, k): v for k, v in layout.items()}
         if precision is None and "mixed_precision" in layout:
             precision = layout["mixed_precision"]
         layout = {k: (int(v) if isinstance(v, bool) else v) for k, v in layout.items() if k in PLANNER_KEYS}
@@ -165,8 +167,8 @@ def _problem(model_cfg: ModelConfig, layout: dict | str, seq_len: int, global_ba
         if world is None and "dp_shard=" not in layout:
             raise NdtrainError("predict: give dp_shard or world")
     lay = parse_layout(layout, world)
-    if lay.ac not in ("none", "selective", "full"):
-        raise NdtrainError(f"predict: activation checkpoint {lay.ac!r} is not modelled")
+    if lay.activation_checkpoint not in ("none", "selective", "full"):
+        raise NdtrainError(f"predict: activation checkpoint {lay.activation_checkpoint!r} is not modelled")
     pb = make_problem(model_cfg, seq_len, global_batch, world or lay.world, hw, stack=stack,
                       precision=_precision(hw, precision))
     return pb, lay

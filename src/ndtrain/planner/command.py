@@ -54,8 +54,8 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-ramp", help="price a ramped run on the first layout: [[tokens_seen, global_batch], ...] as "
                    "train.batch_ramp (JSON); --global-batch is the batch before the first threshold")
     p.add_argument("--top", type=int, default=3)
-    p.add_argument("--layout", help="evaluate one layout: tp=8,pp=16,dp_shard=64,mb=1,ac=full,schedule=... "
-                   "(the layout syntax of verify and config check)")
+    p.add_argument("--layout", help="evaluate one layout: tp=8,pp=16,dp_shard=64,micro_batch=1,"
+                   "activation_checkpoint=full,pp_schedule=... (the layout syntax of verify and config check)")
     p.add_argument("--fix", help="pin layout keys in the search, e.g. tp=8,pp=16")
     p.add_argument("--mb", help="micro-batch sizes to try, e.g. 1,2,4 (default powers of two to 64)")
     p.add_argument("--schedules", help=f"comma list from {', '.join(SCHEDULES)}")
@@ -91,8 +91,8 @@ def _fixed(text: str | None) -> dict:
     if not text:
         return {}
     out = parse_items(text, "--fix")
-    if "ac" in out and out["ac"] not in PLANNED_AC:
-        raise NdtrainError(f"--fix: ac must be one of {', '.join(PLANNED_AC)}")
+    if out.get("activation_checkpoint", PLANNED_AC[0]) not in PLANNED_AC:
+        raise NdtrainError(f"--fix: activation_checkpoint must be one of {', '.join(PLANNED_AC)}")
     return out
 
 
@@ -167,7 +167,7 @@ def plan_main(argv: list[str]) -> int:
                       power_w=args.power_limit or 0.0)
     if args.layout:
         lay = dataclasses.replace(parse_layout(parse_items(args.layout, "--layout"), args.gpus),  # errors name the flag
-                                  mp=args.precision)
+                                  mixed_precision=args.precision)
         ev = Evaluator(pb)
         pred = ev(lay)
         res = SearchResult(top=[pred], considered=1, evaluated=1, fitting=int(pred.fits), seconds=0.0)

@@ -44,7 +44,8 @@ def compile_choice(pb: Problem, lay: Layout, steps: int) -> dict | None:
     cost), "breakeven_steps" (None when compiling saves nothing), "steps", "description"}; None
     where the planner cannot price it. Where the profile says compile was never measured: off,
     the compiled step the eager one, no breakeven, and the description says why."""
-    if lay.ac not in PLANNED_AC or steps < 1 or (pb.hw.compile_s <= 0 and not pb.hw.compile_unmeasured):
+    unpriced = pb.hw.compile_s <= 0 and not pb.hw.compile_unmeasured
+    if lay.activation_checkpoint not in PLANNED_AC or steps < 1 or unpriced:
         return None
     ev = Evaluator(pb)
     if pb.hw.compile_s <= 0:  # the profile says compile was not measured: off, and why

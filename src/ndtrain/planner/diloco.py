@@ -12,7 +12,7 @@ and costs what the planner predicts for one replica alone (world/R devices, glob
   DiLoCo H       an outer all-reduce of the parameters (fp32 or bf16) every H steps, blocking;
                  per step the preemption check too, and the skip flag, which travels while the
                  optimizer steps.
-  streaming      F fragments, one every H/F steps, each all-reduce hidden behind `overlap` inner
+  streaming      F fragments, one every H/F steps, each all-reduce hidden behind `diloco_overlap_steps`
                  steps where it fits.
 
 DiLoCo "pays" below the bandwidth where it is at least PAYS_MARGIN faster per step than per-step
@@ -46,8 +46,9 @@ class Variant:
 
     def layout(self, lay):
         """`lay` with replicate_sync = diloco and this variant's settings (what the trainer would run)."""
-        return dataclasses.replace(lay, sync="diloco", inner_steps=self.inner_steps, fragments=self.fragments,
-                                   overlap=self.overlap, outer_dtype="bf16" if self.outer_bytes == 2 else "fp32")
+        return dataclasses.replace(lay, replicate_sync="diloco", diloco_inner_steps=self.inner_steps,
+                                   diloco_fragments=self.fragments, diloco_overlap_steps=self.overlap,
+                                   diloco_outer_dtype="bf16" if self.outer_bytes == 2 else "fp32")
 
     def name(self) -> str:
         if self.fragments == 1 and self.overlap == 0:

@@ -96,7 +96,7 @@ def layer_matmuls(pb: Problem, lay: Layout, layer: int) -> dict:
     MoE layers run replicated over tp, routed experts split over ep, each expert receiving
     T k ep / E tokens times the imbalance on the busiest rank (grouped GEMM)."""
     cfg, t = pb.cfg, lay.tp
-    tok = lay.mb * pb.seq / lay.cp
+    tok = lay.micro_batch * pb.seq / lay.cp
     out = {"F": 0.0, "dgrad": 0.0, "wgrad": 0.0, "cast_f": 0.0, "cast_b": 0.0}
 
     def add(name, n_in, n_out, shard, tokens=tok, count=1.0):
@@ -148,7 +148,7 @@ def attention_seconds(pb: Problem, lay: Layout) -> float:
     """Forward seconds of one layer's attention core per micro-batch on one device. Flash kernels:
     the causal half (plus the diagonal 128-blocks they compute whole) at `attn_eff` of the peak;
     unfused kernels (2021): QK^T and PV as batched GEMMs over the full s x s."""
-    cfg, t, b = pb.cfg, lay.tp, lay.mb
+    cfg, t, b = pb.cfg, lay.tp, lay.micro_batch
     heads = cfg.n_heads / t
     s_loc = pb.seq / lay.cp
     if pb.stack.flash_attention:
@@ -161,7 +161,7 @@ def attention_seconds(pb: Problem, lay: Layout) -> float:
 
 def head_seconds(pb: Problem, lay: Layout) -> float:
     """Output projection per micro-batch, forward and both gradients, in bf16 (never fp8)."""
-    tok = lay.mb * pb.seq / lay.cp
+    tok = lay.micro_batch * pb.seq / lay.cp
     f, dg, wg = linear_passes(pb, tok, pb.cfg.dim, pb.cfg.vocab_size / lay.tp, False,
                               fp32_matmul=lay.fp32_matmul_precision)
     return f + dg + wg

@@ -114,7 +114,7 @@ def uniform(pool: Pool, lay: Layout) -> MixedPlan | None:
     step = max(p.step_time for p in preds.values())
     pb = pool.problem(pool.kinds[0])
     return MixedPlan("uniform", lay, step, pb.tokens_per_step / step,
-                     {k: {"gpus": pool.counts[k], "mb": lay.mb} for k in pool.kinds},
+                     {k: {"gpus": pool.counts[k], "micro_batch": lay.micro_batch} for k in pool.kinds},
                      {k: _gib(p) for k, p in preds.items()},
                      all(p.fits for p in preds.values()))
 
@@ -142,15 +142,15 @@ def batch_shares(pool: Pool, lay: Layout) -> MixedPlan | None:
             preds = {}
             for kind, mb in ((fast, mb_fast), (slow, mb_slow)):
                 # as if every replica were this kind with this share: the same m micro-batches
-                preds[kind] = pool.predict(kind, dataclasses.replace(lay, mb=mb), batch=m * mb * total_r)
+                preds[kind] = pool.predict(kind, dataclasses.replace(lay, micro_batch=mb), batch=m * mb * total_r)
             if any(p is None or not p.fits for p in preds.values()):
                 continue
             step = max(p.step_time for p in preds.values())
             if best is None or step < best.step_time:
-                layout = dataclasses.replace(lay, mb=mb_fast)
+                layout = dataclasses.replace(lay, micro_batch=mb_fast)
                 best = MixedPlan("batch_shares", layout, step, pb.tokens_per_step / step,
-                                 {fast: {"gpus": pool.counts[fast], "mb": mb_fast, "micro_batches": m},
-                                  slow: {"gpus": pool.counts[slow], "mb": mb_slow, "micro_batches": m}},
+                                 {fast: {"gpus": pool.counts[fast], "micro_batch": mb_fast, "micro_batches": m},
+                                  slow: {"gpus": pool.counts[slow], "micro_batch": mb_slow, "micro_batches": m}},
                                  {k: _gib(p) for k, p in preds.items()}, True)
     return best
 
@@ -174,7 +174,7 @@ def _balanced_counts(layers: int, per_layer: list[float]) -> list[int] | None:
 def stage_shares(pool: Pool, lay: Layout) -> MixedPlan | None:
     """Pipelines over both kinds: the fast kind's stages first, each kind's stages holding layers
     in inverse proportion to its per-layer time."""
-    if lay.pp < 2 or lay.v != 1 or len(pool.kinds) != 2:
+    if lay.pp < 2 or lay.pp_virtual_stages != 1 or len(pool.kinds) != 2:
         return None
     fast, slow = pool.kinds
     stages = {k: lay.pp * pool.counts[k] // pool.world for k in pool.kinds}
@@ -219,7 +219,8 @@ def best_subset(pool: Pool) -> MixedPlan | None:
             p = res.top[0]
             if best is None or p.tokens_per_s > best.tokens_per_s:
                 best = MixedPlan("subset", p.layout, p.step_time, p.tokens_per_s,
-                                 {kind: {"gpus": pool.counts[kind], "mb": p.layout.mb}}, {kind: _gib(p)}, p.fits)
+                                 {kind: {"gpus": pool.counts[kind],
+                                         "micro_batch": p.layout.micro_batch}}, {kind: _gib(p)}, p.fits)
     return best
 
 
@@ -229,11 +230,12 @@ def _variants(layouts) -> list[Layout]:
     out: dict = {}
     for base in layouts:
         # stage shares need one stage per pipeline rank: the plain schedule beside the chosen one
-        pipes = (base, dataclasses.replace(base, schedule=DEFAULT, v=1)) if base.pp > 1 else (base,)
+        pipes = (base, dataclasses.replace(base, pp_schedule=DEFAULT, pp_virtual_stages=1)) if base.pp > 1 else (base,)
         for lay in pipes:
             for zero in sorted({lay.zero, 3} if lay.shard_degree > 1 else {lay.zero}):
                 for ac in ("none", "selective", "full"):
-                    out.setdefault(dataclasses.replace(lay, zero=zero, reshard_after_forward=zero == 3, ac=ac), None)
+                    out.setdefault(dataclasses.replace(lay, zero=zero, reshard_after_forward=zero == 3,
+                                                       activation_checkpoint=ac), None)
     return list(out)
 
 

@@ -56,8 +56,8 @@ def layer_costs(pb: Problem, lay: Layout) -> dict:
     if not pb.gpu:
         return cpu_layer_costs(pb, lay)
     sh, hw, st, k, elt = pb.shape, pb.hw, pb.stack, pb.k, pb.act_bytes
-    t, c, b = lay.tp, lay.cp, lay.mb
-    sp = lay.sp and t > 1
+    t, c, b = lay.tp, lay.cp, lay.micro_batch
+    sp = lay.sequence_parallel and t > 1
     tok = b * pb.seq / c
     mm = _average_matmuls(pb, lay)
     attn = attention_seconds(pb, lay)
@@ -85,9 +85,9 @@ def layer_costs(pb: Problem, lay: Layout) -> dict:
     fwd += merge_f
     bwd += merge_b
     rec = 0.0
-    if lay.ac == "full":
+    if lay.activation_checkpoint == "full":
         rec = fwd
-    elif lay.ac == "selective":
+    elif lay.activation_checkpoint == "selective":
         if st.selective in ("elementwise", "ops"):
             # SAC policies that keep matmul (and attention) outputs only recompute every other
             # forward op: the layer's whole forward elementwise work (and fp8's casts)
@@ -97,7 +97,7 @@ def layer_costs(pb: Problem, lay: Layout) -> dict:
         else:
             a_sel = activation_bytes(sh, st, pb.seq, b, t, sp, c, "selective", elt)
             rec = kappa * (a_none - a_sel) / hw.hbm_bw / 3 + (0.0 if st.flash_attention else attn)
-    n_rec = 1 if lay.ac == "full" else 0
+    n_rec = 1 if lay.activation_checkpoint == "full" else 0
     comm_f = comm_b = hidden = 0.0
     tp = cp = ep = 0.0
     if t > 1:  # 2 all-reduces (or all-gather + reduce-scatter pairs with SP) per pass
@@ -145,7 +145,8 @@ def layer_costs(pb: Problem, lay: Layout) -> dict:
     # stacks and compiled blocks OPS_FUSED; a backward launches about twice its forward's.
     ops = OPS_FUSED if st.fused_elementwise or lay.compile else OPS_EAGER
     host_f = ops * k["launch_s"]
-    host_b = (2 + (1 if lay.ac == "full" else 0.5 if lay.ac == "selective" else 0)) * host_f
+    recompute = {"full": 1, "selective": 0.5}.get(lay.activation_checkpoint, 0)
+    host_b = (2 + recompute) * host_f
     launch = max(0.0, host_f - f_dev) + max(0.0, host_b - (b_dev + w_dev))
     f_dev, b_dev = max(f_dev, host_f), b_dev + max(0.0, host_b - (b_dev + w_dev))
     return {"F": f_dev, "B": b_dev, "W": w_dev,
@@ -171,7 +172,7 @@ def head_cost(pb: Problem, lay: Layout) -> float:
     """Output layer + loss per micro-batch, forward and backward (never recomputed)."""
     if not pb.gpu:
         return cpu_head_cost(pb, lay)
-    tok = lay.mb * pb.seq / lay.cp
+    tok = lay.micro_batch * pb.seq / lay.cp
     # The loss over the vocabulary (128K for Llama 3: 2 x 10^9 logits per 16K tokens): its softmax
     # traffic through HBM by the stack's loss kernel (LOSS_BYTES), beside the head GEMMs priced by shape.
     per_elem = LOSS_BYTES[pb.stack.loss]
@@ -184,8 +185,8 @@ def head_cost(pb: Problem, lay: Layout) -> float:
 
 def cpu_layer_costs(pb: Problem, lay: Layout) -> dict:
     sh, hw, st, elt = pb.shape, pb.hw, pb.stack, pb.act_bytes
-    t, c, b = lay.tp, lay.cp, lay.mb
-    sp = lay.sp and t > 1
+    t, c, b = lay.tp, lay.cp, lay.micro_batch
+    sp = lay.sequence_parallel and t > 1
     tok = b * pb.seq / c
     mm_flops, attn_flops = average_layer_forward_flops(pb.cfg, pb.seq, "causal" if st.flash_attention else "full")
     eff = hw.cpu_mm_eff(pb.precision)
@@ -206,13 +207,13 @@ def cpu_layer_costs(pb: Problem, lay: Layout) -> dict:
         mm, attn, elem = mm * keep, attn * keep, elem * keep
     fwd = mm + attn + elem / 3
     rec = 0.0
-    if lay.ac == "full":
+    if lay.activation_checkpoint == "full":
         rec = fwd
-    elif lay.ac == "selective":
+    elif lay.activation_checkpoint == "selective":
         a_sel = activation_bytes(sh, st, pb.seq, b, t, sp, c, "selective", elt)
         rec = hw.kappa * (a_none - a_sel) / hw.hbm_bw / 3 + (0.0 if st.flash_attention else attn)
     comm_f = comm_b = tp = cp = ep = 0.0
-    n_rec = 1 if lay.ac == "full" else 0
+    n_rec = 1 if lay.activation_checkpoint == "full" else 0
     if t > 1:
         ar = tp_all_reduce(pb, t, tok * sh.dim * elt)
         tp = ar * (4 + 2 * n_rec)
@@ -250,13 +251,13 @@ def tp_head(pb: Problem, lay: Layout) -> float:
     share of compute, where measured; 0 elsewhere."""
     if lay.tp == 1 or pb.gpu:
         return 0.0
-    nbytes = lay.mb * pb.seq / lay.cp * pb.shape.dim * pb.act_bytes
+    nbytes = lay.micro_batch * pb.seq / lay.cp * pb.shape.dim * pb.act_bytes
     return pb.hw.tp_cost(pb.world, lay.tp, "head", nbytes) or 0.0
 
 
 def cpu_head_cost(pb: Problem, lay: Layout) -> float:
     sh, hw, elt = pb.shape, pb.hw, pb.act_bytes
-    tok = lay.mb * pb.seq / lay.cp
+    tok = lay.micro_batch * pb.seq / lay.cp
     head_precision = "bf16" if pb.precision == "fp8" else pb.precision
     gemm = 3 * tok * head_forward_flops(pb.cfg) / lay.tp / (hw.peak(head_precision) * hw.cpu_mm_eff(head_precision))
     loss = 2 * (elt + 8) * tok * sh.vocab / lay.tp / hw.hbm_bw

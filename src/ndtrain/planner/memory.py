@@ -172,13 +172,14 @@ def memory_breakdown(pb: Problem, lay: Layout, split: Split) -> dict:
     """Peak bytes on the fullest device, broken down. `split`: the layers per pipeline rank
     (problem.stage_split, the runtime's partition)."""
     sh, st, elt = pb.shape, pb.stack, pb.act_bytes
-    p, t, sp = lay.pp, lay.tp, lay.sp and lay.tp > 1
+    p, t, sp = lay.pp, lay.tp, lay.sequence_parallel and lay.tp > 1
     m = lay.micro_batches(pb.global_batch)
-    first_inf, last_inf = in_flight(lay.schedule, p, lay.v, m)
+    first_inf, last_inf = in_flight(lay.pp_schedule, p, lay.pp_virtual_stages, m)
     fp8 = pb.precision == "fp8" and st.fp8_saves_fp8
-    per_layer = activation_bytes(sh, st, pb.seq, lay.mb, t, sp, lay.cp, lay.ac, elt, fp8)
-    working = activation_bytes(sh, st, pb.seq, lay.mb, t, sp, lay.cp, "none", elt, fp8) if lay.ac == "full" else 0.0
-    logit_elems = lay.mb * pb.seq / lay.cp * sh.vocab / t
+    per_layer = activation_bytes(sh, st, pb.seq, lay.micro_batch, t, sp, lay.cp, lay.activation_checkpoint, elt, fp8)
+    working = activation_bytes(sh, st, pb.seq, lay.micro_batch, t, sp, lay.cp, "none", elt,
+                               fp8) if lay.activation_checkpoint == "full" else 0.0
+    logit_elems = lay.micro_batch * pb.seq / lay.cp * sh.vocab / t
     shard = lay.shard_degree
     zero = lay.effective_zero
     exp_shard = lay.expert_shard_degree
@@ -207,7 +208,7 @@ def memory_breakdown(pb: Problem, lay: Layout, split: Split) -> dict:
         ep_, eg, eo = state_bytes(expert, exp_zero, exp_shard, pbytes, grads_sharded, st.whole_grad_bytes, mip)
         acts = layers * per_layer * inf + working
         # the loss's backward follows its forward at once, except where all forwards run first
-        held = m if p > 1 and registry.get(lay.schedule).forwards_first else 1
+        held = m if p > 1 and registry.get(lay.pp_schedule).forwards_first else 1
         if st.loss == "flash":  # bf16 logits kept, a bf16 gradient transient (flash-attn's kernel)
             kept, transient = elt, elt
         elif st.loss == "eager":

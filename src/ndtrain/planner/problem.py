@@ -141,10 +141,10 @@ def stage_split(pb: Problem, lay: Layout) -> Split | None:
     L = pb.cfg.n_layers
     if lay.pp == 1:
         return Split((L,), 0, (L,), (float(L),))
-    if partition_problem(L, lay.stages, lay.split, lay.layers_per_stage):
+    if partition_problem(L, lay.stages, lay.pp_split, lay.layers_per_stage):
         return None
     counts = pipeline_split(pb.cfg, pb.seq, lay)
-    owners = registry.get(lay.schedule).stage_ranks(lay.pp, lay.v)
+    owners = registry.get(lay.pp_schedule).stage_ranks(lay.pp, lay.pp_virtual_stages)
     weight = _layer_weights(pb)
     work, start = [0.0] * lay.pp, 0
     for stage, c in enumerate(counts):

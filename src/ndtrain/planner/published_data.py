@@ -77,9 +77,10 @@ class Row:
 
 
 def _t1(params, a, h, l, tp, pp, gpus, batch, tflops) -> Row:
-    fixed = dict(tp=tp, pp=pp, cp=1, ep=1, dp_shard=1, dp_replicate=gpus // (tp * pp), ac="full", sp=False)
+    fixed = dict(tp=tp, pp=pp, cp=1, ep=1, dp_shard=1, dp_replicate=gpus // (tp * pp), activation_checkpoint="full",
+                 sequence_parallel=False)
     if pp > 1:
-        fixed["schedule"] = DEFAULT_INTERLEAVED  # Megatron's interleaved 1F1B
+        fixed["pp_schedule"] = DEFAULT_INTERLEAVED  # Megatron's interleaved 1F1B
     return Row("narayanan2021", f"GPT {params}B, {gpus} A100", GPT.format(l=l, h=h, a=a, v=51200), "a100-80", gpus,
                2048, batch, fixed, "megatron-2021", "bf16", "tflops_megatron", tflops, "fit",
                note="micro-batch and v not published: the planner picks them")
@@ -87,9 +88,10 @@ def _t1(params, a, h, l, tp, pp, gpus, batch, tflops) -> Row:
 
 def _mcore(source, name, model, gpus, batch, mb, seq, tp, pp, cp, vp, value, zero=1, **kw) -> Row:
     dp = gpus // (tp * pp * cp)
-    fixed = dict(tp=tp, pp=pp, cp=cp, ep=1, dp_shard=dp, dp_replicate=1, zero=zero, mb=mb, v=max(1, vp), sp=tp > 1)
+    fixed = dict(tp=tp, pp=pp, cp=cp, ep=1, dp_shard=dp, dp_replicate=1, zero=zero, micro_batch=mb,
+                 pp_virtual_stages=max(1, vp), sequence_parallel=tp > 1)
     if pp > 1:
-        fixed["schedule"] = DEFAULT_INTERLEAVED if vp > 1 else DEFAULT
+        fixed["pp_schedule"] = DEFAULT_INTERLEAVED if vp > 1 else DEFAULT
     return Row(source, name, model, "h100", gpus, seq, batch, fixed, "megatron-core-2024", "fp8", "tokens_per_gpu",
                value, kw.pop("role", "validation"), mb=(mb,), **kw)
 
@@ -101,7 +103,8 @@ MPT = {size: GPT.format(l=l, h=h, a=a, v=50368) for size, (l, h, a) in
 
 
 def _mpt(size, gpu, gpus, seq, mb, batch, ac, value, precision="bf16") -> Row:
-    fixed = dict(tp=1, pp=1, cp=1, ep=1, dp_shard=gpus, dp_replicate=1, zero=3, mb=mb, ac="full" if ac else "none")
+    fixed = dict(tp=1, pp=1, cp=1, ep=1, dp_shard=gpus, dp_replicate=1, zero=3, micro_batch=mb,
+                 activation_checkpoint="full" if ac else "none")
     return Row("llmfoundry", f"MPT-{size} {seq // 1024}K, {gpus} {gpu.split('-')[0].upper()}"
                + (" fp8" if precision == "fp8" else "") + (", AC" if ac else ""), MPT[size], gpu, gpus, seq, batch,
                fixed, "llm-foundry-2023", precision, "tokens_per_gpu", value, "validation", mb=(mb,),
@@ -109,7 +112,8 @@ def _mpt(size, gpu, gpus, seq, mb, batch, ac, value, precision="bf16") -> Row:
 
 
 def _titan(name, model, seq, local, ac, value) -> Row:
-    fixed = dict(tp=1, pp=1, cp=1, ep=1, dp_shard=64, dp_replicate=1, zero=3, mb=local, ac=ac)
+    fixed = dict(tp=1, pp=1, cp=1, ep=1, dp_shard=64, dp_replicate=1, zero=3, micro_batch=local,
+                 activation_checkpoint=ac)
     return Row("torchtitan", name, model, "a100-80", 64, seq, 64 * local, fixed, "torchtitan-2024", "bf16",
                "tokens_per_gpu", value, "validation", mb=(local,),
                note="the A100 cluster's network is not stated: HDR InfiniBand assumed")
@@ -124,13 +128,13 @@ ROWS: tuple[Row, ...] = (
     _t1(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), _t1(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
     # --- Llama 3 405B, Table 4: the 8K rows fit the Hopper GEMM ceiling; 131K checks
     Row("llama3", "Llama 3 405B, 8,192 H100, 8K", "llama3-405b", "h100", 8192, 8192, 2048,
-        dict(tp=8, cp=1, pp=16, dp_shard=64, dp_replicate=1, schedule=DEFAULT_INTERLEAVED), "llama3-2024", "bf16",
+        dict(tp=8, cp=1, pp=16, dp_shard=64, dp_replicate=1, pp_schedule=DEFAULT_INTERLEAVED), "llama3-2024", "bf16",
         "tflops_causal", 430, "fit", META_NETWORK),
     Row("llama3", "Llama 3 405B, 16,384 H100, 8K", "llama3-405b", "h100", 16384, 8192, 2048,
-        dict(tp=8, cp=1, pp=16, dp_shard=128, dp_replicate=1, schedule=DEFAULT_INTERLEAVED), "llama3-2024", "bf16",
+        dict(tp=8, cp=1, pp=16, dp_shard=128, dp_replicate=1, pp_schedule=DEFAULT_INTERLEAVED), "llama3-2024", "bf16",
         "tflops_causal", 400, "fit", META_NETWORK),
     Row("llama3", "Llama 3 405B, 16,384 H100, 131K", "llama3-405b", "h100", 16384, 131072, 128,
-        dict(tp=8, cp=16, pp=16, dp_shard=8, dp_replicate=1, schedule=DEFAULT_INTERLEAVED), "llama3-2024", "bf16",
+        dict(tp=8, cp=16, pp=16, dp_shard=8, dp_replicate=1, pp_schedule=DEFAULT_INTERLEAVED), "llama3-2024", "bf16",
         "tflops_causal", 380, "validation", META_NETWORK),
     # --- NeMo 24.07, FP8 on DGX-H100 (tokens/s/GPU); LLAMA2-7B fits the fp8 GEMM ceiling
     _mcore("nemo2407", "NeMo LLAMA2-7B, 8 H100", LLAMA2["llama2-7b"], 8, 128, 1, 4096, 1, 1, 1, 1, 16847, role="fit"),
@@ -154,7 +158,7 @@ ROWS: tuple[Row, ...] = (
     _mcore("bridge", "Bridge 26.02 LLAMA3.1-405B, 1,024 H100", "llama3-405b", 1024, 1536, 1, 8192, 8, 8, 2, 8, 311),
     # --- DeepSeek-V3 on 2,048 H800: fp8, DualPipe, EP64 (whole-run GPU hours, so failures included)
     Row("deepseekv3", "DeepSeek-V3, 2,048 H800", "deepseek-v3", "h800", 2048, 4096, 15360,
-        dict(tp=1, cp=1, pp=16, ep=64, dp_shard=128, dp_replicate=1, zero=1, schedule=DUALPIPEV), "deepseek-2024",
+        dict(tp=1, cp=1, pp=16, ep=64, dp_shard=128, dp_replicate=1, zero=1, pp_schedule=DUALPIPEV), "deepseek-2024",
         "fp8", "tokens_per_gpu", 14.8e12 / 2.664e6 / 3600, "validation",
         note="GPU hours of the whole run (restarts included); MLA modelled as multi-head attention"),
     # --- torchtitan on 64 A100 (FSDP2, eager)
@@ -176,11 +180,13 @@ ROWS: tuple[Row, ...] = (
     _mpt("13b", "a100-80", 8, 4096, 10, 240, True, 2060), _mpt("30b", "a100-80", 8, 2048, 3, 504, True, 916),
     # --- MT-NLG 530B (Megatron TP + DeepSpeed 1F1B pipeline, full recompute): seconds per step
     *(Row("mtnlg", f"MT-NLG 530B, {n} A100", GPT.format(l=105, h=20480, a=128, v=51200), "a100-80", n, 2048, 1920,
-          dict(tp=8, pp=35, cp=1, ep=1, dp_shard=1, dp_replicate=n // 280, ac="full", sp=False, schedule=DEFAULT),
+          dict(tp=8, pp=35, cp=1, ep=1, dp_shard=1, dp_replicate=n // 280, activation_checkpoint="full",
+               sequence_parallel=False, pp_schedule=DEFAULT),
           "megatron-2021", "bf16", "step_s", s, "validation") for n, s in ((2240, 60.1), (2800, 50.2), (3360, 44.4))),
     # --- BLOOM 176B (Megatron-DeepSpeed, ZeRO-1, 1F1B pipeline), Omni-Path network
     Row("bloom", "BLOOM 176B, 384 A100", GPT.format(l=70, h=14336, a=112, v=250880), "a100-80", 384, 2048, 2048,
-        dict(tp=4, pp=12, cp=1, ep=1, dp_shard=8, dp_replicate=1, zero=1, ac="full", sp=False, schedule=DEFAULT),
+        dict(tp=4, pp=12, cp=1, ep=1, dp_shard=8, dp_replicate=1, zero=1, activation_checkpoint="full",
+             sequence_parallel=False, pp_schedule=DEFAULT),
         "megatron-2021", "bf16", "tflops_megatron", 150, "validation", JEAN_ZAY,
         note="'about 150 TFLOPs'; vocab 250,680 padded to 250,880"),
 )

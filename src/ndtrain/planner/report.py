@@ -40,7 +40,7 @@ def check_command(pb: Problem, lay) -> str:
         model += ["--model.tie_embeddings=true"] if cfg.tie_embeddings else []
         model += [f"--model.mlp={cfg.mlp}"] if cfg.mlp != "swiglu" else []
     # the planned precision is the runtime's [parallel] mixed_precision (fp8: float8 matmuls, layout/fp8.py)
-    lay = dataclasses.replace(lay, mp=pb.precision)
+    lay = dataclasses.replace(lay, mixed_precision=pb.precision)
     return " ".join(["ndtrain config check", f"--world {pb.world}", *model, f"--data.seq_len={pb.seq}",
                      f"--train.global_batch={pb.global_batch}", *lay.override_args()])
 

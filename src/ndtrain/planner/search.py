@@ -71,8 +71,8 @@ class Evaluator:
         self.bounded = 0  # lower bounds computed: the search's work counts (tests and benchmarks read them)
 
     def layer(self, lay: Layout) -> dict:
-        key = (lay.tp, lay.cp, lay.mb, lay.ac, lay.sp, lay.ep, lay.pairs_forward_backward, lay.compile,
-               lay.fp32_matmul_precision)
+        key = (lay.tp, lay.cp, lay.micro_batch, lay.activation_checkpoint, lay.sequence_parallel, lay.ep,
+               lay.pairs_forward_backward, lay.compile, lay.fp32_matmul_precision)
         lc = self._layer.get(key)
         if lc is None:
             lc = self._layer[key] = layer_costs(self.pb, lay)
@@ -81,7 +81,7 @@ class Evaluator:
     def split(self, lay: Layout, lc: dict | None = None) -> Split | None:
         """The runtime's stage partition, per pipeline rank (shared by every layout with the same
         pipeline shape)."""
-        key = ("split", lay.pp, lay.v, lay.schedule, lay.split, lay.layers_per_stage)
+        key = ("split", lay.pp, lay.pp_virtual_stages, lay.pp_schedule, lay.pp_split, lay.layers_per_stage)
         if key not in self._cache:
             self._cache[key] = stage_split(self.pb, lay)
         return self._cache[key]
@@ -113,7 +113,7 @@ class Evaluator:
         mfu = self.model_flops / (step * self.peak_total)
         return Prediction(layout=lay, step_time=step, time=tb, memory=mem, fits=mem["total"] <= pb.hw.hbm_bytes,
                           tokens_per_s=pb.tokens_per_step / step, tflops_per_gpu=self.model_flops / step / pb.world / 1e12,
-                          mfu=mfu, hfu=mfu * (1 + self.recompute_flops[lay.ac] / self.model_flops))
+                          mfu=mfu, hfu=mfu * (1 + self.recompute_flops[lay.activation_checkpoint] / self.model_flops))
 
     def __call__(self, lay: Layout, check: bool = True) -> Prediction:
         pb = self.pb
@@ -155,7 +155,7 @@ def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: l
 
     Valid means ndtrain.layout.problems() finds nothing (strict or not, as pb says): the search
     enumerates a space and keeps exactly what problems() accepts.
-    fixed: {key: value} over Layout fields (tp, pp, dp_shard, ..., sp, schedule, ac) to pin.
+    fixed: {key: value} over Layout fields (tp, pp, dp_shard, ..., pp_schedule, activation_checkpoint) to pin.
     mb_options: micro-batch sizes to try (default: the powers of two up to 64 that divide the
     per-replica batch). base: the knobs the search does not vary (mixed precision, compile, CPU
     offload, stage split, ...), from the config being planned; their rules apply too."""
@@ -165,11 +165,12 @@ def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: l
     sh, hw, W = pb.shape, pb.hw, pb.world
     cap = hw.hbm_bytes
     pbytes = 4 if pb.precision == "fp32" else 2
-    acs = [a for a in PLANNED_AC if a in ac_options and fixed.get("ac", a) == a]
-    knobs = {k: getattr(base or Layout(), k) for k in ("split", "layers_per_stage", "ac_every", "mp", "offload",
-                                                         "compile", "cp_attention", "fp32_matmul_precision")}
+    acs = [a for a in PLANNED_AC if a in ac_options and fixed.get("activation_checkpoint", a) == a]
+    knobs = {k: getattr(base or Layout(), k) for k in ("pp_split", "layers_per_stage", "ac_every", "mixed_precision",
+                                                         "cpu_offload", "compile", "cp_attention",
+                                                         "fp32_matmul_precision")}
     if base is None:  # the runtime's mixed precision is the planned one (fp8: the fp8 rules apply)
-        knobs["mp"] = pb.precision
+        knobs["mixed_precision"] = pb.precision
     knobs.update({k: v for k, v in fixed.items() if k in knobs})  # a pinned knob is priced as pinned
     heap: list = []
     by_mesh: dict = {}
@@ -205,7 +206,8 @@ def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: l
 
     def layout(dp, ds, t, c, p, e, z, mb, v, ac, sp, sched) -> Layout:
         return Layout(dp_replicate=dp // ds, dp_shard=ds, tp=t, cp=c, pp=p, ep=e, zero=z,
-                      reshard_after_forward=z == 3, mb=mb, v=v, ac=ac, sp=sp, schedule=sched, **knobs)
+                      reshard_after_forward=z == 3, micro_batch=mb, pp_virtual_stages=v, activation_checkpoint=ac,
+                      sequence_parallel=sp, pp_schedule=sched, **knobs)
 
     def inner(t, c, p, dp, ds, e):
         shard = ds * c
@@ -220,9 +222,9 @@ def search(pb: Problem, top_k: int = 5, fixed: dict | None = None, mb_options: l
             return
         per_replica = pb.global_batch // dp
         mbs = mb_options or [1 << i for i in range(7)]
-        sp = bool(fixed.get("sp", True)) if t > 1 else False
+        sp = bool(fixed.get("sequence_parallel", True)) if t > 1 else False
         for mb in mbs:
-            if per_replica % mb or not allowed("mb", mb):
+            if per_replica % mb or not allowed("micro_batch", mb):
                 continue
             m = per_replica // mb
             any_fit = False
@@ -299,7 +301,8 @@ def _estimate(ev: Evaluator, t: int, c: int, p: int, dp: int) -> float:
     m = ev.pb.global_batch // dp
     sched = single_stage_candidates(p, m)[0]
     try:
-        return ev.lower_bound(Layout(dp_shard=dp, tp=t, cp=c, pp=p, mb=1, ac="none", sp=t > 1, schedule=sched))
+        return ev.lower_bound(Layout(dp_shard=dp, tp=t, cp=c, pp=p, micro_batch=1, activation_checkpoint="none",
+                                     sequence_parallel=t > 1, pp_schedule=sched))
     except NdtrainError:
         return math.inf
 
@@ -308,21 +311,22 @@ def _schedules(p: int, m: int, layers: int, allowed: tuple[str, ...] | None, fix
     """(schedule, v) pairs worth costing for p pipeline ranks and m micro-batches. Their validity
     (v and micro-batch rules, enough layers for p*v stages) is problems()'s to decide."""
     if p == 1:
-        yield fixed.get("schedule", DEFAULT), 1
+        yield fixed.get("pp_schedule", DEFAULT), 1
         return
     want = set(allowed) if allowed else None
-    if "schedule" in fixed:
-        want = {fixed["schedule"]}
+    if "pp_schedule" in fixed:
+        want = {fixed["pp_schedule"]}
 
     def ok(name):
         return want is None or name in want
 
-    if fixed.get("v", 1) == 1:  # the first allowed: GPipe only where 1F1B cannot run or is not allowed
+    if fixed.get("pp_virtual_stages", 1) == 1:  # the first allowed: GPipe only where 1F1B cannot run or is not allowed
         single = next((name for name in single_stage_candidates(p, m) if ok(name)), None)
         if single:
             yield single, 1
     # v up to 8 when searched; a pinned v (a published layout) may be larger
-    for v in ([fixed["v"]] if fixed.get("v", 1) > 1 else range(2, min(layers // p, 8) + 1)):
+    pinned = fixed.get("pp_virtual_stages", 1)
+    for v in ([pinned] if pinned > 1 else range(2, min(layers // p, 8) + 1)):
         for name in INTERLEAVED:
             if ok(name):
                 yield name, v

@@ -137,7 +137,7 @@ def busy_and_bubble(pb: Problem, lay: Layout, lc: dict, split: Split) -> tuple[f
     else:
         dev, n_dev = max(split.first_work * per_layer, split.last_work * per_layer + lc["head"]), split.first
     scale = dev / per_layer  # the critical device in units of one average layer
-    bubble = bubble_time(lay.schedule, p, lay.v, lc["F"] * scale, lc["B"] * scale, lc["W"] * scale)
+    bubble = bubble_time(lay.pp_schedule, p, lay.pp_virtual_stages, lc["F"] * scale, lc["B"] * scale, lc["W"] * scale)
     return dev, bubble, scale, n_dev
 
 
@@ -147,7 +147,7 @@ def step_breakdown(pb: Problem, lay: Layout, lc: dict | None = None, split: Spli
     problem) memoises the pieces many layouts share."""
     lc = lc or layer_costs(pb, lay)
     split = split or stage_split(pb, lay)
-    p, v = lay.pp, lay.v
+    p, v = lay.pp, lay.pp_virtual_stages
     m = lay.micro_batches(pb.global_batch)
     per_layer = lc["F"] + lc["B"] + lc["W"]
     dev, bubble, scale, n_dev = busy_and_bubble(pb, lay, lc, split)
@@ -156,10 +156,10 @@ def step_breakdown(pb: Problem, lay: Layout, lc: dict | None = None, split: Spli
     k = pb.k if pb.gpu else None
     pp = 0.0
     if p > 1:
-        msg = lay.mb * pb.seq / lay.cp * pb.shape.dim * pb.act_bytes / lay.tp  # scattered over tp
+        msg = lay.micro_batch * pb.seq / lay.cp * pb.shape.dim * pb.act_bytes / lay.tp  # scattered over tp
         stride = lay.tp * lay.cp * (1 if pb.stack.pp_inside_dp else lay.dp)
         hop = _memo(cache, ("p2p", p, stride, msg), _coll, pb.hw, "p2p", p, stride, msg, k)
-        kind = registry.get(lay.schedule).kind
+        kind = registry.get(lay.pp_schedule).kind
         hops = 2 * (2 * p - 1) if kind == "v" else 2 * (p * v - 1) if kind == "interleaved" else 2 * (p - 1)
         if pb.stack.pp_overlap or not pb.gpu:
             steady = max(0.0, 2 * v * hop - dev) * m  # sends and receives overlap compute unless larger
@@ -167,11 +167,12 @@ def step_breakdown(pb: Problem, lay: Layout, lc: dict | None = None, split: Spli
             steady = 2 * v * hop * m  # blocking sends and receives: every one on the critical path
         pp = hops * hop + steady
         if not pb.gpu:  # every stage action's host bookkeeping (Hardware.pp_action_s)
-            actions = m * v * (3 if registry.get(lay.schedule).split_backward else 2)
+            actions = m * v * (3 if registry.get(lay.pp_schedule).split_backward else 2)
             pp += actions * pb.hw.pp_action_s
 
     key = ("dp", lay.tp, lay.cp, lay.ep, lay.effective_zero, lay.shard_degree, lay.dp_replicate, p, n_dev,
-           lay.grads_sharded_per_microbatch, lay.reshards_after_forward, lay.v, lay.micro_batches(pb.global_batch),
+           lay.grads_sharded_per_microbatch, lay.reshards_after_forward, lay.pp_virtual_stages,
+           lay.micro_batches(pb.global_batch),
            lay.on_ddp_reducer(pb.cfg.is_moe, pb.precision))
     mb_f, mb_b, grad_c, param_c = _memo(cache, key, dp_comm, pb, lay, n_dev)
     # gathers hide behind the forward, gradient reductions behind the backward that produces them;

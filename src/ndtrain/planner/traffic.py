@@ -40,11 +40,11 @@ def collective_bytes(pb: Problem, lay: Layout, layers: int) -> dict[str, dict[st
     sh, elt = pb.shape, pb.act_bytes
     t, c, ep = lay.tp, lay.cp, lay.ep
     m = lay.micro_batches(pb.global_batch)
-    tok = lay.mb * pb.seq / c  # tokens of one micro-batch a tp group works on
-    passes = 3 if lay.ac == "full" else 2  # forward, backward, and the forward again under full AC
+    tok = lay.micro_batch * pb.seq / c  # tokens of one micro-batch a tp group works on
+    passes = 3 if lay.activation_checkpoint == "full" else 2  # forward, backward, and the forward again under full AC
     # Selective checkpointing keeps matmul outputs, not their gathered inputs or the ring's
     # attention: its recompute gathers again (parallel/activation.py's policy)
-    regathers = 3 if lay.ac in ("full", "selective") else 2
+    regathers = 3 if lay.activation_checkpoint in ("full", "selective") else 2
     head_here = lay.pp == 1
     out: dict[str, dict[str, float]] = {}
 
@@ -54,7 +54,7 @@ def collective_bytes(pb: Problem, lay: Layout, layers: int) -> dict[str, dict[st
         # The embedding's output (scattered over the sequence, or all-reduced) and, where the head
         # is, its input's gradient (reduce-scattered, or all-reduced) and its gathered input
         ends = act * m * (1 + head_here)
-        if lay.sp:  # each all-reduce is a reduce-scatter and an all-gather of the same buffer
+        if lay.sequence_parallel:  # each all-reduce is a reduce-scatter and an all-gather of the same buffer
             _add(out, "all_gather", "tp", 2 * regathers * act * layers * m + ends)
             _add(out, "reduce_scatter", "tp", per_layer + ends)
         else:
@@ -130,7 +130,7 @@ def gathers_per_step(lay: Layout, m: int, layers: int) -> tuple[float, float]:
         return float(layers), 1.0
     if not lay.reshards_after_forward:
         return float(m * layers), float(m)
-    if lay.pp > 1 and lay.v == 1:
+    if lay.pp > 1 and lay.pp_virtual_stages == 1:
         return float((layers - 1) * (m + 2) + 2), 2.0
     return float(m * (2 * layers - 1)), float(m)
 

@@ -36,12 +36,12 @@ def moving_parts(p: Prediction) -> list[str]:
     interleaved or V schedule, ZeRO-3, recomputation."""
     lay = p.layout
     parts = [d for d in ("tp", "cp", "pp", "ep", "dp_replicate") if getattr(lay, d) > 1]
-    if lay.pp > 1 and lay.v > 1:
-        parts.append(lay.schedule)
+    if lay.pp > 1 and lay.pp_virtual_stages > 1:
+        parts.append(lay.pp_schedule)
     if lay.effective_zero == 3:
         parts.append("zero=3")
-    if lay.ac != "none":
-        parts.append(f"ac={lay.ac}")
+    if lay.activation_checkpoint != "none":
+        parts.append(f"activation_checkpoint={lay.activation_checkpoint}")
     return parts
 
 

@@ -40,7 +40,7 @@ def check_config(cfg: JobConfig, world: int, build: bool = True) -> tuple[Layout
     if cfg.parallel.batch_shares:  # uneven shares need the data-parallel degree
         from ndtrain.layout.batch_shares import check_shares
 
-        check_shares(list(cfg.parallel.batch_shares), lay.dp, layout_batches(cfg.train), lay.mb)
+        check_shares(list(cfg.parallel.batch_shares), lay.dp, layout_batches(cfg.train), lay.micro_batch)
     ranks = stage_plan(cfg, lay)
     if build:
         for r in ranks:
@@ -54,10 +54,10 @@ def stage_plan(cfg: JobConfig, lay: Layout) -> list[dict]:
     counts = pipeline_split(cfg.model, cfg.data.seq_len, lay) if lay.pp > 1 \
         else [cfg.model.n_layers]
     layers = stage_layers(counts)
-    sched = registry.get(lay.schedule)
+    sched = registry.get(lay.pp_schedule)
     out = []
     for rank in range(lay.pp):
-        stages = sched.rank_stages(lay.pp, lay.v, rank) if lay.pp > 1 else [0]
+        stages = sched.rank_stages(lay.pp, lay.pp_virtual_stages, rank) if lay.pp > 1 else [0]
         out.append({"rank": rank, "stages": [{"index": s, "layers": layers[s], "first": s == 0, "last": s == n - 1}
                                              for s in stages]})
     return out
@@ -94,10 +94,13 @@ def _span(ids: list[int]) -> str:
 def report_lines(cfg: JobConfig, lay: Layout, world: int, ranks: list[dict]) -> list[str]:
     seq, batches = cfg.data.seq_len, layout_batches(cfg.train)
     gb = cfg.train.global_batch
-    lines = [f"layout: {lay.describe()} on {world} ranks; mesh [pp, dp_replicate, dp_shard, cp, tp] = {list(lay.shape)}",
-             f"as text: {lay.text(['pp', 'dp_replicate', 'dp_shard', 'cp', 'tp', 'ep', 'zero', 'reshard_after_forward', 'schedule', 'v', 'mb', 'ac'] + (['sync', 'inner_steps', 'fragments', 'overlap'] if lay.sync == 'diloco' else []))}"]
     z = lay.effective_zero
-    diloco = lay.sync == "diloco"
+    diloco = lay.replicate_sync == "diloco"
+    keys = ["pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "zero", "reshard_after_forward", "pp_schedule",
+            "pp_virtual_stages", "micro_batch", "activation_checkpoint"]
+    keys += ["replicate_sync", "diloco_inner_steps", "diloco_fragments", "diloco_overlap_steps"] if diloco else []
+    lines = [f"layout: {lay.describe()} on {world} ranks; mesh [pp, dp_replicate, dp_shard, cp, tp] = "
+             f"{list(lay.shape)}", f"as text: {lay.text(keys)}"]
     if z:
         what = {1: "optimizer state", 2: "optimizer state and gradients", 3: "parameters, gradients and optimizer state"}[z]
         detail = ("; parameters freed after each forward" if lay.reshards_after_forward
@@ -112,13 +115,13 @@ def report_lines(cfg: JobConfig, lay: Layout, world: int, ranks: list[dict]) -> 
         lines.append(f"data parallel: dp={lay.dp}, " + (ddp if lay.dp > 1 and not diloco else
                                                         "none" if lay.dp == 1 else "replicas"))
     if diloco:
-        frag = f", in {lay.fragments} staggered fragments" if lay.fragments > 1 else ""
-        over = f", each applied {lay.overlap} steps late" if lay.overlap else ""
-        lines.append(f"replicas: {lay.dp_replicate} synced by DiLoCo (diloco H={lay.inner_steps}): an outer step every "
-                     f"{lay.inner_steps} steps{frag}{over}, {lay.outer_dtype} outer gradient; inner steps stay inside a "
-                     f"replica")
+        frag = f", in {lay.diloco_fragments} staggered fragments" if lay.diloco_fragments > 1 else ""
+        over = f", each applied {lay.diloco_overlap_steps} steps late" if lay.diloco_overlap_steps else ""
+        lines.append(f"replicas: {lay.dp_replicate} synced by DiLoCo (diloco H={lay.diloco_inner_steps}): an outer "
+                     f"step every {lay.diloco_inner_steps} steps{frag}{over}, {lay.diloco_outer_dtype} outer gradient; "
+                     f"inner steps stay inside a replica")
     if lay.tp > 1:
-        lines.append(f"tensor parallel: tp={lay.tp}" + (", sequence parallel" if lay.sp else ""))
+        lines.append(f"tensor parallel: tp={lay.tp}" + (", sequence parallel" if lay.sequence_parallel else ""))
     if lay.cp > 1:
         lines.append(f"context parallel: cp={lay.cp}, {lay.cp_attention} attention, {seq // lay.cp} tokens per rank")
     if lay.ep > 1:
@@ -129,8 +132,8 @@ def report_lines(cfg: JobConfig, lay: Layout, world: int, ranks: list[dict]) -> 
     lines.append(f"batch: {gb} sequences x {seq} tokens per step ({', '.join(map(str, batches))} over the ramp); "
                  f"{rows} per data-parallel rank in {m} micro-batches of {-(-rows // m)}")
     if lay.pp > 1:
-        lines.append(f"pipeline: {lay.schedule}, pp={lay.pp}, v={lay.v}, {lay.stages} stages, split {lay.split}"
-                     + (" (explicit)" if lay.layers_per_stage else ""))
+        lines.append(f"pipeline: {lay.pp_schedule}, pp={lay.pp}, pp_virtual_stages={lay.pp_virtual_stages}, "
+                     f"{lay.stages} stages, split {lay.pp_split}" + (" (explicit)" if lay.layers_per_stage else ""))
     for r in ranks:
         parts = []
         for s in r["stages"]:
@@ -139,7 +142,7 @@ def report_lines(cfg: JobConfig, lay: Layout, world: int, ranks: list[dict]) -> 
         params = f"; {_human(r['params'])} parameters (meta build), ~{_human(r['params'] / lay.tp)} per tp rank" \
             if "params" in r else ""
         lines.append(f"  pp rank {r['rank']}: " + "; ".join(parts) + params)
-    lines.append(f"activation checkpointing: {lay.ac}; precision: {lay.mp}; "
+    lines.append(f"activation checkpointing: {lay.activation_checkpoint}; precision: {lay.mixed_precision}; "
                  f"{MFU_CONVENTION}: {flops_per_token(cfg.model, seq) / 1e9:.3g} GFLOP/token")
     return lines
 

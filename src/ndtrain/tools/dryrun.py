@@ -143,7 +143,7 @@ def run_rank(cfg, world: int, rank: int, steps: int = 1) -> dict:
         optim_bytes = sum(t.untyped_storage().nbytes() for t in _local_states(state.optimizer))
         first_peak = sum(memory.values())
         memory["optimizer_state"] = max(memory["optimizer_state"], optim_bytes)
-        host = offloaded(memory) if layout.offload else {}
+        host = offloaded(memory) if layout.cpu_offload else {}
         out = {"rank": rank, "world": world, "layout": layout.describe(), "mesh_coordinates": coordinates(state),
                "peak_memory_bytes": sum(memory.values()), "memory_bytes": memory, "peak_phase": watch.peak_phase,
                "first_step_peak_memory_bytes": first_peak,

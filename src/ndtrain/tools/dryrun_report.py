@@ -24,7 +24,7 @@ def planner_figures(cfg, layout, world: int, hardware: str = "h100") -> dict:
     # The rows a micro-batch holds as the runtime splits them: a rank's rows evenly over its
     # micro-batches, fewer than train.micro_batch where the rank has fewer rows than that.
     rows, m = layout.rows(cfg.train.global_batch), layout.micro_batches(cfg.train.global_batch)
-    lay["mb"] = -(-rows // m)
+    lay["micro_batch"] = -(-rows // m)
     args = (cfg.model, lay, cfg.data.seq_len, cfg.train.global_batch, hardware)
     pred = predict(*args, world=world, precision=cfg.parallel.mixed_precision)
     traffic = predict_collective_bytes(*args, world=world, precision=cfg.parallel.mixed_precision)
@@ -35,7 +35,7 @@ def planner_figures(cfg, layout, world: int, hardware: str = "h100") -> dict:
     tokens = cfg.train.global_batch * cfg.data.seq_len
     # the attention a causal flash kernel computes, the half the dry run counts (compat/fake.py)
     per_token = flops_per_token(cfg.model, cfg.data.seq_len, "causal")
-    per_token += recompute_flops_per_token(cfg.model, cfg.data.seq_len, layout.ac, "causal")
+    per_token += recompute_flops_per_token(cfg.model, cfg.data.seq_len, layout.activation_checkpoint, "causal")
     return {"peak_memory_bytes": int(sum(memory.values())), "memory_bytes": memory,
             "left_out_bytes": {k: int(mem.get(k, 0)) for k in UNSEEN}, "device": mem.get("device"),
             "flops": per_token * tokens / world, "step_time_s": pred.step_time, "time_s": pred.time,

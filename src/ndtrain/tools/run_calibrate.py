@@ -54,7 +54,7 @@ def observe(run: Run) -> run_fit.Observation:
     firsts = [r["step_time_s"] for r in run.train if r["step"] == first + 1 and "step_time_s" in r]
     return run_fit.Observation(
         first_step_s=firsts[0] if firsts else None, label=run.label, cfg=cfg.model, layout=lay, seq=cfg.data.seq_len, global_batch=cfg.train.global_batch,
-        world=world, precision=lay.mp, step_s=run.measured_step_time(),
+        world=world, precision=lay.mixed_precision, step_s=run.measured_step_time(),
         peak_bytes=max(peaks) * 2**20 if peaks else None)
 
 

@@ -49,7 +49,7 @@ def layout_overrides(spec: str) -> dict:
         fields["dp_shard"] = ep // math.gcd(ep, cp) if ep > 1 else 1
     lay = parse_layout(fields, base=Layout())
     out: dict = {"parallel": {}}
-    for name in set(fields) | {"dp_shard", "reshard_after_forward", "v"}:
+    for name in set(fields) | {"dp_shard", "reshard_after_forward", "pp_virtual_stages"}:
         section, key = CONFIG_KEYS[name]
         value = getattr(lay, name)
         out.setdefault(section, {})[key] = list(value) if isinstance(value, tuple) else value

@@ -79,7 +79,7 @@ def initial_weights(cfg, layout, dp: int) -> list[float] | None:
         weights, key = list(p.batch_shares), "parallel.batch_shares"
     else:
         return None
-    check_shares(weights, dp, layout_batches(cfg.train), layout.mb, key)
+    check_shares(weights, dp, layout_batches(cfg.train), layout.micro_batch, key)
     return weights
 
 
@@ -162,7 +162,7 @@ class Balancer:
                     f"ranks, this run has {st.dp_size}: starting again from {self.initial or 'equal shares'}")
         weights = saved if saved is not None else self.initial
         if (st.loader.shares or (None,))[0] != weights:
-            st.loader.set_shares(weights, st.layout.mb, make_split)
+            st.loader.set_shares(weights, st.layout.micro_batch, make_split)
             self.clock.take()
             self.since = st.progress.step
         return None
@@ -185,10 +185,10 @@ class Balancer:
         decision = rebalance(rows, busy, cfg.parallel.balance_threshold)
         if decision is None or share_rows(gb, decision.weights) == rows:
             return None
-        if shares_problem(decision.weights, st.dp_size, layout_batches(cfg.train), st.layout.mb):
+        if shares_problem(decision.weights, st.dp_size, layout_batches(cfg.train), st.layout.micro_batch):
             return None  # so uneven that a rank would get fewer rows than micro-batches: keep the old
         st.progress.batch_shares = decision.weights
-        st.loader.set_shares(decision.weights, st.layout.mb, make_split)
+        st.loader.set_shares(decision.weights, st.layout.micro_batch, make_split)
         new = share_rows(gb, decision.weights)
         row = {"step": st.progress.step, "event": "rebalance", "rank_compute_s": busy, "rows_before": rows,
                "rows_after": new, "batch_shares": decision.weights}

@@ -37,7 +37,7 @@ def build(cfg: JobConfig, layout, *, host=None, train_set=None, mesh=None) -> Tr
     loader = make_loader(train_set, cfg.data.seq_len, cfg.train.seed, dp_rank, dp_size)
     # The next batches are built on a thread while this step computes (pinned for a GPU copy).
     loader.start_prefetch(cfg.data.prefetch, pin_memory=rt.device.type == "cuda")
-    loader.set_shares(initial_weights(cfg, layout, dp_size), layout.mb, make_split)  # uneven shares, if any
+    loader.set_shares(initial_weights(cfg, layout, dp_size), layout.micro_batch, make_split)  # uneven shares, if any
     cp_rank = mesh.coordinate("cp")[0]
     positions = _rope_positions(cfg, layout, cp_rank, rt.device)
     parts, pipeline = model_parts(cfg, layout, mesh, rt.device, positions, host)
@@ -103,7 +103,7 @@ def model_parts(cfg: JobConfig, layout, mesh, device, positions, host) -> tuple[
 def build_diloco(cfg: JobConfig, layout, mesh, parts):
     """DiLoCo (parallel/diloco.py): replicas train apart and sync every H steps; per-step
     scalars then reduce inside the replica only. None for every other layout."""
-    if layout.sync != "diloco" or mesh is None:
+    if layout.replicate_sync != "diloco" or mesh is None:
         return None
     from ndtrain.parallel.diloco import DiLoCo
 
@@ -114,8 +114,8 @@ def precision(cfg: JobConfig, layout, fsdp: bool):
     """(autocast, fp8, fp8_scales). bf16 (and fp8, which is bf16 outside its fp8 matmuls)
     without FSDP (one process, or TP alone) runs under autocast instead of FSDP's policy; FSDP's
     float8 all-gather refreshes the weights' fp8 scales before each forward."""
-    fp8 = layout.mp == "fp8"
-    low = layout.mp in ("bf16", "fp8")
+    fp8 = layout.mixed_precision == "fp8"
+    low = layout.mixed_precision in ("bf16", "fp8")
     fp8_scales = None
     if fp8 and fsdp:
         from ndtrain.parallel.float8 import float8_all_gather, precompute_scales

@@ -74,7 +74,7 @@ class Peaks:
 
 
 def measure_peaks(state: TrainState) -> Peaks:
-    low = state.autocast or state.layout.mp in ("bf16", "fp8")
+    low = state.autocast or state.layout.mixed_precision in ("bf16", "fp8")
     per_rank, source, fp8_peak, fp8_source = run_peaks(state.rt.device, torch.bfloat16 if low else torch.float32,
                                                        state.fp8)
     total, fp8_total = all_reduce_sum([per_rank, fp8_peak], state.rt.device)

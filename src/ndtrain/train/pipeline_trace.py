@@ -52,5 +52,5 @@ def save_pipeline_trace(state: TrainState, run_dir: Path) -> None:
 
         lay = state.layout
         write_run_file(run_dir / "pipeline_trace.json", json.dumps(
-            {"step": state.progress.step, "schedule": lay.schedule, "p": lay.pp, "v": lay.v,
+            {"step": state.progress.step, "schedule": lay.pp_schedule, "p": lay.pp, "v": lay.pp_virtual_stages,
              "ranks": gathered}))

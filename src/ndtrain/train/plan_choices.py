@@ -194,7 +194,7 @@ def dp_choice(cfg: JobConfig, world_size: int, hardware_profile=None) -> dict | 
                              micro_batch_options=[cfg.train.micro_batch], hardware_profile=hw,
                              precision=cfg.parallel.mixed_precision, ac_options=(p.activation_checkpoint,),
                              base=from_config(p, cfg.train, cfg.data),
-                             fixed={"tp": p.tp, "cp": p.cp, "pp": 1, "ep": p.ep, "mb": cfg.train.micro_batch})
+                             fixed={"tp": p.tp, "cp": p.cp, "pp": 1, "ep": p.ep, "micro_batch": cfg.train.micro_batch})
     except NdtrainError:
         return None  # nothing fits the planner's memory model: the static default, as before
     return {**choice, "overrides": {"parallel": {key: choice[key] for key in DP_FIELDS}},
@@ -220,6 +220,6 @@ def compile_auto_choice(cfg: JobConfig, world_size: int, hardware_profile=None) 
         hw = planned_for(cfg, hardware_profile)
         lay = fill_degrees(from_config(cfg.parallel, cfg.train, cfg.data), world_size)
         return compile_decision(cfg.model, lay, cfg.data.seq_len, cfg.train.global_batch, cfg.train.steps, hw,
-                                precision=lay.mp)
+                                precision=lay.mixed_precision)
     except NdtrainError:  # an unresolvable layout, a GPU the catalog lacks: compile as configured
         return None

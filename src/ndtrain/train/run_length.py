@@ -45,7 +45,7 @@ def priced_step(cfg, world: int, hardware) -> float | None:
     try:
         layout = fill_degrees(from_config(cfg.parallel, cfg.train, cfg.data), world)
         return predict_step_time(cfg.model, layout.as_dict(), cfg.data.seq_len, cfg.train.global_batch,
-                                 planned_for(cfg, hardware), world=world, precision=layout.mp)
+                                 planned_for(cfg, hardware), world=world, precision=layout.mixed_precision)
     except NdtrainError:
         return None
 

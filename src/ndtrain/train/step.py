@@ -84,7 +84,7 @@ def cp_shard(state: TrainState, t: torch.Tensor) -> torch.Tensor:
 def doc_inputs(state: TrainState, inputs: torch.Tensor) -> dict | None:
     """Document ids and per-document positions of full [batch, seq] inputs, cp-sharded like the
     tokens (None without document masking)."""
-    if not state.layout.doc_mask:
+    if not state.layout.document_mask:
         return None
     doc = document_ids(inputs, state.train_set.eos_id)
     return {"positions": cp_shard(state, document_positions(doc)), "doc_ids": cp_shard(state, doc)}
@@ -182,7 +182,7 @@ def train_step(state: TrainState, batch, data_wait_s: float = 0.0) -> StepResult
     docs = doc_inputs(state, batch.inputs)
     # An uneven split (batch.split) takes micro_batch's place: its own micro-batches and normaliser.
     args = (state, cp_shard(state, batch.inputs), cp_shard(state, batch.targets),
-            state.layout.mb if batch.split is None else batch.split)
+            state.layout.micro_batch if batch.split is None else batch.split)
     total_loss = forward_backward(*args) if docs is None else forward_backward(*args, docs)
     reduce_partial_grads(state.params)
     # tp ranks hold the same loss; count it once. cp ranks hold disjoint tokens: sum them.
@@ -240,7 +240,7 @@ def step_vector(sums: torch.Tensor, tokens: int, probe: bool) -> torch.Tensor:
 def _noise_update(state: TrainState, batch, gb: int):
     """The gradient-noise-scale EMAs' update from the step's norms, run when the step is read
     (in step order, skipped steps left out); it sets the logging row's grad_noise_scale."""
-    b_small = small_batch(state.layout, min(state.layout.mb, batch.inputs.shape[0]))
+    b_small = small_batch(state.layout, min(state.layout.micro_batch, batch.inputs.shape[0]))
 
     def on_read(result: StepResult, row: list[float]) -> None:
         if result.skipped:
@@ -362,7 +362,7 @@ def validation_loss(state: TrainState) -> float:
     for part in state.model_parts:
         part.eval()
     refresh_fp8_scales(state)
-    device, micro, pipeline = state.rt.device, state.layout.mb, state.pipeline
+    device, micro, pipeline = state.rt.device, state.layout.micro_batch, state.pipeline
     total, tokens = 0.0, 0  # total: summed in float64 on the device, read once by the all-reduce below
     for inputs, targets, docs in state.val_data:
         if pipeline is not None:  # forward-only schedule; the loss exists on the last stage
