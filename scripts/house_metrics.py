@@ -7,7 +7,8 @@ state's constructor sets (`Trainer.__init__` before the build/step/job split, `b
 TrainState after), the `trainer.*` / `state.*` attributes read outside the file that defines
 them, reads two attributes deep into another object (`x.a.b` where x is a trainer or state), and
 private torch symbols used outside ndtrain/compat/; the public names defined in more than one
-module (one name, two things) and the aliases (two names, one thing); and how far a reader walks (house_paths.py):
+module (one name, two things), the aliases (two names, one thing) and the Layout fields named apart
+from their config key; and how far a reader walks (house_paths.py):
 the files and function-body lines from `ndtrain train` to one optimizer step, and from the
 `parallel.tp` key to the module it changes, each three ways (house_paths.py's docstring has the
 rules): every branch walked, the default config's path (features it leaves off listed as
@@ -196,7 +197,26 @@ def measure(root: Path) -> dict:
             "owner_attrs_read_by_file": {k: sorted(v) for k, v in sorted(by_file.items())}, "reads_two_deep": sorted(deep),
             "private_torch_outside_compat": {k: sorted(set(v)) for k, v in sorted(private.items())},
             **dict(zip(("public_names_defined_twice", "aliases"), _names(trees))),
+            "layout_fields_named_apart_from_their_key": _renamed_layout_fields(trees.get("layout/degrees.py")),
             **_paths(root)}
+
+
+def _renamed_layout_fields(tree) -> list[str]:
+    """`field -> config key` for each Layout field whose config key is another name (a `Key("name",
+    ...)` or `Key(name=...)` annotation): two names for one thing, the code's and the config's."""
+    out = []
+    for cls in ast.walk(tree) if tree else ():
+        if not (isinstance(cls, ast.ClassDef) and cls.name == "Layout"):
+            continue
+        for node in cls.body:
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+                continue
+            for call in ast.walk(node.annotation):
+                if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "Key":
+                    name = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "name"), None)
+                    if isinstance(name, ast.Constant) and name.value != node.target.id:
+                        out.append(f"{node.target.id} -> {name.value}")
+    return out
 
 
 def _paths(root: Path) -> dict:

@@ -207,3 +207,22 @@ def test_the_default_config_leaves_each_listed_feature_off():
     for feature, ((key, off), _) in house_paths.OFF_BY_DEFAULT.items():
         section, name = key.split(".")
         assert getattr(getattr(cfg, section), name) == off, feature
+
+
+def test_layout_fields_named_apart_from_their_key_are_counted_and_the_real_tree_has_none():
+    """house_metrics' `layout_fields_named_apart_from_their_key`: a Layout field whose config key
+    is another name (two names for one thing) is listed; one that only moves section is not."""
+    import ast
+
+    import house_metrics
+
+    tree = ast.parse(textwrap.dedent('''
+        class Layout:
+            tp: int = 1
+            mb: Annotated[int, Key("micro_batch", "train")] = 1
+            ac: Annotated[str, Key(name="activation_checkpoint")] = "none"
+            document_mask: Annotated[bool, Key(section="data")] = False
+    '''))
+    assert house_metrics._renamed_layout_fields(tree) == ["mb -> micro_batch", "ac -> activation_checkpoint"]
+    real = ast.parse((ROOT / "src" / "ndtrain" / "layout" / "degrees.py").read_text())
+    assert house_metrics._renamed_layout_fields(real) == []
