@@ -102,7 +102,9 @@ def test_cpu_config_trains_5_steps(config, corpus_dir, tmp_path, hang_deadline):
     world = world_of(run_command(config))
     cfg = load_config(str(config), {
         "data": {"path": str(corpus_dir)},
-        "train": {"steps": 5, "val_interval": 5, "val_batches": 1, "sample_tokens": 0, "output_dir": str(tmp_path)},
+        # 4 validation sequences: the test corpus holds 4 of long-context's 4,096 tokens
+        "train": {"steps": 5, "val_interval": 5, "val_batches": 1, "val_batch_size": 4, "sample_tokens": 0,
+                  "output_dir": str(tmp_path)},
         "logging": {"progress": "off", "trackers": []}})
     steps = run_ranks(world, _train, cfg, timeout_s=hang_deadline(300)) if world > 1 else [_train(cfg)]
     assert steps == [5] * world
