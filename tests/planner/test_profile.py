@@ -10,7 +10,8 @@ from ndtrain.cli import main as cli
 from ndtrain.model.config import preset
 from ndtrain.planner import profile, profile_fit
 from ndtrain.calibrate.cpu import fit_alpha_beta
-from ndtrain.planner.hardware import CATALOG, COLLECTIVES, GiB
+from ndtrain.planner.accelerator import GiB
+from ndtrain.planner.hardware import CATALOG, COLLECTIVES
 from ndtrain.planner.problem import make_problem
 from ndtrain.calibrate import gpu as calibrate_gpu
 

@@ -18,7 +18,8 @@ from torch import nn
 from ndtrain.calibrate import peak_flops
 from ndtrain.config import load_config
 from ndtrain.layout.flops import mfu
-from ndtrain.planner.hardware import CATALOG, GiB, catalog_name
+from ndtrain.planner.accelerator import GiB
+from ndtrain.planner.hardware import CATALOG, catalog_name
 from ndtrain.train import busy_time, metrics, recovery
 
 pytestmark = pytest.mark.timeout(120)

@@ -12,7 +12,8 @@ from ndtrain.model.config import ModelConfig
 from ndtrain.layout import Layout, parse_layout
 from ndtrain.layout.degrees import CONFIG_KEYS
 from ndtrain.layout.syntax import KEY_ALIASES
-from ndtrain.planner.hardware import Hardware, get_hardware, this_machine
+from ndtrain.planner.accelerator import Hardware
+from ndtrain.planner.hardware import get_hardware, this_machine
 from ndtrain.planner.problem import make_problem
 from ndtrain.planner.search import Evaluator, Prediction, search
 

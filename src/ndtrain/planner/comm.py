@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-from ndtrain.planner.hardware import Hardware
+from ndtrain.planner.accelerator import Hardware
 
 # Host cost of issuing one peer's send/receive in an all-to-all (NCCL groups them; this is what
 # is left serial). Assumed, small next to the link latency.

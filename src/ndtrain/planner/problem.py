@@ -14,7 +14,7 @@ from ndtrain.layout.flops import layer_forward_flops
 from ndtrain.layout.partition import partition_problem, pipeline_split, rank_layer_counts
 from ndtrain.model.config import ModelConfig
 from ndtrain.planner import constants as consts
-from ndtrain.planner.hardware import GiB, Hardware
+from ndtrain.planner.accelerator import GiB, Hardware
 from ndtrain.planner.profile import hardware_for
 from ndtrain.planner.shapes import Shape, shape_of
 from ndtrain.planner.stack import PRECISIONS, STACKS, Stack
@@ -75,7 +75,7 @@ def make_problem(cfg: ModelConfig, seq: int, global_batch: int, world: int, hard
                  power_w: float = 0.0) -> Problem:
     """`profile`: for "this-machine" its calibration; for a catalog GPU a GPU calibration profile
     (`ndtrain calibrate` on that GPU), whose measured constants replace the catalog's. `constants`
-    overrides constants by name; `network` the network as built (planner/hardware.py:
+    overrides constants by name; `network` the network as built (planner/accelerator.py:
     gpus_per_node, pod_gpus, oversubscription, nic_bw in bytes/s); `power_w` the board power
     limit the GPUs are held to (0: their TDP)."""
     if seq < 1 or global_batch < 1 or world < 1:

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from ndtrain.errors import NdtrainError
 from ndtrain.planner import constants as consts
-from ndtrain.planner.hardware import ALIASES, COLLECTIVES, Hardware, get_hardware
+from ndtrain.planner.accelerator import Hardware
+from ndtrain.planner.hardware import ALIASES, COLLECTIVES, get_hardware
 
 VERSION = 1
 

@@ -8,7 +8,7 @@ import math
 
 from ndtrain.planner import constants as consts
 from ndtrain.planner.gemm import gemm_seconds
-from ndtrain.planner.hardware import GiB, Hardware
+from ndtrain.planner.accelerator import GiB, Hardware
 from ndtrain.planner.profile import VERSION
 
 def _gemm_model(hw: Hardware, k: dict, m, n, kk, fp8: bool) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ndtrain.layout import Layout
 from ndtrain.model.config import num_params
-from ndtrain.planner.hardware import GiB
+from ndtrain.planner.accelerator import GiB
 from ndtrain.planner.problem import Problem
 
 # What lifts a refusal on each config key (the `--fix` / flag a user changes).

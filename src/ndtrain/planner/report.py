@@ -6,7 +6,7 @@ import dataclasses
 
 from ndtrain.model.config import PRESETS, num_params
 from ndtrain.planner.compile_choice import compile_choice
-from ndtrain.planner.hardware import GiB
+from ndtrain.planner.accelerator import GiB
 from ndtrain.planner.problem import Problem
 from ndtrain.planner.refusal import refusal_lines
 from ndtrain.planner.search import Prediction, SearchResult

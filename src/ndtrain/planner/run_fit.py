@@ -42,7 +42,8 @@ from ndtrain.layout import Layout
 from ndtrain.model.config import ModelConfig
 from ndtrain.planner import constants as consts
 from ndtrain.planner import profile as profiles
-from ndtrain.planner.hardware import COLLECTIVES, GiB, UNMEASURED_TP_HOST, Hardware, from_profile, get_hardware
+from ndtrain.planner.accelerator import GiB, Hardware
+from ndtrain.planner.hardware import COLLECTIVES, UNMEASURED_TP_HOST, from_profile, get_hardware
 from ndtrain.planner.layer import OPS_HEAD, OPS_PER_LAYER
 from ndtrain.planner.timing import OPTIMIZER_BYTES_PER_PARAM
 

@@ -19,7 +19,7 @@ from ndtrain.layout import Layout
 from ndtrain.layout.flops import MFU_ATTENTION, flops_per_token, recompute_flops_per_token
 from ndtrain.layout.rules import batch_splits
 from ndtrain.layout.schedules import DEFAULT, INTERLEAVED, SCHEDULES, single_stage_candidates
-from ndtrain.planner.hardware import GiB
+from ndtrain.planner.accelerator import GiB
 from ndtrain.planner.layer import layer_costs
 from ndtrain.planner.memory import memory_breakdown, state_bytes
 from ndtrain.planner.problem import Problem, Split, stage_split
@@ -78,7 +78,7 @@ class Evaluator:
             lc = self._layer[key] = layer_costs(self.pb, lay)
         return lc
 
-    def split(self, lay: Layout, lc: dict | None = None) -> Split | None:
+    def split(self, lay: Layout) -> Split | None:
         """The runtime's stage partition, per pipeline rank (shared by every layout with the same
         pipeline shape)."""
         key = ("split", lay.pp, lay.pp_virtual_stages, lay.pp_schedule, lay.pp_split, lay.layers_per_stage)
@@ -90,7 +90,7 @@ class Evaluator:
         """Busy time plus bubble: what the step costs before memory traffic and DP/PP comm."""
         self.bounded += 1
         lc = self.layer(lay)
-        split = self.split(lay, lc)
+        split = self.split(lay)
         if split is None:
             return math.inf
         dev, bubble, _, _ = busy_and_bubble(self.pb, lay, lc, split)
@@ -100,7 +100,7 @@ class Evaluator:
         """(memory breakdown, layer costs, stage split); the cheap half of an evaluation."""
         self.sized += 1
         lc = self.layer(lay)
-        split = self.split(lay, lc)
+        split = self.split(lay)
         if split is None:
             raise NdtrainError(f"layout {lay.short()}: {self.pb.shape.layers} layers cannot split into {lay.pp} stages")
         return memory_breakdown(self.pb, lay, split), lc, split

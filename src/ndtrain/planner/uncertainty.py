@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from ndtrain.planner import constants as consts
 from ndtrain.planner import model_error
-from ndtrain.planner.hardware import GiB
+from ndtrain.planner.accelerator import GiB
 from ndtrain.planner.problem import Problem
 from ndtrain.planner.search import Evaluator, Prediction, SearchResult
 

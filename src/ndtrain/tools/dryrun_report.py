@@ -6,7 +6,7 @@ workspaces), so both sides count the same things."""
 
 from __future__ import annotations
 
-from ndtrain.planner.hardware import GiB
+from ndtrain.planner.accelerator import GiB
 
 # The planner's memory categories (planner/memory.memory_breakdown) under the dry run's names:
 # its logits (kept for the loss's backward) are activations a forward made and holds.
