@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from expert_checkpoint import train_save_continue
 
 from ndtrain.tools.verify import verify
 
@@ -59,24 +60,6 @@ def test_expert_parallel_parity_capacity_and_aux_free(parity_base):
     assert len(biases) == 3 and all(b.abs().max() > 0 for b in biases)  # the bias update ran
 
 
-def _train_save_continue(base: dict, root: str) -> list[float]:
-    from pathlib import Path
-
-    from ndtrain.config import load_config
-    from ndtrain.train.trainer import Trainer
-
-    cfg = load_config(None, {**base, "parallel": {"dp_shard": 2, "ep": 2}})
-    trainer = Trainer(cfg, run_dir=None, log=False)
-    ckpt = trainer.checkpointer(Path(root), cfg)
-    for _ in range(2):
-        trainer.train_step()
-    ckpt.save()
-    after = [trainer.train_step().loss for _ in range(2)]
-    ckpt.finish()
-    trainer.close()
-    return after
-
-
 @pytest.mark.timeout(300)
 def test_expert_parallel_checkpoint_resumes_in_one_process(parity_base, tmp_path, hang_deadline):
     """Experts sharded over ep (and their aux-free biases) reshard into a single process."""
@@ -86,7 +69,7 @@ def test_expert_parallel_checkpoint_resumes_in_one_process(parity_base, tmp_path
 
     base = _moe_base(parity_base, load_balance="aux_free", aux_free_update_rate=0.01)
     base["train"].update(val_interval=0, sample_tokens=0)
-    reference = run_ranks(2, _train_save_continue, base, str(tmp_path), timeout_s=hang_deadline(120))[0]
+    reference, _ = run_ranks(2, train_save_continue, base, str(tmp_path), 2, timeout_s=hang_deadline(120))[0]
     cfg = load_config(None, base)
     trainer = Trainer(cfg, run_dir=None, log=False)
     ckpt = trainer.checkpointer(tmp_path, cfg)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from expert_checkpoint import train_save_continue
 
 from ndtrain.parallel.expert import expert_shard_dim
 
@@ -71,24 +72,6 @@ def test_experts_split_on_their_input_dim_train_as_one_process(parity_base):
     assert r.d_loss <= TOL and r.d_weight <= TOL, f"Δloss {r.d_loss:.2e} Δweight {r.d_weight:.2e}"
 
 
-def _train_save_continue(base: dict, root: str) -> tuple[list[float], list[int]]:
-    from ndtrain.config import load_config
-    from ndtrain.train.trainer import Trainer
-
-    cfg = load_config(None, {**base, "parallel": {"dp_shard": 4, "ep": 2}})
-    trainer = Trainer(cfg, run_dir=None, log=False)
-    w1 = next(p for n, p in trainer.state.model_parts[0].named_parameters() if n.endswith("experts.w1"))
-    local = list(w1.to_local().shape)
-    ckpt = trainer.checkpointer(Path(root), cfg)
-    for _ in range(2):
-        trainer.train_step()
-    ckpt.save()
-    after = [trainer.train_step().loss for _ in range(2)]
-    ckpt.finish()
-    trainer.close()
-    return after, local
-
-
 @pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_experts_split_on_their_input_dim_resume_in_one_process(parity_base, tmp_path, hang_deadline):
@@ -99,7 +82,7 @@ def test_experts_split_on_their_input_dim_resume_in_one_process(parity_base, tmp
     from ndtrain.train.trainer import Trainer
 
     base = _moe_base(parity_base)
-    reference, local = run_ranks(4, _train_save_continue, base, str(tmp_path), timeout_s=hang_deadline(120))[0]
+    reference, local = run_ranks(4, train_save_continue, base, str(tmp_path), 4, timeout_s=hang_deadline(120))[0]
     dim = load_config(None, base).model.dim
     assert local[:2] == [3, dim // 2]  # this rank's shard: 3 experts, half the input dimension
     cfg = load_config(None, base)

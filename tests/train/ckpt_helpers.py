@@ -44,3 +44,28 @@ def metrics(run_dir: Path) -> list[dict]:
 def tree(root: Path) -> dict[str, int]:
     """Every file under root with its size: 'nothing deleted or changed' is tree(before) == tree(after)."""
     return {str(p.relative_to(root)): p.stat().st_size for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+def poison_steps(monkeypatch, poisoned: set[int], seen: list) -> None:
+    """Steps whose batch holds a poisoned sample id get NaN gradients and loss."""
+    from ndtrain.data.loader import StatefulLoader
+    from ndtrain.train import step as step_mod
+
+    original_next, original_fb = StatefulLoader.next_batch, step_mod.forward_backward
+
+    def next_batch(self, global_batch):
+        batch = original_next(self, global_batch)
+        self._last_ids = set(batch.global_ids.tolist())
+        return batch
+
+    def forward_backward(state, inputs, targets, micro):
+        total = original_fb(state, inputs, targets, micro)
+        seen.append(state.loader._last_ids)
+        if state.loader._last_ids & poisoned:
+            for p in state.params:
+                p.grad.mul_(float("nan"))
+            return float("nan")
+        return total
+
+    monkeypatch.setattr(StatefulLoader, "next_batch", next_batch)
+    monkeypatch.setattr(step_mod, "forward_backward", forward_backward)

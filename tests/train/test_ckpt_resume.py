@@ -7,10 +7,9 @@ import os
 import signal
 
 import pytest
-from ckpt_helpers import assert_bit_identical, cfg_of, job, metrics, weights
+from ckpt_helpers import assert_bit_identical, cfg_of, job, metrics, poison_steps, weights
 
 from ndtrain.errors import NdtrainError
-from ndtrain.data.loader import StatefulLoader
 from ndtrain.train import step as step_mod
 from ndtrain.train.checkpoint import list_checkpoints, step_name
 from ndtrain.train.trainer import train
@@ -60,36 +59,12 @@ def test_preempted_and_resumed_run_is_bit_identical(parity_base, tmp_path, monke
     assert {r["checkpoint_mode"] for r in saves} == {"async", "sync"}
 
 
-def _poison(monkeypatch, poisoned: set[int], seen: list):
-    """Steps whose batch contains a poisoned sample id produce NaN loss and gradients."""
-    original_next = StatefulLoader.next_batch
-    original_fb = step_mod.forward_backward
-
-    def next_batch(self, global_batch):
-        batch = original_next(self, global_batch)
-        self._last_ids = set(batch.global_ids.tolist())
-        return batch
-
-    def forward_backward(state, inputs, targets, micro):
-        total = original_fb(state, inputs, targets, micro)
-        ids = state.loader._last_ids
-        seen.append(ids)
-        if ids & poisoned:
-            for p in state.params:
-                p.grad.mul_(float("nan"))
-            return float("nan")
-        return total
-
-    monkeypatch.setattr(StatefulLoader, "next_batch", next_batch)
-    monkeypatch.setattr(step_mod, "forward_backward", forward_backward)
-
-
 @pytest.mark.timeout(120)
 def test_nonfinite_steps_roll_back_and_skip_the_window(parity_base, tmp_path, monkeypatch):
     # gb 4: step k consumes samples [4(k-1), 4k). Poison steps 5 and 6 -> with nonfinite_skip=2
     # the run rolls back to step 4 and never trains on samples 16..23 again.
     seen: list[set[int]] = []
-    _poison(monkeypatch, {17, 22}, seen)
+    poison_steps(monkeypatch, {17, 22}, seen)
     run = tmp_path / "run"
     summary = train(cfg_of(job(parity_base, run, train={"steps": 8, "global_batch": 4, "nonfinite_skip": 2},
                                checkpoint={"interval_steps": 2})))
@@ -112,6 +87,6 @@ def test_nonfinite_steps_roll_back_and_skip_the_window(parity_base, tmp_path, mo
 
 @pytest.mark.timeout(60)
 def test_nonfinite_without_checkpoint_is_a_clear_error(parity_base, tmp_path, monkeypatch):
-    _poison(monkeypatch, set(range(0, 1000)), [])
+    poison_steps(monkeypatch, set(range(0, 1000)), [])
     with pytest.raises(NdtrainError, match="no checkpoint to roll back to"):
         train(cfg_of(job(parity_base, tmp_path / "run", train={"steps": 4, "nonfinite_skip": 2})))

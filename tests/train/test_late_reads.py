@@ -4,33 +4,10 @@ needs every step's value judges the steps late, in order, with the same outcome.
 from __future__ import annotations
 
 import pytest
-from ckpt_helpers import cfg_of, job, metrics
+from ckpt_helpers import cfg_of, job, metrics, poison_steps
 
-from ndtrain.data.loader import StatefulLoader
 from ndtrain.train import step as step_mod
 from ndtrain.train.trainer import train
-
-
-def _poison(monkeypatch, poisoned: set[int], seen: list):
-    """Steps whose batch holds a poisoned sample id get NaN gradients and loss."""
-    original_next, original_fb = StatefulLoader.next_batch, step_mod.forward_backward
-
-    def next_batch(self, global_batch):
-        batch = original_next(self, global_batch)
-        self._last_ids = set(batch.global_ids.tolist())
-        return batch
-
-    def forward_backward(state, inputs, targets, micro):
-        total = original_fb(state, inputs, targets, micro)
-        seen.append(state.loader._last_ids)
-        if state.loader._last_ids & poisoned:
-            for p in state.params:
-                p.grad.mul_(float("nan"))
-            return float("nan")
-        return total
-
-    monkeypatch.setattr(StatefulLoader, "next_batch", next_batch)
-    monkeypatch.setattr(step_mod, "forward_backward", forward_backward)
 
 
 @pytest.mark.timeout(120)
@@ -39,7 +16,7 @@ def test_nonfinite_steps_judged_at_the_logging_read_roll_back_the_same_window(pa
     # checkpoints every 4 steps nothing reads them before step 8, where the guard judges 5-8 in
     # order: 5 skipped, 6 the second in a row -> back to step 4's checkpoint, [16, 24) skipped.
     seen: list[set[int]] = []
-    _poison(monkeypatch, {17, 22}, seen)
+    poison_steps(monkeypatch, {17, 22}, seen)
     run = tmp_path / "run"
     reads = []
     real = step_mod.read_steps
