@@ -71,3 +71,16 @@ def test_plan_json_has_the_contract_keys_and_the_mixed_plan_wins():
 def test_plan_pool_refuses_what_it_does_not_plan_in_one_line():
     with pytest.raises(NdtrainError, match="--layout is not planned for a mixed pool"):
         plan_main(["--model", "llama3-8b", "--gpus", "8xh100,8xa100", "--global-batch", "64", "--layout", "tp=2"])
+
+
+def test_the_text_report_keeps_one_column_for_every_layout():
+    """The ranked, uniform and best-subset lines put their tokens/s at one column, however long a
+    layout's description (a pipeline's reads pp_schedule=... pp_virtual_stages=...)."""
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert plan_main(["--model", "llama3-8b", "--gpus", "8xh100,8xa100-80", "--seq", "4096",
+                          "--global-batch", "64", "--samples", "0"]) == 0
+    rows = [line for line in out.getvalue().splitlines() if " tokens/s" in line]
+    assert len(rows) >= 3 and any("pp_schedule=" in r for r in rows), rows
+    ends = {r.index(" tokens/s") for r in rows}
+    assert len(ends) == 1, rows

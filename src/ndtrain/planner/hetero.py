@@ -272,13 +272,15 @@ def plan_pool(pool_spec: list[tuple[str, int]], make, top: int = 3) -> dict:
 def pool_text(result: dict, pool_spec: list[tuple[str, int]]) -> str:
     lines = [f"mixed pool: {' + '.join(f'{n} x {k}' for k, n in pool_spec)} "
              f"({result['world']} GPUs; {result['candidates']} meshes tried)"]
+    listed = [*result["layouts"], *(p for p in (result["uniform"], result["best_subset"]) if p)]
+    w = max(40, *(len(p.layout.short()) for p in listed)) if listed else 40  # one column for every layout
     for i, p in enumerate(result["layouts"]):
         shares = "; ".join(f"{k}: " + ", ".join(f"{a}={v}" for a, v in s.items()) for k, s in p.shares.items())
-        lines.append(f"{i + 1}. {p.kind:<12} {p.layout.short():<40} {p.tokens_per_s:>12,.0f} tokens/s  "
+        lines.append(f"{i + 1}. {p.kind:<12} {p.layout.short():<{w}} {p.tokens_per_s:>12,.0f} tokens/s  "
                      f"step {p.step_time:.3f} s  [{shares}]")
     for name, key in (("uniform split", "uniform"), ("best subset", "best_subset")):
         p = result[key]
-        lines.append(f"{name:<14} " + (f"{p.layout.short():<40} {p.tokens_per_s:>12,.0f} tokens/s"
+        lines.append(f"{name:<15} " + (f"{p.layout.short():<{w}} {p.tokens_per_s:>12,.0f} tokens/s"
                                       + (f" ({next(iter(p.shares))} only)" if key == "best_subset" else "")
                                       if p else "none fits"))
     best = result["layouts"][0] if result["layouts"] else None
