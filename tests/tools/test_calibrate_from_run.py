@@ -238,3 +238,16 @@ def test_a_run_of_one_layout_calibrates_the_others_on_this_host(corpus_dir, tmp_
     for a, b, before, after in cpu if busy else wall:
         if a != b:
             assert abs(after) < abs(before), (a, b, before, after)
+
+
+def test_the_fit_table_prints_each_layout_whole_in_one_column():
+    from ndtrain.tools.run_calibrate import fit_table
+
+    long = "dp_shard=2 pp=2 zero=1 pp_schedule=Interleaved1F1B pp_virtual_stages=2 micro_batch=1 activation_checkpoint=none"
+    rows = [{"label": label, "layout": layout, "measured_s": 0.5, "before_s": 0.4, "after_s": 0.51,
+             "measured_bytes": 0, "before_bytes": 0, "after_bytes": 0}
+            for label, layout in (("ddp", "dp_replicate=2 micro_batch=4 activation_checkpoint=none"), ("pp2", long))]
+    header, *lines = fit_table(rows)
+    assert long in lines[1]
+    assert len({line.index(" ms ") for line in lines}) == 1
+    assert header.index("measured") + len("measured") == lines[0].index(" ms ") + len(" ms")

@@ -125,11 +125,13 @@ def _err(pred: float, measured: float) -> str:
 
 
 def fit_table(rows: list[dict]) -> list[str]:
-    lines = [f"  {'run':<20} {'layout':<34} {'measured':>9} {'before':>16} {'after':>16}   memory measured/before/after (MiB)"]
+    w = max([34] + [len(r["layout"]) for r in rows])  # a layout is never cut: the column fits the longest
+    lines = [f"  {'run':<20} {'layout':<{w}} {'measured':>9} {'before':>16} {'after':>16}   "
+             f"memory measured/before/after (MiB)"]
     for r in rows:
         mem = "-" if not r["measured_bytes"] else "/".join(
             f"{r[k] / 2**20:.0f}" for k in ("measured_bytes", "before_bytes", "after_bytes"))
-        lines.append(f"  {r['label'][:20]:<20} {r['layout'][:34]:<34} {_ms(r['measured_s']):>6} ms "
+        lines.append(f"  {r['label'][:20]:<20} {r['layout']:<{w}} {_ms(r['measured_s']):>6} ms "
                      f"{_ms(r['before_s']):>7} ms {_err(r['before_s'], r['measured_s']):>5} "
                      f"{_ms(r['after_s']):>7} ms {_err(r['after_s'], r['measured_s']):>5}   {mem}")
     return lines
