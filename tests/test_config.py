@@ -146,12 +146,12 @@ def test_a_config_toml_written_by_main_before_the_one_schema_still_loads():
 def test_every_layout_key_of_parallel_is_a_config_key_with_the_configs_default():
     from ndtrain.config import ParallelConfig
     from ndtrain.layout import Layout, from_config
-    from ndtrain.layout.degrees import CONFIG_KEYS
+    from ndtrain.layout.degrees import SECTION
 
     par = ParallelConfig()
-    for name, (section, key) in CONFIG_KEYS.items():
+    for name, section in SECTION.items():
         if section == "parallel":
-            assert hasattr(par, key), key
+            assert hasattr(par, name), name
     # The config's layout is a bare Layout but for dp_shard (the rest of the world) and the micro-batch.
     cfg = load_config(None, {})
     assert from_config(cfg.parallel, cfg.train, cfg.data) == Layout(dp_shard=-1, micro_batch=cfg.train.micro_batch)

@@ -244,9 +244,9 @@ class Layout:
     def config_overrides(self) -> dict:
         """{section: {key: value}} that make a config build exactly this layout."""
         out: dict = {}
-        for name, (section, key) in CONFIG_KEYS.items():
+        for name, section in SECTION.items():
             value = getattr(self, name)
-            out.setdefault(section, {})[key] = list(value) if isinstance(value, tuple) else value
+            out.setdefault(section, {})[name] = list(value) if isinstance(value, tuple) else value
         return out
 
     def override_args(self) -> list[str]:
@@ -254,10 +254,10 @@ class Layout:
         the degrees, the ZeRO keys and the micro-batch always, other keys when off their default."""
         default, args = Layout(), []
         always = set(DEGREES) | {"zero", "reshard_after_forward", "micro_batch"}
-        for name, (section, key) in CONFIG_KEYS.items():
+        for name, section in SECTION.items():
             value = getattr(self, name)
             if value != getattr(default, name) or name in always:
-                args.append(f"--{section}.{key}={_format(value, toml=True)}")
+                args.append(f"--{section}.{name}={_format(value, toml=True)}")
         return args
 
 
@@ -265,9 +265,8 @@ class Layout:
 
 @dataclass(frozen=True)
 class LayoutField:
-    name: str  # the Layout attribute
+    name: str  # the Layout attribute, and its key in the job config
     section: str  # the job config section that holds it
-    key: str  # its key there: the same name
     type: object  # the annotation, Key removed
     default: object  # a bare Layout's
     config_default: object  # the config's
@@ -283,7 +282,7 @@ def _read_fields() -> tuple[LayoutField, ...]:
             key = next((m for m in hint.__metadata__ if isinstance(m, Key)), key)
             hint = hint.__origin__
         default = f.default
-        out.append(LayoutField(f.name, key.section, f.name, hint, default,
+        out.append(LayoutField(f.name, key.section, hint, default,
                                default if key.default is _SAME else key.default,
                                typing.get_args(hint) if typing.get_origin(hint) is Literal else None))
     return tuple(out)
@@ -291,9 +290,8 @@ def _read_fields() -> tuple[LayoutField, ...]:
 
 FIELDS = _read_fields()
 FIELD = {f.name: f for f in FIELDS}
-# Layout field -> (config section, config key): where each field is read from and written to in a
-# job config (the key is the field's own name).
-CONFIG_KEYS = {f.name: (f.section, f.key) for f in FIELDS}
+# Layout field -> the job config section that holds it, under the field's own name.
+SECTION = {f.name: f.section for f in FIELDS}
 
 
 def choices(name: str) -> tuple | None:
@@ -309,9 +307,9 @@ def section_fields(section: str) -> list[tuple]:
         if f.section != section:
             continue
         if f.type == tuple[int, ...]:
-            out.append((f.key, list[int], dataclasses.field(default_factory=lambda d=f.config_default: list(d))))
+            out.append((f.name, list[int], dataclasses.field(default_factory=lambda d=f.config_default: list(d))))
         else:
-            out.append((f.key, f.type, dataclasses.field(default=f.config_default)))
+            out.append((f.name, f.type, dataclasses.field(default=f.config_default)))
     return out
 
 
@@ -344,11 +342,11 @@ def from_config(par, train=None, data=None) -> Layout:
     """The Layout of a `[parallel]` section (and `[train]` for the micro-batch, `[data]` for
     document masking). Degrees may still be -1; `fill_degrees` turns them into numbers for a world size."""
     values = {}
-    for name, (section, key) in CONFIG_KEYS.items():
+    for name, section in SECTION.items():
         src = {"parallel": par, "train": train, "data": data}[section]
-        if src is None or not hasattr(src, key):
+        if src is None or not hasattr(src, name):
             continue
-        value = getattr(src, key)
+        value = getattr(src, name)
         values[name] = tuple(value) if isinstance(value, list) else value
     return Layout(**values)
 

@@ -49,7 +49,7 @@ Rule = Callable[[Context], Iterable[tuple[str, str]]]
 
 # Read once, for problems() is hot (the planner's search asks it per candidate): the named fields,
 # a getter of their values and every combination of values within the vocabularies.
-_NAMED = [(f.name, f"{f.section}.{f.key}", f.choices) for f in FIELDS if f.choices]
+_NAMED = [(f.name, f"{f.section}.{f.name}", f.choices) for f in FIELDS if f.choices]
 _named_values = operator.attrgetter(*(name for name, _, _ in _NAMED))
 _WITHIN_VOCABULARIES = frozenset(itertools.product(*(allowed for _, _, allowed in _NAMED)))
 

@@ -10,7 +10,7 @@ import dataclasses
 import functools
 
 from ndtrain.errors import NdtrainError
-from ndtrain.layout.degrees import CONFIG_KEYS, FIELD, Layout, choices, fill_degrees, reshard_default
+from ndtrain.layout.degrees import FIELD, Layout, choices, fill_degrees, reshard_default
 from ndtrain.layout.schedules import DEFAULT_INTERLEAVED
 
 # The one migration table: the short forms a layout key was spelt by before the Layout's fields
@@ -41,8 +41,8 @@ def parse_items(text: str | dict, what: str = "layout") -> dict:
     out: dict = {}
     for key, value in raw.items():
         name = KEY_ALIASES.get(key, key)
-        if name not in CONFIG_KEYS:
-            known = ", ".join(sorted(CONFIG_KEYS))
+        if name not in FIELD:
+            known = ", ".join(sorted(FIELD))
             raise NdtrainError(f"{what}: unknown key {key!r}; keys are {known}")
         out[name] = _typed(name, value, what)
     return out

@@ -18,14 +18,14 @@ from ndtrain.config import JobConfig, TrainConfig, load_config, parse_value
 from ndtrain.errors import NdtrainError
 from ndtrain.layout import Layout, parse_items, parse_layout
 from ndtrain.layout import schedules as registry
-from ndtrain.layout.degrees import CONFIG_KEYS
+from ndtrain.layout.degrees import SECTION
 from ndtrain.parallel.dims import checked_layout
 
 
 def layout_overrides(spec: str) -> dict:
     """A layout in the one layout syntax, `key=value` items joined by commas, -> config overrides.
-    Keys are ndtrain.layout's (the [parallel] names or short forms: ac, sp, mp, zero, schedule,
-    v, offload, mb, ...), plus `ga=K` (micro_batch = global/(dp*K)) and any `section.key`.
+    Keys are ndtrain.layout's (the layout keys, or their older short forms: layout/syntax.py's
+    KEY_ALIASES), plus `ga=K` (micro_batch = global/(dp*K)) and any `section.key`.
     Degrees not given are 1, except that ep=N alone takes N data-parallel ranks (dp_shard = N/cp),
     as a user asking for expert parallel expects."""
     if not spec.strip() or any(ch.isspace() for ch in spec.strip()):
@@ -50,9 +50,8 @@ def layout_overrides(spec: str) -> dict:
     lay = parse_layout(fields, base=Layout())
     out: dict = {"parallel": {}}
     for name in set(fields) | {"dp_shard", "reshard_after_forward", "pp_virtual_stages"}:
-        section, key = CONFIG_KEYS[name]
         value = getattr(lay, name)
-        out.setdefault(section, {})[key] = list(value) if isinstance(value, tuple) else value
+        out.setdefault(SECTION[name], {})[name] = list(value) if isinstance(value, tuple) else value
     for section, values in extra.items():
         out.setdefault(section, {}).update(values)
     if ga is not None:
