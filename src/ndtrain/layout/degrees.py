@@ -241,10 +241,13 @@ class Layout:
                         if getattr(self, f.name) != getattr(default, f.name)]
         return ",".join(f"{k}={_format(getattr(self, k))}" for k in keys)
 
-    def config_overrides(self) -> dict:
-        """{section: {key: value}} that make a config build exactly this layout."""
+    def config_overrides(self, keys=None) -> dict:
+        """{section: {key: value}} that make a config build exactly this layout (of the given keys:
+        those, the rest left to the config)."""
         out: dict = {}
         for name, section in SECTION.items():
+            if keys is not None and name not in keys:
+                continue
             value = getattr(self, name)
             out.setdefault(section, {})[name] = list(value) if isinstance(value, tuple) else value
         return out

@@ -10,7 +10,6 @@ from pathlib import Path
 from ndtrain.errors import NdtrainError
 from ndtrain.model.config import ModelConfig
 from ndtrain.layout import Layout, parse_layout
-from ndtrain.layout.degrees import SECTION
 from ndtrain.layout.syntax import KEY_ALIASES
 from ndtrain.planner.accelerator import Hardware
 from ndtrain.planner.hardware import get_hardware, this_machine
@@ -99,11 +98,7 @@ def auto_layout(model_cfg: ModelConfig, world_size: int, seq_len: int, global_ba
     wanted = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "zero", "reshard_after_forward", "sequence_parallel",
               "pp_schedule", "pp_virtual_stages", "pp_microbatches", "layers_per_stage", "activation_checkpoint",
               "micro_batch")
-    overrides: dict = {}
-    for name, section in SECTION.items():
-        if name in wanted:
-            value = getattr(lay, name)
-            overrides.setdefault(section, {})[name] = list(value) if isinstance(value, tuple) else value
+    overrides = lay.config_overrides(wanted)
     flat = {**overrides["parallel"], **overrides["train"]}
     flat["sequence_parallel"] = bool(lay.sequence_parallel and lay.tp > 1)
     return {

@@ -18,7 +18,6 @@ from ndtrain.config import JobConfig, TrainConfig, load_config, parse_value
 from ndtrain.errors import NdtrainError
 from ndtrain.layout import Layout, parse_items, parse_layout
 from ndtrain.layout import schedules as registry
-from ndtrain.layout.degrees import SECTION
 from ndtrain.parallel.dims import checked_layout
 
 
@@ -48,10 +47,8 @@ def layout_overrides(spec: str) -> dict:
         ep, cp = fields.get("ep", 1), fields.get("cp", 1)
         fields["dp_shard"] = ep // math.gcd(ep, cp) if ep > 1 else 1
     lay = parse_layout(fields, base=Layout())
-    out: dict = {"parallel": {}}
-    for name in set(fields) | {"dp_shard", "reshard_after_forward", "pp_virtual_stages"}:
-        value = getattr(lay, name)
-        out.setdefault(SECTION[name], {})[name] = list(value) if isinstance(value, tuple) else value
+    out: dict = {"parallel": {}, **lay.config_overrides(set(fields) | {"dp_shard", "reshard_after_forward",
+                                                                        "pp_virtual_stages"})}
     for section, values in extra.items():
         out.setdefault(section, {}).update(values)
     if ga is not None:
